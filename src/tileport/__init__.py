@@ -1,0 +1,14 @@
+"""tileport: fast, exactly-specified GPU ops for LLM layers, drop-in for flash-linear-attention.
+
+    import tileport
+    o = tileport.fused_attnres(query, residuals, rms_weight)
+
+`tileport explain <op>` says which backend runs a call and why the others refuse it.
+"""
+
+from tileport.dispatch import BackendRefused, use_backend
+from tileport.ops.attnres import fused_attnres
+
+__version__ = "0.1.0"
+
+__all__ = ["fused_attnres", "use_backend", "BackendRefused", "__version__"]

@@ -1,0 +1,49 @@
+"""Every buffer a tileport kernel writes is allocated here, so the parity gate can poison it.
+
+Under `tileport.testing.poisoned()` (or TILEPORT_POISON=1) new buffers are filled with NaN
+(float) or with the dtype's largest value (integers) before any kernel sees them: an element
+a kernel forgets to write then fails the parity check instead of passing on stale zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+
+_state = threading.local()
+
+
+def poisoning_enabled() -> bool:
+    flag = getattr(_state, "poison", None)
+    if flag is None:
+        return os.environ.get("TILEPORT_POISON", "0") == "1"
+    return flag
+
+
+@contextlib.contextmanager
+def poison_new_buffers(enabled: bool = True):
+    """Within this block, buffers from `new_empty` are filled with NaN."""
+    before = getattr(_state, "poison", None)
+    _state.poison = enabled
+    try:
+        yield
+    finally:
+        _state.poison = before
+
+
+def new_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty, poisoned under test. Use it for every output and scratch buffer."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if poisoning_enabled():
+        if dtype.is_floating_point:
+            out.fill_(float("nan"))
+        else:
+            out.fill_(torch.iinfo(dtype).max)
+    return out
+
+
+def new_empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return new_empty(t.shape, dtype or t.dtype, t.device)
