@@ -353,3 +353,12 @@ def fused_attnres(
 
 
 __all__ = ["fused_attnres", "attnres_reference", "DISPATCHER", "AttnResCall"]
+
+
+def explain_call(shape: str, dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None) -> AttnResCall:
+    """The call `tileport explain attnres --shape L,N,D` describes (aligned sources assumed)."""
+    try:
+        L, _N, D = (int(x) for x in shape.split(","))
+    except ValueError:
+        raise ValueError(f"--shape for attnres is L,N,D (e.g. 8,16384,2048), got {shape!r}") from None
+    return AttnResCall(L, D, dtype, device_type, capability, True)

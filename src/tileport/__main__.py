@@ -1,0 +1,5 @@
+import sys
+
+from tileport.cli import main
+
+sys.exit(main())

@@ -1,0 +1,299 @@
+"""`tileport bench`: verify, then time every system on the same inputs, as a fraction of the floor.
+
+For each op, shape and mode every system (our backends, FLA, torch) gets the same fresh random
+inputs. A system is first checked against the float64 reference on those inputs; one that fails
+is reported as FAIL and not timed, one that raises is reported as "refuses: <its message>".
+Times are CUDA-event medians (triton.testing.do_bench) with p20/p80; the floor is
+max(bytes / copy bandwidth, flops / matmul rate) with both ceilings measured in the same run.
+
+Without a GPU it runs tiny shapes on the CPU (Triton interpreter or reference) and says that
+its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from tileport.testing import OUTPUT, bound, rel_error
+
+OPS = {"attnres": "tileport.ops.attnres.perf"}
+NOMINAL = {"copy_tbps": 4.25, "matmul_tflops": 700.0}  # SPEC.md's H200 ceilings, used on the CPU only
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--op", default="all", help="op name or 'all' (" + ", ".join(OPS) + ")")
+    p.add_argument("--backends", default="gluon,triton,fla,torch", help="systems to run, comma separated")
+    p.add_argument("--shapes", default=None, help="standard | small (default: standard on a GPU, small on the CPU)")
+    p.add_argument("--modes", default="fwd,bwd,fwdbwd")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--json", default=None, help="write the record here")
+    p.add_argument("--plot", default=None, help="write a PNG of speedups here (needs matplotlib)")
+
+
+# ---------------------------------------------------------------------------------------------
+def machine_info() -> dict:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        try:
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            info["driver"] = None
+    else:
+        info["gpu"] = None
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                                        capture_output=True, text=True, timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        info["dirty"] = bool(dirty)
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    return info
+
+
+def time_ms(fn, gpu: bool) -> dict:
+    """median / p20 / p80 in ms. GPU: CUDA events via do_bench. CPU: wall clock (meaningless)."""
+    if gpu:
+        import triton.testing
+
+        p20, med, p80 = triton.testing.do_bench(fn, warmup=25, rep=150, quantiles=[0.2, 0.5, 0.8])
+        return {"median": med, "p20": p20, "p80": p80}
+    fn()
+    samples = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    samples.sort()
+    return {"median": statistics.median(samples), "p20": samples[0], "p80": samples[-1]}
+
+
+def measure_ceilings(gpu: bool) -> dict:
+    if not gpu:
+        return dict(NOMINAL, measured=False)
+    import triton.testing
+
+    n = 1 << 30  # 2 GiB of bf16 each way
+    x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
+    copy_tbps = 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
+    del x, y
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median")
+    mm_tflops = 2 * m**3 / (ms * 1e-3) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_tbps": copy_tbps, "matmul_tflops": mm_tflops, "measured": True}
+
+
+class Progress:
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.time()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        width = 28
+        filled = int(width * self.done / max(self.total, 1))
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                         f"{time.time() - self.t0:5.0f}s {label[:48]:<48}")
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _verify(out_and_grads, ref_and_grads, dtype) -> tuple[bool, float]:
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(out_and_grads, ref_and_grads)):
+        err = rel_error(a, b)
+        worst = max(worst, err)
+        if not err <= bound(dtype, OUTPUT):
+            return False, worst
+    return True, worst
+
+
+def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> list[dict]:
+    suite = importlib.import_module(OPS[op])
+    device = "cuda" if gpu else "cpu"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    shapes = suite.SMALL if (args.shapes or ("standard" if gpu else "small")) == "small" else suite.STANDARD
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    all_systems = suite.systems(torch)
+    wanted = [s.strip() for s in args.backends.split(",") if s.strip()]
+    rows = []
+    prog = Progress(len(shapes) * len(wanted))
+    for shape in shapes:
+        torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+        inputs = suite.make_inputs(shape, dtype, device, torch)
+        leaves = suite.differentiable(inputs)
+        # The reference (float64) for the forward and the gradients, computed once per shape.
+        for t in leaves:
+            t.requires_grad_(True)
+        ref_o = suite.reference(inputs)
+        grad_o = torch.randn(ref_o.shape, device=device, dtype=dtype)
+        ref_grads = torch.autograd.grad(ref_o, leaves, grad_o.double())
+        ref_o = ref_o.detach()
+        for name in wanted:
+            prog.step(f"{op} {shape} {name}")
+            row = {"op": op, "shape": shape, "dtype": args.dtype, "system": name}
+            fn = all_systems.get(name)
+            if fn is None:
+                rows.append(dict(row, status="unknown system"))
+                continue
+            try:
+                o = fn(inputs)
+                grads = torch.autograd.grad(o, leaves, grad_o) if ("bwd" in modes or "fwdbwd" in modes) else ()
+                ok, worst = _verify([o, *grads], [ref_o, *ref_grads], dtype)
+            except Exception as exc:  # a baseline that refuses is a result, not a crash
+                msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                rows.append(dict(row, status=f"refuses: {type(exc).__name__}: {msg[:160]}"))
+                continue
+            if not ok:
+                rows.append(dict(row, status=f"FAIL parity (worst rel {worst:.2e})"))
+                continue
+            del o, grads
+            for mode in modes:
+                nbytes, flops = suite.minimal_cost(shape, torch.finfo(dtype).bits // 8, mode)
+                floor_ms = max(nbytes / (ceilings["copy_tbps"] * 1e12), flops / (ceilings["matmul_tflops"] * 1e12)) * 1e3
+                try:
+                    if mode == "fwd":
+                        def run():
+                            with torch.no_grad():
+                                fn(inputs)
+                    elif mode == "fwdbwd":
+                        def run():
+                            torch.autograd.grad(fn(inputs), leaves, grad_o)
+                    else:
+                        out_keep = fn(inputs)
+
+                        def run():
+                            torch.autograd.grad(out_keep, leaves, grad_o, retain_graph=True)
+                    t = time_ms(run, gpu)
+                except Exception as exc:
+                    rows.append(dict(row, mode=mode, status=f"refuses: {type(exc).__name__}: {str(exc)[:160]}"))
+                    continue
+                rows.append(dict(row, mode=mode, status="ok", rel_err=worst, ms=t["median"], p20=t["p20"], p80=t["p80"],
+                                 bytes=nbytes, flops=flops, floor_ms=floor_ms,
+                                 tbps=nbytes / (t["median"] * 1e-3) / 1e12,
+                                 frac_floor=floor_ms / t["median"]))
+        del inputs, leaves, ref_o, ref_grads
+        if gpu:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """speedup of each row against every other system on the same op/shape/mode."""
+    key = lambda r: (r["op"], json.dumps(r["shape"], sort_keys=True), r.get("mode"))  # noqa: E731
+    groups: dict = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            groups.setdefault(key(r), {})[r["system"]] = r["ms"]
+    for r in rows:
+        if r.get("status") == "ok":
+            r["speedup_vs"] = {s: ms / r["ms"] for s, ms in groups[key(r)].items() if s != r["system"]}
+
+
+def print_table(rows: list[dict], ceilings: dict) -> None:
+    print(f"\nceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s"
+          + ("" if ceilings.get("measured") else " (SPEC nominal, not measured here)"))
+    hdr = f"{'op':<8} {'shape':<22} {'mode':<7} {'system':<8} {'ms':>8} {'p20-p80':>15} {'TB/s':>6} {'floor%':>7}  notes"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        shape = ",".join(f"{k}{v}" for k, v in r["shape"].items())
+        if r.get("status") != "ok":
+            print(f"{r['op']:<8} {shape:<22} {r.get('mode', '-'):<7} {r['system']:<8} {'':>8} {'':>15} {'':>6} {'':>7}  {r['status']}")
+            continue
+        vs = " ".join(f"x{v:.2f} vs {k}" for k, v in sorted(r.get("speedup_vs", {}).items()))
+        print(f"{r['op']:<8} {shape:<22} {r['mode']:<7} {r['system']:<8} {r['ms']:8.3f} {r['p20']:7.3f}-{r['p80']:<7.3f} "
+              f"{r['tbps']:6.2f} {100 * r['frac_floor']:6.1f}%  {vs}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    labels = sorted({f"{r['op']} {','.join(str(v) for v in r['shape'].values())} {r['mode']}" for r in ok})
+    systems = sorted({r["system"] for r in ok})
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
+    width = 0.8 / max(len(systems), 1)
+    for i, s in enumerate(systems):
+        vals = []
+        for lab in labels:
+            match = [r for r in ok if r["system"] == s and f"{r['op']} {','.join(str(v) for v in r['shape'].values())} {r['mode']}" == lab]
+            vals.append(100 * match[0]["frac_floor"] if match else 0)
+        ax.bar([j + i * width for j in range(len(labels))], vals, width, label=s)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("% of hardware floor (higher is better)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(args) -> int:
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        print("=" * 78)
+        print("NO GPU: running tiny shapes on the CPU (Triton interpreter where TRITON_INTERPRET=1,")
+        print("otherwise the reference). Parity checks are real; the times mean NOTHING.")
+        print("=" * 78)
+    ops = list(OPS) if args.op == "all" else [args.op]
+    for op in ops:
+        if op not in OPS:
+            print(f"unknown op {op!r}; ops: {', '.join(OPS)}", file=sys.stderr)
+            return 2
+    info = machine_info()
+    print(f"machine: {info.get('gpu') or 'CPU only'}  torch {info['torch']}  triton {info['triton']}  commit {info.get('commit')}")
+    ceilings = measure_ceilings(gpu)
+    rows = []
+    for op in ops:
+        rows += bench_op(op, args, gpu, ceilings, [])
+    add_speedups(rows)
+    print_table(rows, ceilings)
+    record = {"machine": info, "ceilings": ceilings, "args": vars(args) | {"func": None}, "rows": rows, "gpu": gpu}
+    record["args"].pop("func", None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1, default=str)
+        print(f"record: {args.json}")
+    if args.plot:
+        try:
+            plot(rows, args.plot)
+            print(f"plot: {args.plot}")
+        except ImportError:
+            print("plot skipped: matplotlib is not installed (pip install 'tileport[bench]')")
+    failed = [r for r in rows if str(r.get("status", "")).startswith("FAIL") and r["system"] in ("gluon", "triton")]
+    return 1 if failed else 0

@@ -1,0 +1,103 @@
+"""The parity gate's machinery: the error metric, SPEC.md's bounds, poisoning, backend selection.
+
+    rel(out, ref) = ||out - ref|| / ||ref||     (computed in float64; NaN or Inf never passes)
+
+Bounds (SPEC.md, "Correctness"): fp32 inputs 1e-5 (5e-3 where a matmul may run in tf32);
+bf16/fp16 inputs 1e-2 for outputs, states and the gradients of the main inputs, 3e-2 for the
+gradients of gates and beta. These numbers live here only, and tests never pass their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+
+from tileport.dispatch import REGISTRY, interpreter_enabled, use_backend
+from tileport.memory import poison_new_buffers
+
+OUTPUT = "output"  # outputs, final states, gradients of q/k/v/residuals/initial state
+GATE = "gate"  # gradients of gates and beta
+
+_BOUNDS = {
+    torch.float32: {OUTPUT: 1e-5, GATE: 1e-5},
+    torch.bfloat16: {OUTPUT: 1e-2, GATE: 3e-2},
+    torch.float16: {OUTPUT: 1e-2, GATE: 3e-2},
+}
+TF32_BOUND = 5e-3
+
+
+def bound(input_dtype: torch.dtype, kind: str = OUTPUT, tf32: bool = False) -> float:
+    if input_dtype == torch.float32 and tf32:
+        return TF32_BOUND
+    if input_dtype == torch.float64:
+        return 1e-12
+    return _BOUNDS[input_dtype][kind]
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when out has NaN/Inf or the shapes differ."""
+    if out.shape != ref.shape:
+        return math.inf
+    o = out.detach().to(torch.float64).cpu()
+    r = ref.detach().to(torch.float64).cpu()
+    if not torch.isfinite(o).all():
+        return math.inf
+    denom = r.norm().item()
+    num = (o - r).norm().item()
+    if denom == 0.0:
+        return num
+    return num / denom
+
+
+class ParityError(AssertionError):
+    pass
+
+
+def check(name: str, out: torch.Tensor, ref: torch.Tensor, input_dtype: torch.dtype, kind: str = OUTPUT, tf32: bool = False) -> float:
+    """Raise ParityError if rel(out, ref) is over the bound for `input_dtype`; return rel."""
+    err = rel_error(out, ref)
+    lim = bound(input_dtype, kind, tf32)
+    if not err <= lim:
+        nonfinite = (~torch.isfinite(out.detach())).sum().item() if out.shape == ref.shape else None
+        extra = f" ({nonfinite} non-finite elements: unwritten or overflowed)" if nonfinite else ""
+        raise ParityError(f"{name}: rel error {err:.3e} > bound {lim:.0e} for {input_dtype}{extra}")
+    return err
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Every buffer tileport allocates inside this block starts as NaN."""
+    with poison_new_buffers(True):
+        yield
+
+
+def backend_skip_reason(op: str, name: str, device_type: str) -> str | None:
+    """Why `name` can't run on this machine for `op` (None if it can): used to skip with a reason."""
+    disp = REGISTRY[op]
+    b = disp._by_name[name]
+    if not disp._applies(b, device_type):
+        if name == "triton" and device_type == "cpu":
+            return "Triton runs on the CPU only under TRITON_INTERPRET=1"
+        return f"{name} does not run on {device_type}"
+    return disp.availability(b)
+
+
+def test_device() -> str:
+    """Where tests run: TILEPORT_TEST_DEVICE, else cuda when present, else cpu."""
+    dev = os.environ.get("TILEPORT_TEST_DEVICE")
+    if dev:
+        return dev
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_gpu() -> bool:
+    return test_device().startswith("cuda")
+
+
+__all__ = [
+    "OUTPUT", "GATE", "bound", "rel_error", "check", "ParityError", "poisoned", "use_backend",
+    "backend_skip_reason", "test_device", "on_gpu", "interpreter_enabled",
+]
