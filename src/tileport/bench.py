@@ -39,6 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--json", default=None, help="write the record here")
     p.add_argument("--plot", default=None, help="write a PNG of speedups here (needs matplotlib)")
+    p.add_argument("--base", default=None, help="also run a git ref (in a worktree, subprocess) and print before/after")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +173,9 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
                 o = fn(inputs)
                 grads = torch.autograd.grad(o, leaves, grad_o) if ("bwd" in modes or "fwdbwd" in modes) else ()
                 ok, worst = _verify([o, *grads], [ref_o, *ref_grads], dtype)
+            except ImportError as exc:
+                rows.append(dict(row, status=f"unavailable: {exc}"))
+                continue
             except Exception as exc:  # a baseline that refuses is a result, not a crash
                 msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 rows.append(dict(row, status=f"refuses: {type(exc).__name__}: {msg[:160]}"))
@@ -263,6 +267,58 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_base(ref: str, args) -> dict:
+    """Run the same benchmark on a git worktree of `ref` in a subprocess; return its record."""
+    import tempfile
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    sha = subprocess.run(["git", "rev-parse", "--short", ref], cwd=top, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    tmp = tempfile.mkdtemp(prefix=f"tileport-base-{sha}-")
+    wt = os.path.join(tmp, "tree")
+    subprocess.run(["git", "worktree", "add", "--detach", wt, sha], cwd=top, capture_output=True, check=True)
+    try:
+        out_json = os.path.join(tmp, "base.json")
+        cmd = [sys.executable, "-m", "tileport", "bench", "--op", args.op, "--backends", args.backends,
+               "--modes", args.modes, "--dtype", args.dtype, "--json", out_json]
+        if args.shapes:
+            cmd += ["--shapes", args.shapes]
+        env = dict(os.environ, PYTHONPATH=os.path.join(wt, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        print(f"\n== base {ref} ({sha}): running in {wt}")
+        proc = subprocess.run(cmd, cwd=wt, env=env, capture_output=True, text=True)
+        if proc.returncode not in (0, 1) or not os.path.exists(out_json):
+            raise RuntimeError(f"base run failed (rc {proc.returncode}): {proc.stderr.strip()[-400:]}")
+        with open(out_json) as f:
+            record = json.load(f)
+        record["machine"]["commit"] = sha
+        return record
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", wt], cwd=top, capture_output=True)
+
+
+def compare_with_base(rows: list[dict], base_rows: list[dict], base_sha: str) -> list[dict]:
+    key = lambda r: (r["op"], json.dumps(r["shape"], sort_keys=True), r.get("mode"), r["system"])  # noqa: E731
+    base = {key(r): r for r in base_rows if r.get("status") == "ok"}
+    out = []
+    print(f"\nbefore ({base_sha}) / after (this tree), median ms:")
+    print(f"{'op':<8} {'shape':<22} {'mode':<7} {'system':<8} {'before':>8} {'after':>8} {'change':>8}")
+    for r in rows:
+        if r.get("status") != "ok" or r["system"] in ("fla", "torch"):
+            continue
+        b = base.get(key(r))
+        shape = ",".join(f"{k}{v}" for k, v in r["shape"].items())
+        if b is None:
+            print(f"{r['op']:<8} {shape:<22} {r['mode']:<7} {r['system']:<8} {'-':>8} {r['ms']:8.3f} {'new':>8}")
+            continue
+        change = b["ms"] / r["ms"]
+        out.append({"op": r["op"], "shape": r["shape"], "mode": r["mode"], "system": r["system"],
+                    "before_ms": b["ms"], "after_ms": r["ms"], "speedup": change})
+        print(f"{r['op']:<8} {shape:<22} {r['mode']:<7} {r['system']:<8} {b['ms']:8.3f} {r['ms']:8.3f} {change:7.2f}x")
+    return out
+
+
 def run(args) -> int:
     gpu = torch.cuda.is_available()
     if not gpu:
@@ -283,8 +339,15 @@ def run(args) -> int:
         rows += bench_op(op, args, gpu, ceilings, [])
     add_speedups(rows)
     print_table(rows, ceilings)
-    record = {"machine": info, "ceilings": ceilings, "args": vars(args) | {"func": None}, "rows": rows, "gpu": gpu}
-    record["args"].pop("func", None)
+    record = {"schema": 1, "machine": info, "ceilings": ceilings, "args": dict(vars(args)), "rows": rows, "gpu": gpu}
+    if args.base:
+        try:
+            base = run_base(args.base, args)
+            record["base"] = {"ref": args.base, "commit": base["machine"].get("commit"),
+                              "comparison": compare_with_base(rows, base["rows"], base["machine"].get("commit"))}
+        except (RuntimeError, subprocess.CalledProcessError, OSError) as exc:
+            print(f"base {args.base}: could not run: {exc}")
+            record["base"] = {"ref": args.base, "error": str(exc)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1, default=str)

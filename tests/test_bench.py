@@ -1,0 +1,77 @@
+"""`tileport bench` on the CPU: floor formulas, the JSON record's schema, and the refuses path."""
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from tileport import bench
+from tileport.ops.attnres import perf as attnres_perf
+
+
+def test_attnres_minimal_bytes():
+    shape = dict(L=8, N=16384, D=2048)
+    assert attnres_perf.minimal_cost(shape, 2, "fwd")[0] == 9 * 16384 * 2048 * 2
+    assert attnres_perf.minimal_cost(shape, 2, "bwd")[0] == 17 * 16384 * 2048 * 2
+    assert attnres_perf.minimal_cost(shape, 2, "fwdbwd")[0] == 26 * 16384 * 2048 * 2
+    # SPEC's anchor: 604 MB at 4.25 TB/s is a 0.142 ms floor.
+    assert abs(attnres_perf.minimal_cost(shape, 2, "fwd")[0] / 4.25e12 * 1e3 - 0.1421) < 1e-3
+
+
+def _fake_suite(systems):
+    m = types.SimpleNamespace()
+    m.SMALL = m.STANDARD = [dict(N=8, D=4)]
+    m.minimal_cost = lambda shape, e, mode: (2 * shape["N"] * shape["D"] * e, shape["N"] * shape["D"])
+    m.make_inputs = lambda shape, dtype, device, torch: dict(x=torch.randn(shape["N"], shape["D"], dtype=dtype))
+    m.differentiable = lambda inp: [inp["x"]]
+    m.reference = lambda inp: inp["x"].double() * 2
+    m.systems = lambda torch: systems
+    return m
+
+
+def _args(**kw):
+    base = dict(op="fake", backends="good,wrong,refuser", shapes="small", modes="fwd,fwdbwd", dtype="fp32",
+                json=None, plot=None, base=None)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_refuses_fail_and_ok_rows(monkeypatch):
+    def refuser(inp):
+        raise RuntimeError("refusing on purpose: wrong gradients on this stack")
+
+    suite = _fake_suite({"good": lambda inp: inp["x"] * 2, "wrong": lambda inp: inp["x"] * 3, "refuser": refuser})
+    monkeypatch.setitem(sys.modules, "fake_suite", suite)
+    monkeypatch.setitem(bench.OPS, "fake", "fake_suite")
+    rows = bench.bench_op("fake", _args(), gpu=False, ceilings=dict(bench.NOMINAL), progress_total=[])
+    by = {}
+    for r in rows:
+        by.setdefault(r["system"], []).append(r)
+    assert [r["mode"] for r in by["good"]] == ["fwd", "fwdbwd"] and all(r["status"] == "ok" for r in by["good"])
+    assert by["wrong"][0]["status"].startswith("FAIL parity")  # never timed
+    assert by["refuser"][0]["status"].startswith("refuses: RuntimeError: refusing on purpose")
+    good = by["good"][0]
+    assert good["bytes"] == 2 * 8 * 4 * 4 and good["floor_ms"] > 0 and 0 < good["frac_floor"]
+
+
+def test_cli_json_record_schema(tmp_path):
+    out = tmp_path / "rec.json"
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "tileport", "bench", "--op", "attnres", "--backends", "triton,fla,gluon",
+                           "--modes", "fwd", "--json", str(out)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "times mean NOTHING" in proc.stdout
+    rec = json.loads(out.read_text())
+    assert rec["schema"] == 1 and rec["gpu"] is False
+    for key in ("torch", "triton", "date", "commit", "gpu"):
+        assert key in rec["machine"]
+    assert {"copy_tbps", "matmul_tflops"} <= set(rec["ceilings"])
+    systems = {r["system"]: r for r in rec["rows"]}
+    assert systems["triton"]["status"] == "ok"
+    for key in ("ms", "p20", "p80", "tbps", "frac_floor", "bytes", "flops", "floor_ms", "rel_err"):
+        assert key in systems["triton"]
+    assert systems["gluon"]["status"].startswith("refuses:")
+    assert systems["fla"]["status"].startswith(("unavailable:", "refuses:", "ok"))
