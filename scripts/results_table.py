@@ -19,16 +19,19 @@ def table(record: dict) -> str:
         f"ceilings measured in the same run: copy {record['ceilings']['copy_tbps']:.2f} TB/s, "
         f"bf16 matmul {record['ceilings']['matmul_tflops']:.0f} TFLOP/s.",
         "",
-        "| op | shape | mode | system | median ms | TB/s | % of floor | vs FLA |",
-        "|---|---|---|---|---|---|---|---|",
+        "ms: do_bench median (eager launches); graph ms: CUDA-graph replay median (kernel time, no launch cost).",
+        "",
+        "| op | shape | mode | system | ms | graph ms | TB/s | % of floor | vs FLA (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in record["rows"]:
         shape = " ".join(f"{k}={v}" for k, v in r["shape"].items())
         if r.get("status") != "ok":
-            lines.append(f"| {r['op']} | {shape} | {r.get('mode', '')} | {r['system']} | {r['status']} | | | |")
+            lines.append(f"| {r['op']} | {shape} | {r.get('mode', '')} | {r['system']} | {r['status']} | | | | |")
             continue
         vs = r.get("speedup_vs", {}).get("fla")
-        lines.append(f"| {r['op']} | {shape} | {r['mode']} | {r['system']} | {r['ms']:.3f} | {r['tbps']:.2f} | "
+        graph = f"{r['graph_ms']:.3f}" if r.get("graph_ms") else "-"
+        lines.append(f"| {r['op']} | {shape} | {r['mode']} | {r['system']} | {r['ms']:.3f} | {graph} | {r['tbps']:.2f} | "
                      f"{100 * r['frac_floor']:.0f}% | {'' if vs is None else f'{vs:.2f}x'} |")
     return "\n".join(lines)
 
