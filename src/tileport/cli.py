@@ -49,9 +49,15 @@ def main(argv=None) -> int:
 
     bench.add_arguments(sub.add_parser("bench", help="verify, then time every backend against FLA and torch"))
 
+    from tileport import lint
+
+    lint.add_arguments(sub.add_parser("lint", help="static check of Triton/Gluon kernels for silent pitfalls"))
+
     args = parser.parse_args(argv)
     if args.cmd == "explain":
         return _explain(args)
+    if args.cmd == "lint":
+        return lint.main(args)
     return bench.run(args)
 
 
