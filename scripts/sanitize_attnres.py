@@ -14,7 +14,7 @@ import sys
 
 backends = sys.argv[1:] or ["gluon", "triton"]
 for backend in backends:
-    for L, N, D in [(3, 37, 256), (8, 300, 2048), (16, 9, 4096)]:
+    for L, N, D in [(3, 37, 256), (4, 5000, 512), (8, 300, 2048), (16, 9, 4096)]:
         for out_norm in (False, True):
             rs = [torch.randn(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(L)]
             q = (torch.randn(D, device="cuda") / D**0.5).requires_grad_()

@@ -2,13 +2,15 @@
 
     import tileport
     o = tileport.fused_attnres(query, residuals, rms_weight)
+    o, state = tileport.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
 
 `tileport explain <op>` says which backend runs a call and why the others refuse it.
 """
 
 from tileport.dispatch import BackendRefused, use_backend
 from tileport.ops.attnres import fused_attnres
+from tileport.ops.gdn import chunk_gated_delta_rule
 
 __version__ = "0.1.0"
 
-__all__ = ["fused_attnres", "use_backend", "BackendRefused", "__version__"]
+__all__ = ["fused_attnres", "chunk_gated_delta_rule", "use_backend", "BackendRefused", "__version__"]
