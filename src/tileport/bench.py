@@ -34,7 +34,7 @@ NOMINAL = {"copy_tbps": 4.25, "matmul_tflops": 700.0}  # SPEC.md's H200 ceilings
 def add_arguments(p) -> None:
     p.add_argument("--op", default="all", help="op name or 'all' (" + ", ".join(OPS) + ")")
     p.add_argument("--backends", default="gluon,triton,fla,torch", help="systems to run, comma separated")
-    p.add_argument("--shapes", default=None, help="standard | small (default: standard on a GPU, small on the CPU)")
+    p.add_argument("--shapes", default=None, help="standard | anchor (SPEC's anchor shape only) | small (default: standard on a GPU, small on the CPU)")
     p.add_argument("--modes", default="fwd,bwd,fwdbwd")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--json", default=None, help="write the record here")
@@ -156,7 +156,8 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
     suite = importlib.import_module(OPS[op])
     device = "cuda" if gpu else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    shapes = suite.SMALL if (args.shapes or ("standard" if gpu else "small")) == "small" else suite.STANDARD
+    kind = args.shapes or ("standard" if gpu else "small")
+    shapes = {"small": suite.SMALL, "standard": suite.STANDARD, "anchor": suite.STANDARD[:1]}[kind]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     all_systems = suite.systems(torch)
     wanted = [s.strip() for s in args.backends.split(",") if s.strip()]
