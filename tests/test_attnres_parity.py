@@ -12,6 +12,7 @@ import torch
 
 import tileport
 from tileport.ops.attnres.reference import attnres_reference
+from tileport.ops.attnres import DISPATCHER, _describe
 from tileport.testing import OUTPUT, backend_skip_reason, check, on_gpu, poisoned, use_backend
 
 BACKENDS = ["reference", "triton", "gluon"]
@@ -33,10 +34,17 @@ GPU_SHAPES = CPU_SHAPES + [
 ]
 
 
-def _backend_or_skip(name: str, device: str):
+def _backend_or_skip(name: str, device: str, residuals=None, query=None):
     reason = backend_skip_reason("attnres", name, device.split(":")[0])
     if reason:
         pytest.skip(f"{name}: {reason}")
+    if residuals is not None:
+        # A backend may refuse a shape (e.g. Gluon needs a power-of-two D); the dispatcher then
+        # falls back, and `tileport explain` says why. Skip with that reason; never weaken the check.
+        flat = tuple(r.reshape(-1, r.shape[-1]) for r in residuals)
+        refusal = DISPATCHER._by_name[name].refusal(_describe(query.reshape(-1), flat))
+        if refusal:
+            pytest.skip(f"{name} refuses this call: {refusal}")
 
 
 def make_inputs(L, lead, D, dtype, device, param_dtype=torch.float32, out_norm=True, peaky=False):
@@ -72,6 +80,7 @@ def test_forward_backward(backend, L, lead, D, dt, out_norm, device, seed):
     scale = 1.0 if out_norm else 0.37
     param_dtype = dtype if (L + D) % 2 else torch.float32  # both layouts of parameter dtype occur
     query, residuals, rms_weight, ow = make_inputs(L, lead, D, dtype, device, param_dtype, out_norm)
+    _backend_or_skip(backend, device, residuals, query)
     leaves = [query, rms_weight, *residuals] + ([ow] if ow is not None else [])
     for t in leaves:
         t.requires_grad_(True)
@@ -102,6 +111,7 @@ def test_peaky_softmax_and_large_values(backend, device, seed):
     L, lead, D = 6, (33,), 128
     query, residuals, rms_weight, ow = make_inputs(L, lead, D, torch.float32, device, peaky=True, out_norm=False)
     residuals[2] = residuals[2] * 300.0
+    _backend_or_skip(backend, device, residuals, query)
     for t in [query, rms_weight, *residuals]:
         t.requires_grad_(True)
     with poisoned(), use_backend(backend, op="attnres"):
@@ -124,6 +134,7 @@ def test_non_contiguous_and_query_column(backend, device, seed):
     residuals = [big[i, :, ::2] for i in range(L)]  # stride 2 on D: must still be right
     query = torch.randn(D, 1, device=device) / D**0.5
     rms_weight = 0.5 + torch.rand(D, device=device)
+    _backend_or_skip(backend, device, [r.contiguous() for r in residuals], query)
     with poisoned(), use_backend(backend, op="attnres"):
         o = tileport.fused_attnres(query, residuals, rms_weight)
     ref_o, _ = attnres_reference(query, residuals, rms_weight)

@@ -241,7 +241,7 @@ def _attnres_forward_op(
     q = query.reshape(D).contiguous()
     if flat[0].shape[0] == 0:
         o = r0.new_empty(r0.shape)
-        p = torch.empty((len(residuals), *lead) if return_weights else (0,), dtype=torch.float32, device=r0.device)
+        p = torch.empty((len(residuals), *lead) if return_weights else (1,), dtype=torch.float32, device=r0.device)
         return o, p
     backend = DISPATCHER.choose(_describe(q, flat), r0.device.type)
     o, p = backend.impl.forward(q, flat, rms_weight.contiguous(),
@@ -249,7 +249,9 @@ def _attnres_forward_op(
                                 float(eps), float(scale), return_weights)
     o = o.view(r0.shape)
     if p is None:
-        p = torch.empty((0,), dtype=torch.float32, device=r0.device)
+        # A placeholder (the op's schema always returns p). One element, not zero: torch 2.11's
+        # custom-op aliasing check rejects zero-size CUDA outputs (seen on the H200).
+        p = torch.empty((1,), dtype=torch.float32, device=r0.device)
     else:
         p = p.view(len(residuals), *lead)
     return o, p
@@ -258,7 +260,7 @@ def _attnres_forward_op(
 @_attnres_forward_op.register_fake
 def _(query, residuals, rms_weight, output_rms_weight, eps, scale, return_weights):
     r0 = residuals[0]
-    p_shape = (len(residuals), *r0.shape[:-1]) if return_weights else (0,)
+    p_shape = (len(residuals), *r0.shape[:-1]) if return_weights else (1,)
     return r0.new_empty(r0.shape), r0.new_empty(p_shape, dtype=torch.float32)
 
 
@@ -278,20 +280,20 @@ def _attnres_backward_op(
     q = query.reshape(D).contiguous()
     if flat[0].shape[0] == 0:
         zeros = [torch.zeros_like(query), torch.zeros_like(rms_weight)]
-        zeros.append(torch.zeros_like(output_rms_weight) if output_rms_weight is not None else rms_weight.new_empty(0))
+        zeros.append(torch.zeros_like(output_rms_weight) if output_rms_weight is not None else rms_weight.new_zeros(1))
         return zeros + [torch.zeros_like(r) for r in residuals]
     backend = DISPATCHER.choose(_describe(q, flat), r0.device.type)
     grad_res, dq, dw, dow = backend.impl.backward(
         grad_o.reshape(-1, D).to(r0.dtype).contiguous(), q, flat, rms_weight.contiguous(),
         None if output_rms_weight is None else output_rms_weight.contiguous(), float(eps), float(scale))
-    if dow is None:
-        dow = rms_weight.new_empty(0)
+    if dow is None:  # placeholder: one element (see the forward's p)
+        dow = rms_weight.new_zeros(1)
     return [dq.view(query.shape), dw, dow] + [g.view(r0.shape) for g in grad_res]
 
 
 @_attnres_backward_op.register_fake
 def _(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale):
-    dow = output_rms_weight.new_empty(output_rms_weight.shape) if output_rms_weight is not None else rms_weight.new_empty(0)
+    dow = output_rms_weight.new_empty(output_rms_weight.shape) if output_rms_weight is not None else rms_weight.new_empty(1)
     return [query.new_empty(query.shape), rms_weight.new_empty(rms_weight.shape), dow] + [r.new_empty(r.shape) for r in residuals]
 
 
