@@ -224,16 +224,8 @@ def _flat(residuals, D):
 # --------------------------------------------------------------------------------------------
 # torch.library custom ops: opaque to torch.compile, dispatching at run time.
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("tileport::attnres_forward", mutates_args=())
-def _attnres_forward_op(
-    query: torch.Tensor,
-    residuals: list[torch.Tensor],
-    rms_weight: torch.Tensor,
-    output_rms_weight: torch.Tensor | None,
-    eps: float,
-    scale: float,
-    return_weights: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_impl(query, residuals, rms_weight, output_rms_weight, eps, scale, return_weights):
+    """Validate-free forward body shared by the eager autograd.Function and the custom op."""
     r0 = residuals[0]
     D = r0.shape[-1]
     lead = r0.shape[:-1]
@@ -257,6 +249,61 @@ def _attnres_forward_op(
     return o, p
 
 
+def _backward_impl(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale):
+    """Backward body: [d query, d rms_weight, d output_rms_weight (placeholder if none), *d residuals]."""
+    r0 = residuals[0]
+    D = r0.shape[-1]
+    flat = _flat(residuals, D)
+    q = query.reshape(D).contiguous()
+    if flat[0].shape[0] == 0:
+        zeros = [torch.zeros_like(query), torch.zeros_like(rms_weight)]
+        zeros.append(torch.zeros_like(output_rms_weight) if output_rms_weight is not None else rms_weight.new_zeros(1))
+        return zeros + [torch.zeros_like(r) for r in residuals]
+    backend = DISPATCHER.choose(_describe(q, flat), r0.device.type)
+    grad_res, dq, dw, dow = backend.impl.backward(
+        grad_o.reshape(-1, D).to(r0.dtype).contiguous(), q, flat, rms_weight.contiguous(),
+        None if output_rms_weight is None else output_rms_weight.contiguous(), float(eps), float(scale))
+    if dow is None:  # placeholder: one element (see the forward's p)
+        dow = rms_weight.new_zeros(1)
+    return [dq.view(query.shape), dw, dow] + [g.view(r0.shape) for g in grad_res]
+
+
+class _AttnResFunction(torch.autograd.Function):
+    """The eager path: the same bodies as the custom ops, without torch.library's per-call
+    checks (tens of microseconds, and on torch 2.11 + CUDA its aliasing check raised
+    spuriously on this op's list output; seen on the H200)."""
+
+    @staticmethod
+    def forward(ctx, query, rms_weight, output_rms_weight, eps, scale, return_weights, *residuals):
+        o, p = _forward_impl(query, list(residuals), rms_weight, output_rms_weight, eps, scale, return_weights)
+        ctx.n_res, ctx.has_ow, ctx.eps, ctx.scale = len(residuals), output_rms_weight is not None, eps, scale
+        ctx.save_for_backward(query, rms_weight, *residuals, *([output_rms_weight] if output_rms_weight is not None else []))
+        ctx.mark_non_differentiable(p)
+        return o, p
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_p):
+        saved = ctx.saved_tensors
+        query, rms_weight = saved[0], saved[1]
+        residuals = list(saved[2 : 2 + ctx.n_res])
+        ow = saved[-1] if ctx.has_ow else None
+        grads = _backward_impl(grad_o, query, residuals, rms_weight, ow, ctx.eps, ctx.scale)
+        return (grads[0], grads[1], grads[2] if ctx.has_ow else None, None, None, None, *grads[3:])
+
+
+@torch.library.custom_op("tileport::attnres_forward", mutates_args=())
+def _attnres_forward_op(
+    query: torch.Tensor,
+    residuals: list[torch.Tensor],
+    rms_weight: torch.Tensor,
+    output_rms_weight: torch.Tensor | None,
+    eps: float,
+    scale: float,
+    return_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_impl(query, residuals, rms_weight, output_rms_weight, eps, scale, return_weights)
+
+
 @_attnres_forward_op.register_fake
 def _(query, residuals, rms_weight, output_rms_weight, eps, scale, return_weights):
     r0 = residuals[0]
@@ -274,21 +321,7 @@ def _attnres_backward_op(
     eps: float,
     scale: float,
 ) -> list[torch.Tensor]:
-    r0 = residuals[0]
-    D = r0.shape[-1]
-    flat = _flat(residuals, D)
-    q = query.reshape(D).contiguous()
-    if flat[0].shape[0] == 0:
-        zeros = [torch.zeros_like(query), torch.zeros_like(rms_weight)]
-        zeros.append(torch.zeros_like(output_rms_weight) if output_rms_weight is not None else rms_weight.new_zeros(1))
-        return zeros + [torch.zeros_like(r) for r in residuals]
-    backend = DISPATCHER.choose(_describe(q, flat), r0.device.type)
-    grad_res, dq, dw, dow = backend.impl.backward(
-        grad_o.reshape(-1, D).to(r0.dtype).contiguous(), q, flat, rms_weight.contiguous(),
-        None if output_rms_weight is None else output_rms_weight.contiguous(), float(eps), float(scale))
-    if dow is None:  # placeholder: one element (see the forward's p)
-        dow = rms_weight.new_zeros(1)
-    return [dq.view(query.shape), dw, dow] + [g.view(r0.shape) for g in grad_res]
+    return _backward_impl(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale)
 
 
 @_attnres_backward_op.register_fake
@@ -350,7 +383,10 @@ def fused_attnres(
         o `[..., D]` in the residuals' dtype, and p when `return_weights`.
     """
     validate_attnres_args(query, residuals, rms_weight, output_rms_weight, rms_eps, scale, return_weights, checkpoint_level)
-    o, p = _attnres_forward_op(query, list(residuals), rms_weight, output_rms_weight, float(rms_eps), float(scale), return_weights)
+    if torch.compiler.is_compiling():  # the custom op: opaque to the compiler, with a fake impl
+        o, p = _attnres_forward_op(query, list(residuals), rms_weight, output_rms_weight, float(rms_eps), float(scale), return_weights)
+    else:
+        o, p = _AttnResFunction.apply(query, rms_weight, output_rms_weight, float(rms_eps), float(scale), return_weights, *residuals)
     return (o, p) if return_weights else o
 
 
