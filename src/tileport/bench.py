@@ -75,6 +75,9 @@ def machine_info() -> dict:
         info["dirty"] = bool(dirty)
     except (OSError, subprocess.SubprocessError):
         info["commit"] = None
+    if not info.get("commit"):
+        # the device machine gets a copy of the tree without .git: scripts/gpu-check passes it in
+        info["commit"] = os.environ.get("TILEPORT_COMMIT") or None
     return info
 
 
