@@ -90,15 +90,28 @@ class OpDispatcher:
         self._by_name = {b.name: b for b in backends}
         self._cache: dict[Hashable, Backend] = {}
         self._available: dict[str, str | None] = {}
+        self._settings_cache: dict[tuple, tuple[str | None, frozenset[str], bool]] = {}
 
     # -- settings --------------------------------------------------------------------------
     def _settings(self) -> tuple[str | None, frozenset[str], bool]:
-        forced_ctx = _forced_override()
-        forced = forced_ctx.get(self.op) or forced_ctx.get("*")
-        if forced is None:
-            forced = os.environ.get(f"TILEPORT_{self.op.upper()}_BACKEND") or os.environ.get("TILEPORT_BACKEND") or None
-        disabled = frozenset(x.strip() for x in os.environ.get("TILEPORT_DISABLE", "").split(",") if x.strip())
-        strict = os.environ.get("TILEPORT_STRICT", "0") == "1"
+        env = os.environ
+        raw = (
+            tuple(sorted(_forced_override().items())),
+            env.get(f"TILEPORT_{self.op.upper()}_BACKEND"),
+            env.get("TILEPORT_BACKEND"),
+            env.get("TILEPORT_DISABLE", ""),
+            env.get("TILEPORT_STRICT", "0"),
+        )
+        hit = self._settings_cache.get(raw)
+        if hit is None:
+            hit = self._settings_cache[raw] = self._parse_settings(*raw)
+        return hit
+
+    def _parse_settings(self, forced_ctx, op_env, global_env, disable_env, strict_env):
+        forced_ctx = dict(forced_ctx)
+        forced = forced_ctx.get(self.op) or forced_ctx.get("*") or op_env or global_env or None
+        disabled = frozenset(x.strip() for x in disable_env.split(",") if x.strip())
+        strict = strict_env == "1"
         if forced is not None and forced not in self._by_name:
             raise BackendRefused(
                 f"{self.op}: unknown backend {forced!r} forced; known: {', '.join(self._by_name)}"

@@ -218,7 +218,8 @@ DISPATCHER = register(
 
 
 def _flat(residuals, D):
-    return tuple(r.reshape(-1, D).contiguous() for r in residuals)
+    """[N, D] contiguous views of the sources (a copy only for a non-contiguous source)."""
+    return tuple(r if (r.dim() == 2 and r.is_contiguous()) else r.reshape(-1, D).contiguous() for r in residuals)
 
 
 # --------------------------------------------------------------------------------------------
