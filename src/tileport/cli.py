@@ -9,7 +9,7 @@ import sys
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-DEFAULT_SHAPES = {"attnres": "8,16384,2048"}
+DEFAULT_SHAPES = {"attnres": "8,16384,2048", "gdn": "8,4096,16,128,128"}
 
 
 def _explain(args) -> int:

@@ -1,0 +1,853 @@
+"""Gated DeltaNet, Triton backend: the chunked (WY / UT-transform) algorithm, chunks of 64.
+
+Notation (per sequence and head; `reference.chunked_reference` spells out the algebra): in chunk c,
+G is the in-chunk cumulative sum of g, Gam_ts = exp(G_t - G_s) for t >= s, G_L the value at the
+chunk's last valid position, h_c the state entering the chunk.
+
+    A     = strict_lower(diag(beta) (K K^T * Gam));   T = (I + A)^-1
+    W     = T diag(beta exp(G)) K;     U = T diag(beta) V
+    Vn    = U - W h_c
+    O     = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn)
+    h_c+1 = exp(G_L) h_c + (diag(exp(G_L - G)) K)^T Vn
+
+Stages (one kernel launch each; the forward composes 1-6, the backward recomputes 1-5 and then runs
+7-11). Tokens of all sequences are flattened to [Ntok, H, D] (Ntok = B*T); a fixed-length batch is
+the varlen batch cu_seqlens = [0, T, 2T, ...]. The chunk table (first token of each chunk, end of its
+sequence) and each sequence's first chunk index are computed on the host (`ChunkPlan`).
+
+     1 l2norm_fwd     (optional) q, k <- x * rsqrt(sum x^2 + 1e-6), stored in the input dtype
+     2 chunk_cumsum   G = in-chunk cumsum of g (fp64)                          grid (NC, H)
+     3 chunk_solve    T = (I + A)^-1 by 16x16 diagonal blocks (forward substitution in registers)
+                      merged block-wise; stored fp32 [Ntok, H, 64]                 grid (NC, H)
+     4 chunk_wu       W, U (fp32)                                               grid (NC, H)
+     5 chunk_states   sequential over chunks: h_c (fp32 [NC, H, K, V]), Vn, final state
+                                                                               grid (N*H, V/BV)
+     6 chunk_output   O                                                         grid (NC*V/BV, H)
+   backward, with dO and dh_T (gradient of the final state):
+     7 chunk_dv_local dVl = scale lower(Q K^T * Gam)^T dO                       grid (NC*V/BV, H)
+     8 chunk_dstates  sequential, reverse: dh_c+1 (stored), dVn = dVl + diag(exp(G_L-G)) K dh_c+1,
+                      dh_c = exp(G_L) dh_c+1 + scale (diag(exp(G)) Q)^T dO - W^T dVn; dh_0
+                                                                               grid (N*H, V/BV)
+     9 chunk_dqkwg    dQ, dK (partial), dW = -dVn h_c^T, dG (partial)            grid (NC, H)
+    10 chunk_wy_bwd   through W, U, T, A: dK, dV, dbeta, dG; dg = reverse in-chunk cumsum of dG
+                                                                               grid (NC, H)
+    11 l2norm_bwd     (optional) dx = rstd (dy - y (dy . y))
+
+Precision: every matmul accumulates in fp32. Operands are rounded to bf16 for bf16 and fp16
+inputs (tensor cores; bf16 rather than fp16 because gate products like exp(G) Q underflow fp16's
+range with very negative gates), and stay fp32 with input_precision="ieee" for fp32 inputs
+(no tf32). The 16x16 triangular inverses and their block merge are always fp32 "ieee". The gate
+cumsum G is kept in fp64 and every exponent is formed as an fp64 difference (G_t - G_s, G_L - G)
+before it is rounded to fp32: after a few steps of -20, G is in the hundreds, where an fp32 G
+carries an absolute error of ~1e-5 into every exp(G_t - G_s). Measured with 30% of the gates at
+-20..-30 and fp32 inputs: fp32 G gave rel errors up to 1e-5 in dg and 7e-6 in dq (the fp32 bound
+is 1e-5), fp64 G gives 2e-7 to 5e-7. Exponents use t >= s only and are masked to -inf before exp, so very
+negative gates underflow to 0 (never inf * 0). The other intermediates (T, W, U, Vn, h, dh,
+partial gradients) are stored in fp32; outputs and gradients are written in their tensor's dtype,
+states in fp32.
+
+Under TRITON_INTERPRET=1 (the CPU tests) two things differ from the GPU in triton 3.6, and the code
+works around both so that the interpreter computes what the GPU does:
+- a bf16 tl.dot is wrong (the interpreter multiplies the raw uint16 storage): there the operands
+  are rounded to bf16 in fp32 arithmetic by `_op` and multiplied as fp32 (`DA`), which is what
+  the tensor cores compute;
+- an fp32 -> bf16 cast truncates instead of rounding to nearest even: kernels round their dot
+  operands themselves (`_op`), and bf16 outputs are written as fp32 and rounded by torch (`_out`).
+So the bf16 tl.dot and the bf16 stores the GPU runs are not exercised by the CPU tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tileport.dispatch import interpreter_enabled
+from tileport.memory import new_empty
+
+BT = 64  # chunk size
+MAX_HEAD_DIM = 128  # largest K and V the kernels hold in registers
+L2NORM_EPS = 1e-6
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def triton_refusal(K: int, V: int, dtype: torch.dtype) -> str | None:
+    """None when the Triton kernels accept the problem, else a one-line reason."""
+    if dtype not in _SUPPORTED_DTYPES:
+        return f"q/k/v dtype {dtype} is not one of float32, float16, bfloat16"
+    if K > MAX_HEAD_DIM:
+        return f"K={K} is over the Triton kernels' head-dim cap {MAX_HEAD_DIM}"
+    if V > MAX_HEAD_DIM:
+        return f"V={V} is over the Triton kernels' head-dim cap {MAX_HEAD_DIM}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# chunk plan (host)
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPlan:
+    # int64 throughout: token arithmetic in the kernels then never needs widening (and under the
+    # interpreter, int32 adds pay for an overflow check each)
+    cu: torch.Tensor  # [N+1], token offsets of the sequences in the flattened [Ntok] axis
+    chunk_offsets: torch.Tensor  # [N+1], index of each sequence's first chunk
+    chunks: torch.Tensor  # [NC, 2], (first token of the chunk, end of its sequence)
+    N: int
+    NC: int
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_cached(cu: tuple[int, ...], device: str) -> ChunkPlan:
+    cu_t = torch.tensor(cu, dtype=torch.int64)
+    N = len(cu) - 1
+    lens = cu_t[1:] - cu_t[:-1]
+    nch = (lens + BT - 1) // BT
+    offs = torch.zeros(N + 1, dtype=torch.int64)
+    offs[1:] = torch.cumsum(nch, 0)
+    NC = int(offs[-1])
+    seq = torch.repeat_interleave(torch.arange(N), nch)
+    within = torch.arange(NC) - offs[:-1][seq]
+    chunks = torch.stack([cu_t[:-1][seq] + within * BT, cu_t[1:][seq]], dim=1)
+    to = functools.partial(torch.Tensor.to, dtype=torch.int64, device=device)
+    return ChunkPlan(to(cu_t), to(offs), to(chunks).contiguous(), N, NC)
+
+
+def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
+    if cu_seqlens is None:
+        cu = tuple(b * T for b in range(B + 1))
+    else:
+        cu = tuple(int(x) for x in cu_seqlens.tolist())
+    return _plan_cached(cu, str(device))
+
+
+def _blocks(K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BV, NV): K is held whole (padded to a power of two >= 16), V in NV blocks of BV."""
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    return BK, BV, triton.cdiv(V, BV)
+
+
+def _dot_types(dtype: torch.dtype) -> tuple:
+    """(DT, DA) for the kernels' matmul operands: rounded to DT, handed to tl.dot as DA.
+
+    DT is fp32 for fp32 inputs and bf16 for both 16-bit input dtypes: operands such as
+    exp(G) Q or W carry gate products that reach 1e-9 and below with very negative gates, which
+    fp16 flushes to zero (bf16 has fp32's exponent range). The interpreter's bf16 tl.dot is wrong
+    in triton 3.6, so there bf16 operands go in as fp32 (rounded to bf16 by `_op`)."""
+    DT = tl.float32 if dtype == torch.float32 else tl.bfloat16
+    DA = tl.float32 if interpreter_enabled() else DT
+    return DT, DA
+
+
+# ----------------------------------------------------------------------------------------
+# kernels
+#
+# Written for the CPU interpreter as much as for the GPU. Under TRITON_INTERPRET=1 every call of
+# a @triton.jit function from inside a kernel re-patches triton.language (~2 ms a call), and
+# tl.sum / tl.cumsum / tl.zeros are such functions; so the kernels mostly call builtins (tl.dot,
+# tl.where, tl.full, ...), index with plain offset arithmetic, and call tl.sum outside loops. The
+# one helper is `_op`, which every matmul operand goes through: rounded to DT, the input dtype
+# (what the tensor cores see), and handed to tl.dot as DA (= DT, except bf16 under the
+# interpreter: fp32, rounded by bits). input_precision="ieee" only matters when the operands are
+# fp32: no tf32 anywhere.
+# Row offsets into [Ntok, H, D] tensors are int64 (`row` = token * H + head).
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _op(x, DT: tl.constexpr, DA: tl.constexpr):
+    """x as a tl.dot operand: rounded to DT. When DA != DT (bf16 under the interpreter) x is rounded
+    to bf16's 8 significant bits by Veltkamp splitting (c = x (2^16 + 1); x_hi = c - (c - x):
+    round to nearest, ties to even but for a few ties) and kept in fp32: the interpreter's own
+    fp32 -> bf16 cast truncates, and its bf16 dot is wrong (see the module docstring)."""
+    if DA == DT:
+        r = x.to(DT)
+    else:
+        c = x.to(tl.float32) * 65537.0
+        r = c - (c - x.to(tl.float32))
+    return r
+
+
+@triton.jit
+def _l2norm_fwd_kernel(x_ptr, y_ptr, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """1: y = x * rsqrt(sum(x^2) + eps) over rows of D, stored in y's dtype."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    d = tl.arange(0, BD)
+    m = (rows < n_rows)[:, None] & (d < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + d[None, :]
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) + eps)
+    tl.store(y_ptr + offs, (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _l2norm_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """11: dx = rstd (dy - y (dy . y)), y and rstd recomputed from x."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    d = tl.arange(0, BD)
+    m = (rows < n_rows)[:, None] & (d < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + d[None, :]
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) + eps)
+    y = x * rstd[:, None]
+    dx = rstd[:, None] * (dy - y * tl.sum(dy * y, 1)[:, None])
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _cumsum_kernel(g_ptr, G_ptr, chunks_ptr, H, BT: tl.constexpr):
+    """2: G = cumulative sum of g inside the chunk, in fp64 (see the module docstring)."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    tok = bos + tl.arange(0, BT)
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    g = tl.load(g_ptr + row, mask=valid, other=0.0).to(tl.float64)
+    tl.store(G_ptr + row, tl.cumsum(g, 0), mask=valid)
+
+
+@triton.jit
+def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
+                  K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """3: T = (I + A)^-1, A = strict_lower(diag(beta) (K K^T * Gam)), for one chunk and head.
+
+    In 16x16 blocks (NB = BT / 16 per side). Block row i: A_im (m <= i) from the keys; the diagonal
+    block is inverted by forward substitution, one row per step: with T_ii = I + X, row s of X is
+    -A_s - sum_{m<s} A_sm X_m, i.e. X += (X masked to row s) @ X while row s still holds -A_s
+    (a 16x16 fp32 dot whose other rows are 0); then T_ij = -T_ii sum_{j <= m < i} A_im T_mj for
+    j < i. Writes T as [64 rows, 64 cols] fp32, the blocks above the diagonal as 0."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    NB: tl.constexpr = BT // 16
+    r = tl.arange(0, 16)
+    kc = tl.arange(0, BK)
+    cols = tl.arange(0, BT)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    strict = r[:, None] > r[None, :]
+    ks = ()
+    bs = ()
+    gs = ()
+    vs = ()
+    rows = ()
+    for b in tl.static_range(NB):
+        tok = bos + b * 16 + r
+        valid = tok < eos
+        row = tok * H + hh
+        k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=valid[:, None] & (kc < K)[None, :], other=0.0)
+        ks = ks + (_op(k, DT, DA),)
+        bs = bs + (tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)[:, None],)
+        gs = gs + (tl.load(G_ptr + row, mask=valid, other=0.0),)
+        vs = vs + (valid,)
+        rows = rows + (row,)
+    Ts = ()  # the blocks T_ij, j <= i, row-major
+    for i in tl.static_range(NB):
+        A_row = ()
+        for m in tl.static_range(i + 1):
+            msk = vs[i][:, None] & vs[m][None, :]
+            if m == i:
+                msk = msk & strict
+            kk = tl.dot(ks[i], tl.trans(ks[m]), input_precision="ieee")
+            gam = tl.exp(tl.where(msk, (gs[i][:, None] - gs[m][None, :]).to(tl.float32), float("-inf")))  # 0 off the mask
+            A_row = A_row + (kk * bs[i] * gam,)
+        X = -A_row[i]
+        for s in tl.static_range(2, 16):
+            X += tl.dot(tl.where(r[:, None] == s, X, 0.0), X, input_precision="ieee")
+        Tii = X + eye
+        for j in tl.static_range(i):
+            acc = tl.dot(A_row[j], Ts[(j * (j + 1)) // 2 + j], input_precision="ieee")
+            for m in tl.static_range(j + 1, i):
+                acc += tl.dot(A_row[m], Ts[(m * (m + 1)) // 2 + j], input_precision="ieee")
+            Ts = Ts + (-tl.dot(Tii, acc, input_precision="ieee"),)
+        Ts = Ts + (Tii,)
+    for i in tl.static_range(NB):
+        base = Ai_ptr + rows[i][:, None] * BT
+        for j in tl.static_range(i + 1):
+            tl.store(base + (j * 16 + r)[None, :], Ts[(i * (i + 1)) // 2 + j], mask=vs[i][:, None])
+        if i + 1 < NB:
+            tl.store(base + cols[None, :], tl.full([16, BT], 0.0, tl.float32),
+                     mask=vs[i][:, None] & (cols >= (i + 1) * 16)[None, :])
+
+
+@triton.jit
+def _wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
+               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+               BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """4: W = T diag(beta exp(G)) K, U = T diag(beta) V (fp32)."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, BT)
+    tok = bos + r
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    kc = tl.arange(0, BK)
+    mk = valid[:, None] & (kc < K)[None, :]
+    T = _op(tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0), DT, DA)
+    beta = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
+    G = tl.load(G_ptr + row, mask=valid, other=0.0)
+    k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    w = tl.dot(T, _op((k * (beta * tl.exp(G.to(tl.float32)))[:, None]), DT, DA), input_precision="ieee")
+    tl.store(w_ptr + row[:, None] * K + kc[None, :], w, mask=mk)
+    for j in tl.static_range(NV):
+        vc = j * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (vc < V)[None, :]
+        v = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        u = tl.dot(T, _op((v * beta[:, None]), DT, DA), input_precision="ieee")
+        tl.store(u_ptr + row[:, None] * V + vc[None, :], u, mask=mv)
+
+
+@triton.jit
+def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, choff_ptr, H,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                   HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """5: one program per (V block, sequence, head), sequential over the sequence's chunks.
+    h [BK, BV] fp32 stays in registers; per chunk it is stored (the state entering the chunk),
+    Vn = U - W h is formed and stored, and h <- exp(G_L) h + (diag(exp(G_L - G)) K)^T Vn."""
+    nh = tl.program_id(0)
+    j = tl.program_id(1)
+    n = nh // H
+    hh = nh % H
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    c0 = tl.load(choff_ptr + n)
+    nc = (eos - bos + BT - 1) // BT
+    r = tl.arange(0, BT)
+    kc = tl.arange(0, BK)
+    vc = j * BV + tl.arange(0, BV)
+    smask = (kc < K)[:, None] & (vc < V)[None, :]
+    sblk = kc[:, None] * V + vc[None, :]
+    if HAS_H0:
+        h = tl.load(h0_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, mask=smask, other=0.0).to(tl.float32)
+    else:
+        h = tl.full([BK, BV], 0.0, tl.float32)
+    for i in range(0, nc):
+        tl.store(h_ptr + ((c0 + i).to(tl.int64) * H + hh) * (K * V) + sblk, h, mask=smask)
+        tok = bos + i * BT + r
+        valid = tok < eos
+        row = tok.to(tl.int64) * H + hh
+        mk = valid[:, None] & (kc < K)[None, :]
+        mv = valid[:, None] & (vc < V)[None, :]
+        w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+        u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+        vn = u - tl.dot(_op(w, DT, DA), _op(h, DT, DA), input_precision="ieee")
+        tl.store(vn_ptr + row[:, None] * V + vc[None, :], vn, mask=mv)
+        last = tl.minimum(bos + i * BT + BT, eos) - 1
+        GL = tl.load(G_ptr + last.to(tl.int64) * H + hh)
+        G = tl.load(G_ptr + row, mask=valid, other=0.0)
+        k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+        kd = k * tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))[:, None]
+        h = h * tl.exp(GL.to(tl.float32)) + tl.dot(tl.trans(_op(kd, DT, DA)), _op(vn, DT, DA), input_precision="ieee")
+    if STORE_FINAL:
+        tl.store(ht_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, h, mask=smask)
+
+
+@triton.jit
+def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, scale,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr,
+                   DT: tl.constexpr, DA: tl.constexpr):
+    """6: O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn), in o's dtype."""
+    c = tl.program_id(0) // NV
+    j = tl.program_id(0) % NV
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, BT)
+    tok = bos + r
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    kc = tl.arange(0, BK)
+    vc = j * BV + tl.arange(0, BV)
+    mk = valid[:, None] & (kc < K)[None, :]
+    mv = valid[:, None] & (vc < V)[None, :]
+    q = _op(tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
+    k = _op(tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
+    G = tl.load(G_ptr + row, mask=valid, other=0.0)
+    h = tl.load(h_ptr + (c.to(tl.int64) * H + hh) * (K * V) + kc[:, None] * V + vc[None, :],
+                mask=(kc < K)[:, None] & (vc < V)[None, :], other=0.0)
+    vn = tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+    m = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
+    gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
+    P = tl.where(m, tl.dot(q, tl.trans(k), input_precision="ieee") * gam, 0.0)
+    o = (tl.dot(q, _op(h, DT, DA), input_precision="ieee") * tl.exp(G.to(tl.float32))[:, None]
+         + tl.dot(_op(P, DT, DA), _op(vn, DT, DA), input_precision="ieee"))
+    tl.store(o_ptr + row[:, None] * V + vc[None, :], (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
+                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr,
+                     DT: tl.constexpr, DA: tl.constexpr):
+    """7: dVl = scale lower(Q K^T * Gam)^T dO (fp32), the part of dVn from this chunk's outputs."""
+    c = tl.program_id(0) // NV
+    j = tl.program_id(0) % NV
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, BT)
+    tok = bos + r
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    kc = tl.arange(0, BK)
+    vc = j * BV + tl.arange(0, BV)
+    mk = valid[:, None] & (kc < K)[None, :]
+    mv = valid[:, None] & (vc < V)[None, :]
+    q = _op(tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
+    k = _op(tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
+    G = tl.load(G_ptr + row, mask=valid, other=0.0)
+    do = _op(tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
+    mT = valid[:, None] & valid[None, :] & (r[:, None] <= r[None, :])  # [s, t], t >= s
+    gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
+    Pt = tl.where(mT, tl.dot(k, tl.trans(q), input_precision="ieee") * gamT, 0.0)
+    dvl = tl.dot(_op(Pt, DT, DA), do, input_precision="ieee") * scale
+    tl.store(dvl_ptr + row[:, None] * V + vc[None, :], dvl, mask=mv)
+
+
+@triton.jit
+def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
+                    cu_ptr, choff_ptr, H, scale,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """8: one program per (V block, sequence, head), chunks in reverse. dh [BK, BV] fp32 in
+    registers is the gradient of the state leaving the chunk; it is stored, then
+    dVn = dVl + diag(exp(G_L - G)) K dh (stored) and
+    dh <- exp(G_L) dh + scale (diag(exp(G)) Q)^T dO - W^T dVn. At the end dh is d initial_state."""
+    nh = tl.program_id(0)
+    j = tl.program_id(1)
+    n = nh // H
+    hh = nh % H
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    c0 = tl.load(choff_ptr + n)
+    nc = (eos - bos + BT - 1) // BT
+    r = tl.arange(0, BT)
+    kc = tl.arange(0, BK)
+    vc = j * BV + tl.arange(0, BV)
+    smask = (kc < K)[:, None] & (vc < V)[None, :]
+    sblk = kc[:, None] * V + vc[None, :]
+    if HAS_DHT:
+        dh = tl.load(dht_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, mask=smask, other=0.0).to(tl.float32)
+    else:
+        dh = tl.full([BK, BV], 0.0, tl.float32)
+    for ii in range(0, nc):
+        i = nc - 1 - ii
+        tl.store(dh_ptr + ((c0 + i).to(tl.int64) * H + hh) * (K * V) + sblk, dh, mask=smask)
+        tok = bos + i * BT + r
+        valid = tok < eos
+        row = tok.to(tl.int64) * H + hh
+        mk = valid[:, None] & (kc < K)[None, :]
+        mv = valid[:, None] & (vc < V)[None, :]
+        last = tl.minimum(bos + i * BT + BT, eos) - 1
+        GL = tl.load(G_ptr + last.to(tl.int64) * H + hh)
+        G = tl.load(G_ptr + row, mask=valid, other=0.0)
+        k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+        kd = k * tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))[:, None]
+        dvl = tl.load(dvl_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+        dvn = dvl + tl.dot(_op(kd, DT, DA), _op(dh, DT, DA), input_precision="ieee")
+        tl.store(dvn_ptr + row[:, None] * V + vc[None, :], dvn, mask=mv)
+        q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+        do = _op(tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
+        qg = q * (scale * tl.exp(G.to(tl.float32)))[:, None]
+        dh = (dh * tl.exp(GL.to(tl.float32))
+              + tl.dot(tl.trans(_op(qg, DT, DA)), do, input_precision="ieee")
+              - tl.dot(tl.trans(_op(w, DT, DA)), _op(dvn, DT, DA), input_precision="ieee"))
+    if STORE_DH0:
+        tl.store(dh0_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, dh, mask=smask)
+
+
+@triton.jit
+def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
+                  dq_ptr, dk_ptr, dw_ptr, dG_ptr, chunks_ptr, H, scale,
+                  K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                  BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """9: per chunk and head, summing over the V blocks:
+        dQa = dO h_c^T,  dS = dO Vn^T,  dKs = Vn dh^T,  dW = -dVn h_c^T,  dgl = sum(h_c * dh)
+    (dh: the gradient of the state leaving the chunk); then, with D = lower(scale dS * Gam):
+        dQ = scale diag(exp(G)) dQa + D K                                   (final, or fp32 for l2norm)
+        dK = D^T Q + diag(exp(G_L - G)) dKs                                 (fp32; 10 adds the rest)
+    D^T is built from its own accumulator dS^T = Vn dO^T, never by tl.trans of a dot result: that
+    pattern (FLA's `tl.dot(tl.trans(b_ds), b_q)`) is what triton 3.4-3.7.0 miscompiles on Hopper
+    (fla-org/flash-linear-attention issue 640).
+        dG = scale exp(G) rowsum(Q * dQa) + rowsum(D' * QK^T) - colsum(D' * QK^T) - x,
+             x = exp(G_L - G) rowsum(K * dKs) (0 on the last valid row), D' = D off the diagonal;
+             the last valid row also gets exp(G_L) dgl + sum(x)."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, BT)
+    tok = bos + r
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    kc = tl.arange(0, BK)
+    mk = valid[:, None] & (kc < K)[None, :]
+    sbase = (c.to(tl.int64) * H + hh) * (K * V)
+    dqa = tl.full([BT, BK], 0.0, tl.float32)
+    dks = tl.full([BT, BK], 0.0, tl.float32)
+    dw = tl.full([BT, BK], 0.0, tl.float32)
+    ds = tl.full([BT, BT], 0.0, tl.float32)
+    dsT = tl.full([BT, BT], 0.0, tl.float32)
+    hdh = tl.full([BK, BV], 0.0, tl.float32)
+    for j in tl.static_range(NV):
+        vc = j * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (vc < V)[None, :]
+        smask = (kc < K)[:, None] & (vc < V)[None, :]
+        h = tl.load(h_ptr + sbase + kc[:, None] * V + vc[None, :], mask=smask, other=0.0)
+        dh = tl.load(dh_ptr + sbase + kc[:, None] * V + vc[None, :], mask=smask, other=0.0)
+        vn = _op(tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
+        dvn = _op(tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
+        do = _op(tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
+        ht = tl.trans(_op(h, DT, DA))
+        dqa += tl.dot(do, ht, input_precision="ieee")
+        ds += tl.dot(do, tl.trans(vn), input_precision="ieee")
+        dsT += tl.dot(vn, tl.trans(do), input_precision="ieee")
+        dks += tl.dot(vn, tl.trans(_op(dh, DT, DA)), input_precision="ieee")
+        dw -= tl.dot(dvn, ht, input_precision="ieee")
+        hdh += h * dh
+    q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    qd = _op(q, DT, DA)
+    kd = _op(k, DT, DA)
+    G = tl.load(G_ptr + row, mask=valid, other=0.0)
+    last = tl.minimum(bos + BT, eos) - 1
+    GL = tl.load(G_ptr + last.to(tl.int64) * H + hh)
+    m = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
+    gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
+    D = tl.where(m, ds * gam * scale, 0.0)
+    Dd = _op(D, DT, DA)
+    qk = tl.dot(qd, tl.trans(kd), input_precision="ieee")
+    eg = tl.exp(G.to(tl.float32))
+    dq = dqa * (scale * eg)[:, None] + tl.dot(Dd, kd, input_precision="ieee")
+    decay = tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))
+    mT = valid[:, None] & valid[None, :] & (r[:, None] <= r[None, :])
+    gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
+    Dt = tl.where(mT, dsT * gamT * scale, 0.0)  # = D^T
+    dk = tl.dot(_op(Dt, DT, DA), qd, input_precision="ieee") + dks * decay[:, None]
+    # The diagonal of Gam and exp(G_L - G_last) = 1 have no gradient: their terms would enter dG
+    # twice with opposite signs and only leave rounding noise, which swamps dg when it is tiny
+    # (very negative gates), so they are left out rather than cancelled.
+    M = tl.where(r[:, None] > r[None, :], D * qk, 0.0)
+    x = tl.where(tok == last, 0.0, decay * tl.sum(k * dks, 1))
+    dG = scale * eg * tl.sum(q * dqa, 1) + tl.sum(M, 1) - tl.sum(M, 0) - x
+    dG += tl.where(tok == last, tl.exp(GL.to(tl.float32)) * tl.sum(hdh) + tl.sum(x, 0), 0.0)
+    tl.store(dq_ptr + row[:, None] * K + kc[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mk)
+    tl.store(dk_ptr + row[:, None] * K + kc[None, :], dk, mask=mk)
+    tl.store(dw_ptr + row[:, None] * K + kc[None, :], dw, mask=mk)
+    tl.store(dG_ptr + row, dG, mask=valid)
+
+
+@triton.jit
+def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr,
+                   dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                   BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """10: back through W, U, T and A. With dU = dVn and dW from 9:  dU' = T^T dU,  dW' = T^T dW,
+        dA = strict_lower(-(dU' U^T + dW' W^T))      (T = (I + A)^-1)
+        dV = diag(beta) dU'
+        dbeta = rowsum(V * dU') + exp(G) rowsum(K * dW') + rowsum(dA * Gam * KK^T)
+        dK += diag(beta exp(G)) dW' + B K + B^T K,   B = diag(beta) (dA * Gam)
+        dG += beta exp(G) rowsum(K * dW') + rowsum(B * KK^T) - colsum(B * KK^T)
+    and dg = the reverse cumulative sum of dG inside the chunk. B^T comes from its own product
+    dA^T = strict_upper(-(W dW'^T + U dU'^T)), with dW'^T = dW^T T and dU'^T = dU^T T formed from
+    loaded tiles: no tl.trans of a dot result feeds a dot (see 9)."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, BT)
+    tok = bos + r
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    kc = tl.arange(0, BK)
+    mk = valid[:, None] & (kc < K)[None, :]
+    Tm = _op(tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0), DT, DA)
+    Tt = tl.trans(Tm)
+    beta = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
+    w = _op(tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
+    dw = _op(tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
+    dwp = tl.dot(Tt, dw, input_precision="ieee")
+    dA = -tl.dot(_op(dwp, DT, DA), tl.trans(w), input_precision="ieee")
+    dAt = -tl.dot(w, _op(tl.dot(tl.trans(dw), Tm, input_precision="ieee"), DT, DA), input_precision="ieee")
+    vdu = tl.full([BT, BV], 0.0, tl.float32)
+    for j in tl.static_range(NV):
+        vc = j * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (vc < V)[None, :]
+        dvn = _op(tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
+        dup = tl.dot(Tt, dvn, input_precision="ieee")
+        dupT = tl.dot(tl.trans(dvn), Tm, input_precision="ieee")
+        tl.store(dv_ptr + row[:, None] * V + vc[None, :], (dup * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
+        v = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        vdu += v * dup
+        u = _op(tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
+        dA -= tl.dot(_op(dup, DT, DA), tl.trans(u), input_precision="ieee")
+        dAt -= tl.dot(u, _op(dupT, DT, DA), input_precision="ieee")
+    k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    kd = _op(k, DT, DA)
+    G = tl.load(G_ptr + row, mask=valid, other=0.0)
+    eg = tl.exp(G.to(tl.float32))
+    m = valid[:, None] & valid[None, :] & (r[:, None] > r[None, :])
+    gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
+    dAg = tl.where(m, dA * gam, 0.0)
+    kk = tl.dot(kd, tl.trans(kd), input_precision="ieee")
+    kdw = tl.sum(k * dwp, 1)
+    dbeta = tl.sum(vdu, 1) + eg * kdw + tl.sum(dAg * kk, 1)
+    B = dAg * beta[:, None]
+    mT = valid[:, None] & valid[None, :] & (r[:, None] < r[None, :])
+    gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
+    Bt = tl.where(mT, dAt * gamT, 0.0) * beta[None, :]  # = B^T
+    dk = tl.load(dkp_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0) + dwp * (beta * eg)[:, None]
+    dk += tl.dot(_op(B, DT, DA), kd, input_precision="ieee") + tl.dot(_op(Bt, DT, DA), kd, input_precision="ieee")
+    M = B * kk
+    dG = tl.load(dGp_ptr + row, mask=valid, other=0.0) + beta * eg * kdw + tl.sum(M, 1) - tl.sum(M, 0)
+    dg = tl.cumsum(dG, 0, reverse=True)
+    tl.store(dk_ptr + row[:, None] * K + kc[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mk)
+    tl.store(dbeta_ptr + row, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
+    tl.store(dg_ptr + row, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+
+
+# ----------------------------------------------------------------------------------------
+# stage functions (host): one kernel launch each
+# ----------------------------------------------------------------------------------------
+
+_F32 = torch.float32
+
+# Launch settings per kernel (untuned; the GPU is where they get tuned). The two sequential kernels
+# run without software pipelining: at the default 3 stages Triton multi-buffers every per-chunk
+# tile in shared memory (about 200 KB at K = V = 128, more than fp32 inputs fit in an H200's 227 KB).
+_LAUNCH = {
+    "solve": dict(num_warps=4),
+    "wu": dict(num_warps=4),
+    "states": dict(num_warps=4, num_stages=1),
+    "output": dict(num_warps=4),
+    "dv_local": dict(num_warps=4),
+    "dstates": dict(num_warps=4, num_stages=1),
+    "dqkwg": dict(num_warps=8),
+    "wy_bwd": dict(num_warps=8),
+}
+
+
+def _out(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """The buffer a kernel writes an output of `dtype` into. Under the interpreter a bf16 output is
+    written as fp32 and rounded by torch in `_done`: the interpreter's fp32 -> bf16 store truncates,
+    where the GPU's rounds to nearest even, and truncation would bias every bf16 result."""
+    if dtype == torch.bfloat16 and interpreter_enabled():
+        return new_empty(shape, _F32, device)
+    return new_empty(shape, dtype, device)
+
+
+def _done(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return buf if buf.dtype == dtype else buf.to(dtype)
+
+
+def _l2norm_rows(D: int) -> tuple[int, int]:
+    BD = max(16, triton.next_power_of_2(D))
+    return BD, max(16, 4096 // BD)
+
+
+def l2norm_fwd(x: torch.Tensor) -> torch.Tensor:
+    """1: x * rsqrt(sum(x^2) + 1e-6) over the last dim, in x's dtype."""
+    D = x.shape[-1]
+    y = _out(x.shape, x.dtype, x.device)
+    n_rows = x.numel() // D
+    BD, BR = _l2norm_rows(D)
+    if n_rows:
+        _l2norm_fwd_kernel[(triton.cdiv(n_rows, BR),)](x, y, n_rows, L2NORM_EPS, D, BD, BR)
+    return _done(y, x.dtype)
+
+
+def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """11: the gradient through l2norm_fwd, from x and dy (fp32)."""
+    D = x.shape[-1]
+    dx = _out(x.shape, out_dtype, x.device)
+    n_rows = x.numel() // D
+    BD, BR = _l2norm_rows(D)
+    if n_rows:
+        _l2norm_bwd_kernel[(triton.cdiv(n_rows, BR),)](x, dy, dx, n_rows, L2NORM_EPS, D, BD, BR)
+    return _done(dx, out_dtype)
+
+
+def chunk_cumsum(g: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """2: G [Ntok, H] fp64."""
+    Ntok, H = g.shape
+    G = new_empty((Ntok, H), torch.float64, g.device)
+    if plan.NC:
+        _cumsum_kernel[(plan.NC, H)](g, G, plan.chunks, H, BT)
+    return G
+
+
+def chunk_solve(k: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """3: T = (I + A)^-1 per chunk, [Ntok, H, 64] fp32 (row t of its chunk's T)."""
+    Ntok, H, K = k.shape
+    BK = _blocks(K, 1)[0]
+    Ai = new_empty((Ntok, H, BT), _F32, k.device)
+    if plan.NC:
+        _solve_kernel[(plan.NC, H)](k, beta, G, Ai, plan.chunks, H, K, BK, BT, *_dot_types(k.dtype), **_LAUNCH["solve"])
+    return Ai
+
+
+def chunk_wu(k, v, beta, G, Ai, plan: ChunkPlan):
+    """4: W [Ntok, H, K], U [Ntok, H, V], fp32."""
+    Ntok, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    w = new_empty((Ntok, H, K), _F32, k.device)
+    u = new_empty((Ntok, H, V), _F32, k.device)
+    if plan.NC:
+        _wu_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
+                                 *_dot_types(k.dtype), **_LAUNCH["wu"])
+    return w, u
+
+
+def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool):
+    """5: h [NC, H, K, V] (state entering each chunk), Vn [Ntok, H, V], final state [N, H, K, V] or None; fp32."""
+    Ntok, H, K = k.shape
+    V = u.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    h = new_empty((plan.NC, H, K, V), _F32, k.device)
+    vn = new_empty((Ntok, H, V), _F32, k.device)
+    ht = new_empty((plan.N, H, K, V), _F32, k.device) if output_final_state else None
+    if plan.N:
+        _states_kernel[(plan.N * H, NV)](
+            k, w, u, G, h0 if h0 is not None else h, h, vn, ht if ht is not None else h, plan.cu, plan.chunk_offsets, H,
+            K, V, BK, BV, BT, h0 is not None, output_final_state, *_dot_types(k.dtype), **_LAUNCH["states"])
+    return h, vn, ht
+
+
+def chunk_output(q, k, G, h, vn, scale: float, plan: ChunkPlan, out_dtype: torch.dtype):
+    """6: o [Ntok, H, V] in out_dtype."""
+    Ntok, H, K = q.shape
+    V = vn.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    o = _out((Ntok, H, V), out_dtype, q.device)
+    if plan.NC:
+        _output_kernel[(plan.NC * NV, H)](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
+                                         *_dot_types(q.dtype), **_LAUNCH["output"])
+    return _done(o, out_dtype)
+
+
+def chunk_dv_local(q, k, G, do, scale: float, plan: ChunkPlan):
+    """7: dVl [Ntok, H, V] fp32."""
+    Ntok, H, K = q.shape
+    V = do.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    dvl = new_empty((Ntok, H, V), _F32, q.device)
+    if plan.NC:
+        _dv_local_kernel[(plan.NC * NV, H)](q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
+                                           *_dot_types(q.dtype), **_LAUNCH["dv_local"])
+    return dvl
+
+
+def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_dh0: bool):
+    """8: dh [NC, H, K, V] (gradient of the state leaving each chunk), dVn [Ntok, H, V],
+    d initial_state [N, H, K, V] or None; fp32."""
+    Ntok, H, K = q.shape
+    V = do.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    dh = new_empty((plan.NC, H, K, V), _F32, q.device)
+    dvn = new_empty((Ntok, H, V), _F32, q.device)
+    dh0 = new_empty((plan.N, H, K, V), _F32, q.device) if want_dh0 else None
+    if plan.N:
+        _dstates_kernel[(plan.N * H, NV)](
+            q, k, w, G, do, dvl, dht if dht is not None else dh, dh, dvn, dh0 if dh0 is not None else dh,
+            plan.cu, plan.chunk_offsets, H, scale, K, V, BK, BV, BT, dht is not None, want_dh0,
+            *_dot_types(q.dtype), **_LAUNCH["dstates"])
+    return dh, dvn, dh0
+
+
+def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_dtype: torch.dtype):
+    """9: dq [Ntok, H, K] in dq_dtype; partial dk, dW [Ntok, H, K] and partial dG [Ntok, H], fp32."""
+    Ntok, H, K = q.shape
+    V = do.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    dq = _out((Ntok, H, K), dq_dtype, q.device)
+    dk = new_empty((Ntok, H, K), _F32, q.device)
+    dw = new_empty((Ntok, H, K), _F32, q.device)
+    dG = new_empty((Ntok, H), _F32, q.device)
+    if plan.NC:
+        _dqkwg_kernel[(plan.NC, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, plan.chunks, H, scale,
+                                    K, V, BK, BV, NV, BT, *_dot_types(q.dtype), **_LAUNCH["dqkwg"])
+    return _done(dq, dq_dtype), dk, dw, dG
+
+
+def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
+                 dk_dtype: torch.dtype, dv_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dtype: torch.dtype):
+    """10: dk [Ntok, H, K], dv [Ntok, H, V], dbeta, dg [Ntok, H], each in the dtype asked for."""
+    Ntok, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    dk = _out((Ntok, H, K), dk_dtype, k.device)
+    dv = _out((Ntok, H, V), dv_dtype, k.device)
+    dbeta = _out((Ntok, H), dbeta_dtype, k.device)
+    dg = _out((Ntok, H), dg_dtype, k.device)
+    if plan.NC:
+        _wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, dk, dv, dbeta, dg, plan.chunks, H,
+                                     K, V, BK, BV, NV, BT, *_dot_types(k.dtype), **_LAUNCH["wy_bwd"])
+    return _done(dk, dk_dtype), _done(dv, dv_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# the backend: forward and backward composed from the stages
+# ----------------------------------------------------------------------------------------
+
+
+def _flatten(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, H, ...] -> contiguous [B*T, H, ...]."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+
+
+def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, output_final_state):
+    """Stages 1-5: what both the forward and the backward need."""
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_fwd(q), l2norm_fwd(k)
+    G = chunk_cumsum(g, plan)
+    Ai = chunk_solve(k, beta, G, plan)
+    w, u = chunk_wu(k, v, beta, G, Ai, plan)
+    h, vn, ht = chunk_states(k, w, u, G, initial_state, plan, output_final_state)
+    return q, k, G, Ai, w, u, h, vn, ht
+
+
+def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """(o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    plan = make_plan(B, T, cu_seqlens, q.device)
+    qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    qn, kn, G, _Ai, _w, _u, h, vn, ht = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan, output_final_state)
+    o = chunk_output(qn, kn, G, h, vn, scale, plan, q.dtype)
+    return o.view(B, T, H, V), ht
+
+
+def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """(dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype. Recomputes
+    stages 1-5, then runs 7-11; dht (gradient of the final state) may be None."""
+    B, T, H, K = q.shape
+    plan = make_plan(B, T, cu_seqlens, q.device)
+    qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
+    dof = _flatten(do.to(q.dtype))
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    dht = dht.contiguous() if dht is not None else None
+    qn, kn, G, Ai, w, u, h, vn, _ = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan, False)
+    dvl = chunk_dv_local(qn, kn, G, dof, scale, plan)
+    dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None)
+    l2 = use_qk_l2norm_in_kernel
+    dq, dkp, dw, dGp = chunk_dqkwg(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, _F32 if l2 else q.dtype)
+    dk, dv, dbeta, dg = chunk_wy_bwd(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan,
+                                     _F32 if l2 else k.dtype, v.dtype, beta.dtype, g.dtype)
+    if l2:
+        dq = l2norm_bwd(qf, dq, q.dtype)
+        dk = l2norm_bwd(kf, dk, k.dtype)
+    if dh0 is not None and dh0.dtype != initial_state.dtype:
+        dh0 = dh0.to(initial_state.dtype)
+    return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape), dbeta.view(beta.shape), dh0)
