@@ -127,7 +127,11 @@ class _Block(torch.nn.Module):
         return tileport.fused_attnres(self.query, h, self.w, self.ow) * 2.0
 
 
-def test_torch_compile_fullgraph_matches_eager():
+def test_torch_compile_fullgraph_matches_eager(tmp_path, monkeypatch):
+    # a private inductor cache: a compiled graph cached by an older tileport would be reused
+    # (same op schema) with stale fake shapes
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
     torch.manual_seed(0)
     D = 32
     m = _Block(D)

@@ -322,13 +322,30 @@ def _attnres_backward_op(
     eps: float,
     scale: float,
 ) -> list[torch.Tensor]:
-    return _backward_impl(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale)
+    # Returns [d query, d rms_weight, d output_rms_weight, d residuals stacked [L, ...]]: the
+    # kernels write the L gradients into one [L, N, D] buffer, and a custom op may not return
+    # several views of one storage, so the stacked buffer itself is the output (no copy).
+    grads = _backward_impl(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale)
+    return grads[:3] + [_stacked(grads[3:])]
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The [L, ...] tensor whose rows are `parts`: their common base when they are its
+    consecutive rows (what the kernels allocate), else a stacked copy."""
+    base = parts[0]._base
+    if (base is not None and base.is_contiguous() and base.shape[0] == len(parts)
+            and base.shape[1:].numel() == parts[0].numel()
+            and all(p._base is base and p.data_ptr() == base[i].data_ptr() for i, p in enumerate(parts))):
+        return base.view(len(parts), *parts[0].shape)
+    return torch.stack(parts)
 
 
 @_attnres_backward_op.register_fake
 def _(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale):
     dow = output_rms_weight.new_empty(output_rms_weight.shape) if output_rms_weight is not None else rms_weight.new_empty(1)
-    return [query.new_empty(query.shape), rms_weight.new_empty(rms_weight.shape), dow] + [r.new_empty(r.shape) for r in residuals]
+    r0 = residuals[0]
+    return [query.new_empty(query.shape), rms_weight.new_empty(rms_weight.shape), dow,
+            r0.new_empty((len(residuals), *r0.shape))]
 
 
 def _setup_context(ctx, inputs, output):
@@ -350,7 +367,7 @@ def _backward(ctx, grad_o, grad_p):
     ow = saved[-1] if ctx.has_ow else None
     grads = _attnres_backward_op(grad_o, query, residuals, rms_weight, ow, ctx.eps, ctx.scale)
     dq, dw, dow = grads[0], grads[1], grads[2]
-    return dq, list(grads[3:]), dw, (dow if ctx.has_ow else None), None, None, None
+    return dq, list(grads[3].unbind(0)), dw, (dow if ctx.has_ow else None), None, None, None
 
 
 torch.library.register_autograd("tileport::attnres_forward", _backward, setup_context=_setup_context)
