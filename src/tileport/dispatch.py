@@ -202,6 +202,11 @@ class OpDispatcher:
                 )
             elif v.unavailable:
                 status = f"no       unavailable: {v.unavailable}"
+                try:  # say what it would do on a machine where it is available
+                    would = self._by_name[v.backend].refusal(call)
+                    status += f"; would refuse: {would}" if would else "; would accept this call"
+                except Exception:
+                    pass
             elif v.refused:
                 status = f"no       refuses: {v.refused}"
             else:
