@@ -216,6 +216,38 @@ class OpDispatcher:
         return "\n".join(lines)
 
 
+def lazy_stages(module: str, forward: str, backward: str):
+    """A backend's `impl` whose stage functions live in `module`, imported on first call (so a
+    backend whose module needs a GPU toolchain costs nothing until it is chosen)."""
+    import importlib
+    from types import SimpleNamespace
+
+    resolved: dict[str, Callable] = {}
+
+    def stage(name: str) -> Callable:
+        def call(*args):
+            fn = resolved.get(name)
+            if fn is None:
+                fn = resolved[name] = getattr(importlib.import_module(module), name)
+            return fn(*args)
+
+        return call
+
+    return SimpleNamespace(forward=stage(forward), backward=stage(backward))
+
+
+def kernel_dtype_and_capability_refusal(dtype, device_type: str, capability, min_capability=(8, 0)) -> str | None:
+    """The refusal every Triton backend shares: kernel dtypes only, and a recent enough GPU."""
+    import torch
+
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"{dtype} is not a kernel dtype (bfloat16, float16, float32)"
+    if device_type == "cuda" and capability is not None and tuple(capability) < tuple(min_capability):
+        return (f"needs compute capability {min_capability[0]}.{min_capability[1]} or newer, "
+                f"this device has {capability[0]}.{capability[1]}")
+    return None
+
+
 REGISTRY: dict[str, OpDispatcher] = {}
 
 

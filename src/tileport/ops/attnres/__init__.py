@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
+from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, interpreter_enabled, register
 from tileport.memory import new_empty
 from tileport.ops.attnres.reference import attnres_reference
 
@@ -157,10 +157,9 @@ def _triton_available() -> str | None:
 def _triton_refusal(call: AttnResCall) -> str | None:
     from tileport.ops.attnres.triton_kernels import triton_refusal
 
-    if call.dtype not in KERNEL_DTYPES:
-        return f"{call.dtype} is not a kernel dtype (bfloat16, float16, float32)"
-    if call.device_type == "cuda" and call.capability is not None and call.capability < (8, 0):
-        return f"needs compute capability 8.0 or newer, this device has {call.capability[0]}.{call.capability[1]}"
+    common = kernel_dtype_and_capability_refusal(call.dtype, call.device_type, call.capability)
+    if common:
+        return common
     return triton_refusal(call.L, call.D, call.dtype)
 
 
@@ -187,28 +186,14 @@ def _gluon_refusal(call: AttnResCall) -> str | None:
     return gluon_refusal(call.L, call.D, call.dtype)
 
 
-def _lazy(module: str, fwd: str, bwd: str) -> SimpleNamespace:
-    def forward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), fwd)(*args)
-
-    def backward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), bwd)(*args)
-
-    return SimpleNamespace(forward=forward, backward=backward)
-
-
 DISPATCHER = register(
     OpDispatcher(
         "attnres",
         [
             Backend("gluon", _gluon_available, _gluon_refusal,
-                    _lazy("tileport.ops.attnres.gluon_kernels", "attnres_forward_gluon", "attnres_backward_gluon")),
+                    lazy_stages("tileport.ops.attnres.gluon_kernels", "attnres_forward_gluon", "attnres_backward_gluon")),
             Backend("triton", _triton_available, _triton_refusal,
-                    _lazy("tileport.ops.attnres.triton_kernels", "attnres_forward_triton", "attnres_backward_triton")),
+                    lazy_stages("tileport.ops.attnres.triton_kernels", "attnres_forward_triton", "attnres_backward_triton")),
             Backend("reference", lambda: None, lambda call: None,
                     SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
         ],

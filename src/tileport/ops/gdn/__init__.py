@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
+from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, interpreter_enabled, register
 from tileport.memory import new_empty
 from tileport.ops.gdn.reference import chunked_reference, gdn_reference, recurrent_backward
 
@@ -175,25 +175,10 @@ def _triton_available() -> str | None:
 def _triton_refusal(call: GDNCall) -> str | None:
     from tileport.ops.gdn.triton_kernels import triton_refusal
 
-    if call.dtype not in KERNEL_DTYPES:
-        return f"{call.dtype} is not a kernel dtype (bfloat16, float16, float32)"
-    if call.device_type == "cuda" and call.capability is not None and call.capability < (8, 0):
-        return f"needs compute capability 8.0 or newer, this device has {call.capability[0]}.{call.capability[1]}"
+    common = kernel_dtype_and_capability_refusal(call.dtype, call.device_type, call.capability)
+    if common:
+        return common
     return triton_refusal(call.K, call.V, call.dtype)
-
-
-def _lazy(module: str, fwd: str, bwd: str) -> SimpleNamespace:
-    def forward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), fwd)(*args)
-
-    def backward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), bwd)(*args)
-
-    return SimpleNamespace(forward=forward, backward=backward)
 
 
 DISPATCHER = register(
@@ -201,7 +186,7 @@ DISPATCHER = register(
         "gdn",
         [
             Backend("triton", _triton_available, _triton_refusal,
-                    _lazy("tileport.ops.gdn.triton_kernels", "gdn_forward_triton", "gdn_backward_triton")),
+                    lazy_stages("tileport.ops.gdn.triton_kernels", "gdn_forward_triton", "gdn_backward_triton")),
             Backend("reference", lambda: None, lambda call: None,
                     SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
         ],
