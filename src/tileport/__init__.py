@@ -10,7 +10,8 @@
 from tileport.dispatch import BackendRefused, use_backend
 from tileport.ops.attnres import fused_attnres
 from tileport.ops.gdn import chunk_gated_delta_rule
+from tileport.ops.kda import chunk_kda
 
 __version__ = "0.1.0"
 
-__all__ = ["fused_attnres", "chunk_gated_delta_rule", "use_backend", "BackendRefused", "__version__"]
+__all__ = ["fused_attnres", "chunk_gated_delta_rule", "chunk_kda", "use_backend", "BackendRefused", "__version__"]

@@ -9,7 +9,7 @@ import sys
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-DEFAULT_SHAPES = {"attnres": "8,16384,2048", "gdn": "8,4096,16,128,128"}
+DEFAULT_SHAPES = {"attnres": "8,16384,2048", "gdn": "8,4096,16,128,128", "kda": "8,4096,16,128,128"}
 
 
 def _explain(args) -> int:
@@ -53,11 +53,17 @@ def main(argv=None) -> int:
 
     lint.add_arguments(sub.add_parser("lint", help="static check of Triton/Gluon kernels for silent pitfalls"))
 
+    from tileport import loop
+
+    loop.add_arguments(sub.add_parser("loop", help="porting loop: contract (start), gated attempt (try), evidence (report)"))
+
     args = parser.parse_args(argv)
     if args.cmd == "explain":
         return _explain(args)
     if args.cmd == "lint":
         return lint.main(args)
+    if args.cmd == "loop":
+        return loop.main(args)
     return bench.run(args)
 
 

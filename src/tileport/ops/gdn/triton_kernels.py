@@ -33,6 +33,11 @@ sequence) and each sequence's first chunk index are computed on the host (`Chunk
                                                                                grid (NC, H)
     11 l2norm_bwd     (optional) dx = rstd (dy - y (dy . y))
 
+KDA (tileport.ops.kda) reuses stages 1-5 with per-channel gates: `chunk_cumsum`, `chunk_solve`,
+`chunk_wu` and `chunk_states` take g / G as [Ntok, H, K] and then launch their kernels with the
+PER_CHANNEL constexpr on (kda/triton_kernels.py documents the gate-exponent scheme). With it off
+(every GDN call) the kernels compile to exactly the GDN code.
+
 Precision: every matmul accumulates in fp32. Operands are rounded to bf16 for bf16 and fp16
 inputs (tensor cores; bf16 rather than fp16 because gate products like exp(G) Q underflow fp16's
 range with very negative gates), and stay fp32 with input_precision="ieee" for fp32 inputs
@@ -204,8 +209,10 @@ def _l2norm_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n_rows, eps, D: tl.constexpr, BD: 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
-def _cumsum_kernel(g_ptr, G_ptr, chunks_ptr, H, BT: tl.constexpr):
-    """2: G = cumulative sum of g inside the chunk, in fp64 (see the module docstring)."""
+def _cumsum_kernel(g_ptr, G_ptr, chunks_ptr, H, BT: tl.constexpr,
+                   PER_CHANNEL: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """2: G = cumulative sum of g inside the chunk, in fp64 (see the module docstring). With
+    PER_CHANNEL (KDA) g and G are [Ntok, H, K] and each key channel is summed on its own."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     bos = tl.load(chunks_ptr + 2 * c)
@@ -213,21 +220,35 @@ def _cumsum_kernel(g_ptr, G_ptr, chunks_ptr, H, BT: tl.constexpr):
     tok = bos + tl.arange(0, BT)
     valid = tok < eos
     row = tok.to(tl.int64) * H + hh
-    g = tl.load(g_ptr + row, mask=valid, other=0.0).to(tl.float64)
-    tl.store(G_ptr + row, tl.cumsum(g, 0), mask=valid)
+    if PER_CHANNEL:
+        kc = tl.arange(0, BK)
+        mk = valid[:, None] & (kc < K)[None, :]
+        offs = row[:, None] * K + kc[None, :]
+        g = tl.load(g_ptr + offs, mask=mk, other=0.0).to(tl.float64)
+        tl.store(G_ptr + offs, tl.cumsum(g, 0), mask=mk)
+    else:
+        g = tl.load(g_ptr + row, mask=valid, other=0.0).to(tl.float64)
+        tl.store(G_ptr + row, tl.cumsum(g, 0), mask=valid)
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
-                  K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+                  K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr):
     """3: T = (I + A)^-1, A = strict_lower(diag(beta) (K K^T * Gam)), for one chunk and head.
 
     In 16x16 blocks (NB = BT / 16 per side). Block row i: A_im (m <= i) from the keys; the diagonal
     block is inverted by forward substitution, one row per step: with T_ii = I + X, row s of X is
     -A_s - sum_{m<s} A_sm X_m, i.e. X += (X masked to row s) @ X while row s still holds -A_s
     (a 16x16 fp32 dot whose other rows are 0); then T_ij = -T_ii sum_{j <= m < i} A_im T_mj for
-    j < i. Writes T as [64 rows, 64 cols] fp32, the blocks above the diagonal as 0."""
+    j < i. Writes T as [64 rows, 64 cols] fp32, the blocks above the diagonal as 0.
+
+    PER_CHANNEL (KDA): G is [Ntok, H, K] and A_ts = beta_t sum_c k_tc k_sc exp(G_tc - G_sc). An
+    off-diagonal block (m < i) is one dot with the reference point r = first row of block i:
+    (k_t exp(G_t - G_r)) . (k_s exp(G_r - G_s)), both exponents <= 0 for g <= 0; a diagonal block
+    uses the exact pairwise differences as a [16, 16, BK] fp32 product (no factor can overflow for
+    any gate magnitude; kda.reference.gated_products is the same scheme in float64)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     bos = tl.load(chunks_ptr + 2 * c)
@@ -243,6 +264,7 @@ def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
     gs = ()
     vs = ()
     rows = ()
+    kfs = ()
     for b in tl.static_range(NB):
         tok = bos + b * 16 + r
         valid = tok < eos
@@ -250,19 +272,38 @@ def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
         k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=valid[:, None] & (kc < K)[None, :], other=0.0)
         ks = ks + (_op(k, DT, DA),)
         bs = bs + (tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)[:, None],)
-        gs = gs + (tl.load(G_ptr + row, mask=valid, other=0.0),)
+        if PER_CHANNEL:
+            gs = gs + (tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=valid[:, None] & (kc < K)[None, :], other=0.0),)
+            kfs = kfs + (k.to(tl.float32),)
+        else:
+            gs = gs + (tl.load(G_ptr + row, mask=valid, other=0.0),)
         vs = vs + (valid,)
         rows = rows + (row,)
     Ts = ()  # the blocks T_ij, j <= i, row-major
     for i in tl.static_range(NB):
         A_row = ()
+        if PER_CHANNEL:
+            tr = bos + i * 16  # the reference row r of block i
+            r_ok = tr < eos
+            Gr = tl.load(G_ptr + (tr * H + hh) * K + kc, mask=r_ok & (kc < K), other=0.0)
+            xi = _op(kfs[i] * tl.exp(tl.where(vs[i][:, None], (gs[i] - Gr[None, :]).to(tl.float32), float("-inf"))), DT, DA)
         for m in tl.static_range(i + 1):
             msk = vs[i][:, None] & vs[m][None, :]
             if m == i:
                 msk = msk & strict
-            kk = tl.dot(ks[i], tl.trans(ks[m]), input_precision="ieee")
-            gam = tl.exp(tl.where(msk, (gs[i][:, None] - gs[m][None, :]).to(tl.float32), float("-inf")))  # 0 off the mask
-            A_row = A_row + (kk * bs[i] * gam,)
+            if PER_CHANNEL:
+                if m == i:
+                    keep = (msk[:, :, None]) & (kc < K)[None, None, :]
+                    e3 = tl.exp(tl.where(keep, (gs[i][:, None, :] - gs[i][None, :, :]).to(tl.float32), float("-inf")))
+                    kk = tl.sum(kfs[i][:, None, :] * kfs[i][None, :, :] * e3, 2)
+                else:
+                    ek = tl.where(vs[m][:, None] & r_ok, (Gr[None, :] - gs[m]).to(tl.float32), float("-inf"))
+                    kk = tl.dot(xi, tl.trans(_op(kfs[m] * tl.exp(ek), DT, DA)), input_precision="ieee")
+                A_row = A_row + (tl.where(msk, kk * bs[i], 0.0),)
+            else:
+                kk = tl.dot(ks[i], tl.trans(ks[m]), input_precision="ieee")
+                gam = tl.exp(tl.where(msk, (gs[i][:, None] - gs[m][None, :]).to(tl.float32), float("-inf")))  # 0 off the mask
+                A_row = A_row + (kk * bs[i] * gam,)
         X = -A_row[i]
         for s in tl.static_range(2, 16):
             X += tl.dot(tl.where(r[:, None] == s, X, 0.0), X, input_precision="ieee")
@@ -286,8 +327,8 @@ def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
 @triton.jit
 def _wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-               BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
-    """4: W = T diag(beta exp(G)) K, U = T diag(beta) V (fp32)."""
+               BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """4: W = T diag(beta exp(G)) K, U = T diag(beta) V (fp32). PER_CHANNEL (KDA): W = T diag(beta) (exp(G) * K)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     bos = tl.load(chunks_ptr + 2 * c)
@@ -300,9 +341,14 @@ def _wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, 
     mk = valid[:, None] & (kc < K)[None, :]
     T = _op(tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0), DT, DA)
     beta = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
-    G = tl.load(G_ptr + row, mask=valid, other=0.0)
     k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
-    w = tl.dot(T, _op((k * (beta * tl.exp(G.to(tl.float32)))[:, None]), DT, DA), input_precision="ieee")
+    if PER_CHANNEL:
+        G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+        kg = k * tl.exp(G.to(tl.float32)) * beta[:, None]
+    else:
+        G = tl.load(G_ptr + row, mask=valid, other=0.0)
+        kg = k * (beta * tl.exp(G.to(tl.float32)))[:, None]
+    w = tl.dot(T, _op(kg, DT, DA), input_precision="ieee")
     tl.store(w_ptr + row[:, None] * K + kc[None, :], w, mask=mk)
     for j in tl.static_range(NV):
         vc = j * BV + tl.arange(0, BV)
@@ -316,10 +362,12 @@ def _wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, 
 @triton.jit
 def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, choff_ptr, H,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                   HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+                   HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                   PER_CHANNEL: tl.constexpr):
     """5: one program per (V block, sequence, head), sequential over the sequence's chunks.
     h [BK, BV] fp32 stays in registers; per chunk it is stored (the state entering the chunk),
-    Vn = U - W h is formed and stored, and h <- exp(G_L) h + (diag(exp(G_L - G)) K)^T Vn."""
+    Vn = U - W h is formed and stored, and h <- exp(G_L) h + (diag(exp(G_L - G)) K)^T Vn.
+    PER_CHANNEL (KDA): h <- diag(exp(G_L)) h + (exp(G_L - G) * K)^T Vn, G_L in R^K."""
     nh = tl.program_id(0)
     j = tl.program_id(1)
     n = nh // H
@@ -349,11 +397,18 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
         vn = u - tl.dot(_op(w, DT, DA), _op(h, DT, DA), input_precision="ieee")
         tl.store(vn_ptr + row[:, None] * V + vc[None, :], vn, mask=mv)
         last = tl.minimum(bos + i * BT + BT, eos) - 1
-        GL = tl.load(G_ptr + last.to(tl.int64) * H + hh)
-        G = tl.load(G_ptr + row, mask=valid, other=0.0)
         k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
-        kd = k * tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))[:, None]
-        h = h * tl.exp(GL.to(tl.float32)) + tl.dot(tl.trans(_op(kd, DT, DA)), _op(vn, DT, DA), input_precision="ieee")
+        if PER_CHANNEL:
+            GL = tl.load(G_ptr + (last.to(tl.int64) * H + hh) * K + kc, mask=kc < K, other=0.0)
+            G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+            kd = k * tl.exp(tl.where(mk, (GL[None, :] - G).to(tl.float32), float("-inf")))
+            hdecay = tl.exp(GL.to(tl.float32))[:, None]
+        else:
+            GL = tl.load(G_ptr + last.to(tl.int64) * H + hh)
+            G = tl.load(G_ptr + row, mask=valid, other=0.0)
+            kd = k * tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))[:, None]
+            hdecay = tl.exp(GL.to(tl.float32))
+        h = h * hdecay + tl.dot(tl.trans(_op(kd, DT, DA)), _op(vn, DT, DA), input_precision="ieee")
     if STORE_FINAL:
         tl.store(ht_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, h, mask=smask)
 
@@ -689,21 +744,25 @@ def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) -> tor
 
 
 def chunk_cumsum(g: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-    """2: G [Ntok, H] fp64."""
-    Ntok, H = g.shape
-    G = new_empty((Ntok, H), torch.float64, g.device)
+    """2: G [Ntok, H] fp64 (GDN), or [Ntok, H, K] for per-channel gates g [Ntok, H, K] (KDA)."""
+    per_channel = g.dim() == 3
+    Ntok, H = g.shape[:2]
+    K = g.shape[2] if per_channel else 1
+    G = new_empty(tuple(g.shape), torch.float64, g.device)
     if plan.NC:
-        _cumsum_kernel[(plan.NC, H)](g, G, plan.chunks, H, BT)
+        _cumsum_kernel[(plan.NC, H)](g, G, plan.chunks, H, BT, per_channel, K, _blocks(K, 1)[0])
     return G
 
 
 def chunk_solve(k: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-    """3: T = (I + A)^-1 per chunk, [Ntok, H, 64] fp32 (row t of its chunk's T)."""
+    """3: T = (I + A)^-1 per chunk, [Ntok, H, 64] fp32 (row t of its chunk's T). G [Ntok, H, K]
+    (from per-channel gates) selects the KDA form of A."""
     Ntok, H, K = k.shape
     BK = _blocks(K, 1)[0]
     Ai = new_empty((Ntok, H, BT), _F32, k.device)
     if plan.NC:
-        _solve_kernel[(plan.NC, H)](k, beta, G, Ai, plan.chunks, H, K, BK, BT, *_dot_types(k.dtype), **_LAUNCH["solve"])
+        _solve_kernel[(plan.NC, H)](k, beta, G, Ai, plan.chunks, H, K, BK, BT, *_dot_types(k.dtype), G.dim() == 3,
+                                    **_LAUNCH["solve"])
     return Ai
 
 
@@ -716,7 +775,7 @@ def chunk_wu(k, v, beta, G, Ai, plan: ChunkPlan):
     u = new_empty((Ntok, H, V), _F32, k.device)
     if plan.NC:
         _wu_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
-                                 *_dot_types(k.dtype), **_LAUNCH["wu"])
+                                 *_dot_types(k.dtype), G.dim() == 3, **_LAUNCH["wu"])
     return w, u
 
 
@@ -731,7 +790,8 @@ def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool):
     if plan.N:
         _states_kernel[(plan.N * H, NV)](
             k, w, u, G, h0 if h0 is not None else h, h, vn, ht if ht is not None else h, plan.cu, plan.chunk_offsets, H,
-            K, V, BK, BV, BT, h0 is not None, output_final_state, *_dot_types(k.dtype), **_LAUNCH["states"])
+            K, V, BK, BV, BT, h0 is not None, output_final_state, *_dot_types(k.dtype), G.dim() == 3,
+            **_LAUNCH["states"])
     return h, vn, ht
 
 

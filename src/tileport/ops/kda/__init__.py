@@ -1,0 +1,336 @@
+"""Kimi Delta Attention: `chunk_kda`, as `fla.ops.kda.chunk_kda` computes it.
+
+KDA is Gated DeltaNet with a decay per key channel. Per sequence and head, with state S (K x V,
+fp32) starting from `initial_state` or zeros, and g_t in R^K:
+
+    S = diag(exp(g_t)) S;   u_t = beta_t (v_t - S^T k_t);   S = S + k_t u_t^T;   o_t = S^T (scale q_t)
+
+Public entry point: `chunk_kda` (GDN's signature; g is [B, T, H, K]). The call is validated here,
+then runs through the torch.library custom ops `tileport::kda_forward` / `tileport::kda_backward`
+(so it works under torch.compile), whose bodies ask the dispatcher ("kda") for a backend:
+
+    triton     forward: the chunked WY / UT-transform algorithm, chunks of 64, sharing GDN's
+               kernels through their PER_CHANNEL switch (kda/triton_kernels.py says which);
+               also the CPU path under TRITON_INTERPRET=1
+    reference  float64 PyTorch (reference.py): the step-by-step recurrence forward, and its
+               closed-form reverse sweep backward
+
+Status and TODO:
+- The Triton backward is not written yet. A backend whose impl has no backward (backward=None)
+  has its gradients computed by the "reference" backend of the same dispatcher
+  (`_backward_backend`): correct (float64 reverse sweep) but slow, a Python loop over T.
+- The Triton forward passes the parity gate under the CPU interpreter only; it has not run on
+  the H200 (see GDN's notes on bf16 dots and stores the interpreter can't exercise).
+- Head dims above 128 are refused by the Triton backend and fall back to the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import torch
+
+from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, interpreter_enabled, register
+from tileport.memory import new_empty
+from tileport.ops.gdn import _check_shape, _check_tensor, _state_dtype
+from tileport.ops.kda.reference import chunked_reference, kda_reference, recurrent_backward
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+@dataclasses.dataclass(frozen=True)
+class KDACall:
+    """What backends decide on. Built once per call; hashable, so decisions are cached on it."""
+
+    K: int
+    V: int
+    dtype: torch.dtype
+    device_type: str
+    capability: tuple[int, int] | None
+
+
+def _describe(q: torch.Tensor, v: torch.Tensor) -> KDACall:
+    cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    return KDACall(q.shape[-1], v.shape[-1], q.dtype, q.device.type, cap)
+
+
+# --------------------------------------------------------------------------------------------
+# Input validation: every bad input is a ValueError/TypeError naming the argument.
+# --------------------------------------------------------------------------------------------
+def validate_kda_args(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens) -> int:
+    """Raise on bad input; return N, the number of sequences (B, or len(cu_seqlens) - 1)."""
+    _check_tensor("q", q, None)
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K] (rank 4), got rank {q.dim()} {list(q.shape)}")
+    dev = q.device
+    B, T, H, K = q.shape
+    _check_tensor("k", k, dev)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+    _check_shape("k", k, (B, T, H, K), "[B, T, H, K] like q")
+    _check_tensor("v", v, dev)
+    if v.dtype != q.dtype:
+        raise TypeError(f"v has dtype {v.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+    if v.dim() != 4:
+        raise ValueError(f"v must have shape [B, T, H, V] (rank 4), got rank {v.dim()} {list(v.shape)}")
+    V = v.shape[-1]
+    _check_shape("v", v, (B, T, H, V), "[B, T, H, V] with B, T, H of q")
+    for name, d in (("K (q's last dim)", K), ("V (v's last dim)", V)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"unsupported head dim: {name} = {d}; chunk_kda takes 1..{MAX_HEAD_DIM}")
+    if H < 1:
+        raise ValueError(f"q must have at least one head (H = q.shape[2]), got H = {H}")
+    _check_tensor("g", g, dev)
+    _check_shape("g", g, (B, T, H, K), "[B, T, H, K] (one decay per key channel)")
+    _check_tensor("beta", beta, dev)
+    _check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be None or a finite float, got {scale!r}")
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
+
+    N = B
+    if cu_seqlens is not None:
+        _check_tensor("cu_seqlens", cu_seqlens, dev, _INDEX_DTYPES)
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {list(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B = {B}")
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+        if any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+        if cu[-1] != T:
+            raise ValueError(f"cu_seqlens must end at T = {T}, got {cu[-1]}")
+        N = len(cu) - 1
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, dev)
+        _check_shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]" + (" (N = len(cu_seqlens) - 1)" if cu_seqlens is not None else " (N = B)"))
+    return N
+
+
+# --------------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------------
+def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new (poisonable) buffer holding t: custom-op outputs must not alias inputs or each other."""
+    out = new_empty(t.shape, dtype, t.device)
+    return out.copy_(t)
+
+
+def _reference_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
+    o, ht = kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens)
+    return _fresh(o, q.dtype), (_fresh(ht, _state_dtype(q.dtype)) if ht is not None else None)
+
+
+def _reference_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2, cu_seqlens):
+    # The closed-form reverse sweep in float64 (autograd is switched off inside a custom op's body).
+    # The parity tests check it, like every backend, against autograd through kda_reference.
+    dq, dk, dv, dg, dbeta, dh0 = recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2, cu_seqlens)
+    return (_fresh(dq, q.dtype), _fresh(dk, k.dtype), _fresh(dv, v.dtype), _fresh(dg, g.dtype),
+            _fresh(dbeta, beta.dtype), _fresh(dh0, initial_state.dtype) if dh0 is not None else None)
+
+
+def _triton_available() -> str | None:
+    from tileport.ops.kda import triton_kernels  # noqa: F401  (import errors become the reason)
+
+    if not torch.cuda.is_available() and not interpreter_enabled():
+        return "no CUDA device (and TRITON_INTERPRET is not 1)"
+    return None
+
+
+def _triton_refusal(call: KDACall) -> str | None:
+    from tileport.ops.kda.triton_kernels import triton_refusal
+
+    common = kernel_dtype_and_capability_refusal(call.dtype, call.device_type, call.capability)
+    if common:
+        return common
+    return triton_refusal(call.K, call.V, call.dtype)
+
+
+_triton_impl = lazy_stages("tileport.ops.kda.triton_kernels", "kda_forward_triton", "kda_forward_triton")
+_triton_impl.backward = None  # not written yet: gradients come from the reference (see _backward_backend)
+
+DISPATCHER = register(
+    OpDispatcher(
+        "kda",
+        [
+            Backend("triton", _triton_available, _triton_refusal, _triton_impl),
+            Backend("reference", lambda: None, lambda call: None,
+                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+        ],
+        signature=lambda call: call,
+    )
+)
+
+
+def _backward_backend(backend: Backend) -> Backend:
+    """The backend that computes the gradients of a forward run by `backend`: itself, or the
+    reference when it has no backward yet (never a backward of a different algorithm's guess)."""
+    if backend.impl.backward is not None:
+        return backend
+    return DISPATCHER._by_name["reference"]
+
+
+def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom ops: opaque to torch.compile, dispatching at run time.
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("tileport::kda_forward", mutates_args=())
+def _kda_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    scale: float,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # (B * T == 0 never gets here: chunk_kda answers it without the custom ops.)
+    backend = DISPATCHER.choose(_describe(q, v), q.device.type)
+    o, ht = backend.impl.forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                 use_qk_l2norm_in_kernel, cu_seqlens)
+    if ht is None:
+        # A placeholder (the schema always returns a state); one element, as GDN's (see there).
+        ht = q.new_empty((1,), dtype=_state_dtype(q.dtype))
+    return o, ht
+
+
+@_kda_forward_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    sdt = _state_dtype(q.dtype)
+    ht_shape = (_num_seqs(q, cu_seqlens), H, K, V) if output_final_state else (1,)
+    return q.new_empty((B, T, H, V)), q.new_empty(ht_shape, dtype=sdt)
+
+
+@torch.library.custom_op("tileport::kda_backward", mutates_args=())
+def _kda_backward_op(
+    grad_o: torch.Tensor,
+    grad_final_state: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+) -> list[torch.Tensor]:
+    backend = _backward_backend(DISPATCHER.choose(_describe(q, v), q.device.type))
+    dq, dk, dv, dg, dbeta, dh0 = backend.impl.backward(
+        grad_o.to(q.dtype), grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    if dh0 is None:  # placeholder: one element (see the forward's final state)
+        dh0 = q.new_zeros((1,))
+    return [dq, dk, dv, dg, dbeta, dh0]
+
+
+@_kda_backward_op.register_fake
+def _(grad_o, grad_final_state, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel):
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty((1,))
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), dh0]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2 = inputs
+    ctx.scale, ctx.output_final_state, ctx.use_l2 = scale, output_final_state, use_l2
+    ctx.has_h0, ctx.has_cu = initial_state is not None, cu_seqlens is not None
+    saved = [q, k, v, g, beta]
+    if initial_state is not None:
+        saved.append(initial_state)
+    if cu_seqlens is not None:
+        saved.append(cu_seqlens)
+    ctx.save_for_backward(*saved)
+
+
+def _backward(ctx, grad_o, grad_final_state):
+    saved = list(ctx.saved_tensors)
+    q, k, v, g, beta = saved[:5]
+    rest = saved[5:]
+    initial_state = rest.pop(0) if ctx.has_h0 else None
+    cu_seqlens = rest.pop(0) if ctx.has_cu else None
+    if not ctx.output_final_state:
+        grad_final_state = None  # the placeholder's gradient
+    dq, dk, dv, dg, dbeta, dh0 = _kda_backward_op(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
+                                                  cu_seqlens, ctx.scale, ctx.use_l2)
+    return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None, None, None
+
+
+torch.library.register_autograd("tileport::kda_forward", _backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention (FLA's `chunk_kda`).
+
+    Args:
+        q, k: `[B, T, H, K]`; v: `[B, T, H, V]` (bfloat16, float16 or float32, one dtype; float64
+            runs on the reference backend).
+        g: `[B, T, H, K]` natural-log decays per key channel (g <= 0), any float dtype (fp32 is usual).
+        beta: `[B, T, H]`, any float dtype.
+        scale: multiplies q; defaults to K ** -0.5.
+        initial_state: `[N, H, K, V]` (N = B, or the number of sequences with cu_seqlens).
+        output_final_state: also return the state after the last step.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over their last dim first
+            (x * rsqrt(sum(x^2) + 1e-6)).
+        cu_seqlens: `[N + 1]` int32/int64 offsets of N packed sequences (B must be 1); starts at 0,
+            non-decreasing, ends at T.
+    Returns:
+        o `[B, T, H, V]` in q's dtype, and the final state `[N, H, K, V]` (fp32) or None.
+        Gradients flow to q, k, v, g, beta and initial_state.
+    """
+    N = validate_kda_args(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    B, T, H, K = q.shape
+    if B * T == 0:  # no steps: o is empty and the final state is the initial one (plain torch, autograd as usual)
+        o = v.new_empty((B, T, H, v.shape[-1]))
+        if not output_final_state:
+            return o, None
+        sdt = _state_dtype(q.dtype)
+        if initial_state is None:
+            return o, q.new_zeros((N, H, K, v.shape[-1]), dtype=sdt)
+        return o, initial_state.to(sdt, copy=True)
+    o, ht = _kda_forward_op(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
+                            use_qk_l2norm_in_kernel)
+    return o, (ht if output_final_state else None)
+
+
+def explain_call(shape: str, dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None) -> KDACall:
+    """The call `tileport explain kda --shape B,T,H,K,V` describes."""
+    try:
+        _B, _T, _H, K, V = (int(x) for x in shape.split(","))
+    except ValueError:
+        raise ValueError(f"--shape for kda is B,T,H,K,V (e.g. 8,4096,16,128,128), got {shape!r}") from None
+    return KDACall(K, V, dtype, device_type, capability)
+
+
+__all__ = ["chunk_kda", "kda_reference", "chunked_reference", "DISPATCHER", "KDACall", "explain_call"]

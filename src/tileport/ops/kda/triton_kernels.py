@@ -1,0 +1,141 @@
+"""Kimi Delta Attention, Triton backend (forward): GDN's chunked algorithm with per-channel gates.
+
+KDA differs from GDN only in how the gates scale k, q and the state, so most stages are GDN's own
+kernels (tileport.ops.gdn.triton_kernels) with their PER_CHANNEL constexpr switched on, selected by
+the gate cumsum G having a key axis ([Ntok, H, K] instead of [Ntok, H]):
+
+     1 l2norm_fwd     GDN's, unchanged
+     2 chunk_cumsum   GDN's, PER_CHANNEL: G = in-chunk cumsum of g per key channel (fp64)
+     3 chunk_solve    GDN's, PER_CHANNEL: A_ts = beta_t sum_c k_tc k_sc exp(G_tc - G_sc)
+     4 chunk_wu       GDN's, PER_CHANNEL: W = T diag(beta) (exp(G) * K)
+     5 chunk_states   GDN's, PER_CHANNEL: h <- diag(exp(G_L)) h + (exp(G_L - G) * K)^T Vn
+     6 kda output     here (`_kda_output_kernel`): the intra-chunk Q K^T product needs the
+                      sub-block structure below, which does not fit GDN's single [64, 64] tile
+
+Gate exponents (same scheme as the float64 `kda.reference.gated_products`): a per-channel product
+sum_c x_tc k_sc exp(G_tc - G_sc) can't be split into exp(G_t) and exp(-G_s) factors (exp(-G_s)
+overflows fp32 after a few steps of -20), so the chunk's 64 rows are taken in sub-blocks of 16. Rows
+of sub-block i against columns of earlier sub-blocks use the reference point r = first row of
+block i: (x_t exp(G_t - G_r)) . (k_s exp(G_r - G_s)), a tensor-core dot whose factors are both
+scaled by exp(<= 0); the diagonal 16 x 16 block is formed from the exact pairwise differences as
+a [16, 16, BK] fp32 product. For g <= 0 no exponent is positive, for any gate magnitude (-20,
+-1000, ...): a factor can only underflow to 0, where the exact term is below fp32's range anyway.
+G stays fp64 and every exponent is an fp64 difference rounded to fp32 (see GDN's docstring).
+
+Backward: not in Triton yet. The "triton" backend's backward runs the float64 reference reverse
+sweep (kda.reference.recurrent_backward); see tileport.ops.kda.
+
+Interpreter workarounds (bf16 dots and stores) are GDN's: `_op`, `_out`, `_done`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tileport.ops.gdn.triton_kernels import (
+    BT,
+    _blocks,
+    _done,
+    _dot_types,
+    _flatten,
+    _op,
+    _out,
+    chunk_cumsum,
+    chunk_solve,
+    chunk_states,
+    chunk_wu,
+    l2norm_fwd,
+    make_plan,
+    triton_refusal,
+)
+
+__all__ = ["kda_forward_triton", "chunk_output_kda", "triton_refusal"]
+
+_LAUNCH_OUTPUT = dict(num_warps=4)
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.jit
+def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, scale,
+                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                       BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """6: O = scale ((exp(G) * Q) h_c + lower[sum_c q_tc k_sc exp(G_tc - G_sc)] Vn), in o's dtype,
+    one 16-row sub-block of the chunk at a time (see the module docstring for the exponents)."""
+    c = tl.program_id(0) // NV
+    j = tl.program_id(0) % NV
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    NB: tl.constexpr = BT // 16
+    r = tl.arange(0, BT)
+    r16 = tl.arange(0, 16)
+    kc = tl.arange(0, BK)
+    vc = j * BV + tl.arange(0, BV)
+    tok = bos + r
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    mk = valid[:, None] & (kc < K)[None, :]
+    mv = valid[:, None] & (vc < V)[None, :]
+    k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    vn = _op(tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
+    h = _op(tl.load(h_ptr + (c.to(tl.int64) * H + hh) * (K * V) + kc[:, None] * V + vc[None, :],
+                    mask=(kc < K)[:, None] & (vc < V)[None, :], other=0.0), DT, DA)
+    incl = r16[:, None] >= r16[None, :]
+    for i in tl.static_range(NB):
+        ti = bos + i * 16 + r16
+        vi = ti < eos
+        rowi = ti.to(tl.int64) * H + hh
+        mki = vi[:, None] & (kc < K)[None, :]
+        mvi = vi[:, None] & (vc < V)[None, :]
+        qi = tl.load(q_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
+        ki = tl.load(k_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
+        Gi = tl.load(G_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0)
+        vni = _op(tl.load(vn_ptr + rowi[:, None] * V + vc[None, :], mask=mvi, other=0.0), DT, DA)
+        oi = tl.dot(_op(qi * tl.exp(Gi.to(tl.float32)), DT, DA), h, input_precision="ieee")
+        # diagonal sub-block: exact pairwise exponents, [16, 16, BK]
+        keep = (incl & vi[:, None] & vi[None, :])[:, :, None] & (kc < K)[None, None, :]
+        e3 = tl.exp(tl.where(keep, (Gi[:, None, :] - Gi[None, :, :]).to(tl.float32), float("-inf")))
+        Pd = tl.sum(qi[:, None, :] * ki[None, :, :] * e3, 2)
+        oi += tl.dot(_op(Pd, DT, DA), vni, input_precision="ieee")
+        if i > 0:
+            tr = bos + i * 16  # reference row r (row 0 of this sub-block)
+            r_ok = tr < eos
+            Gr = tl.load(G_ptr + (tr * H + hh) * K + kc, mask=r_ok & (kc < K), other=0.0)
+            xq = qi * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
+            before = valid & (r < i * 16) & r_ok
+            kt = k * tl.exp(tl.where(before[:, None] & (kc < K)[None, :], (Gr[None, :] - G).to(tl.float32), float("-inf")))
+            P = tl.dot(_op(xq, DT, DA), tl.trans(_op(kt, DT, DA)), input_precision="ieee")  # [16, 64], 0 where s >= r
+            oi += tl.dot(_op(P, DT, DA), vn, input_precision="ieee")
+        tl.store(o_ptr + rowi[:, None] * V + vc[None, :], (oi * scale).to(o_ptr.dtype.element_ty), mask=mvi)
+
+
+def chunk_output_kda(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype):
+    """6: o [Ntok, H, V] in out_dtype; G [Ntok, H, K] fp64."""
+    Ntok, H, K = q.shape
+    V = vn.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    o = _out((Ntok, H, V), out_dtype, q.device)
+    if plan.NC:
+        _kda_output_kernel[(plan.NC * NV, H)](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
+                                             *_dot_types(q.dtype), **_LAUNCH_OUTPUT)
+    return _done(o, out_dtype)
+
+
+def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """(o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    plan = make_plan(B, T, cu_seqlens, q.device)
+    qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    if use_qk_l2norm_in_kernel:
+        qf, kf = l2norm_fwd(qf), l2norm_fwd(kf)
+    G = chunk_cumsum(gf, plan)  # [Ntok, H, K] fp64
+    Ai = chunk_solve(kf, bf, G, plan)
+    w, u = chunk_wu(kf, vf, bf, G, Ai, plan)
+    h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
+    o = chunk_output_kda(qf, kf, G, h, vn, scale, plan, q.dtype)
+    return o.view(B, T, H, V), ht
