@@ -28,7 +28,7 @@ import torch
 from tileport.dispatch import BackendRefused
 from tileport.testing import OUTPUT, bound, rel_error
 
-OPS = {"attnres": "tileport.ops.attnres.perf", "gdn": "tileport.ops.gdn.perf"}
+OPS = {"attnres": "tileport.ops.attnres.perf", "gdn": "tileport.ops.gdn.perf", "kda": "tileport.ops.kda.perf"}
 NOMINAL = {"copy_tbps": 4.25, "matmul_tflops": 700.0}  # SPEC.md's H200 ceilings, used on the CPU only
 
 
