@@ -28,7 +28,7 @@ import torch
 from tileport.dispatch import BackendRefused
 from tileport.testing import OUTPUT, bound, rel_error
 
-OPS = {"attnres": "tileport.ops.attnres.perf", "gdn": "tileport.ops.gdn.perf", "kda": "tileport.ops.kda.perf"}
+OPS = {"attnres": "tileport.ops.attnres.perf", "gdn": "tileport.ops.gdn.perf", "kda": "tileport.ops.kda.perf", "rms_norm": "tileport.ops.rms_norm.perf", "rope": "tileport.ops.rope.perf", "swiglu": "tileport.ops.swiglu.perf", "softmax": "tileport.ops.softmax.perf", "grouped_gemm": "tileport.ops.grouped_gemm.perf"}
 NOMINAL = {"copy_tbps": 4.25, "matmul_tflops": 700.0}  # SPEC.md's H200 ceilings, used on the CPU only
 
 
@@ -185,7 +185,7 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
             row = {"op": op, "shape": shape, "dtype": args.dtype, "system": name}
             fn = all_systems.get(name)
             if fn is None:
-                rows.append(dict(row, status="unknown system"))
+                rows.append(dict(row, status="n/a here: no such backend for this op"))
                 continue
             try:
                 o = fn(inputs)

@@ -9,7 +9,9 @@ import sys
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-DEFAULT_SHAPES = {"attnres": "8,16384,2048", "gdn": "8,4096,16,128,128", "kda": "8,4096,16,128,128"}
+DEFAULT_SHAPES = {"attnres": "8,16384,2048", "gdn": "8,4096,16,128,128", "kda": "8,4096,16,128,128",
+                  "rms_norm": "8192,4096", "rope": "8,4096,32,128", "swiglu": "8192,4096", "softmax": "8192,4096",
+                  "grouped_gemm": "8,2048,4096,4096"}
 
 
 def _explain(args) -> int:

@@ -1,0 +1,74 @@
+"""Grouped GEMM benchmark suite: shapes, the systems compared, the minimal bytes and flops.
+
+A shape is G groups of mean M rows (the row counts are ragged: M * (0.25 ... 1.75), summing to
+G * M), one K and N. With S = sum M_i and e bytes an element:
+    forward           bytes (S*K + G*K*N + S*N) e              flops 2 S K N
+    backward          bytes (2 S*K + 2 G*K*N + S*N) e          flops 4 S K N   (d a and d b)
+    forward+backward  the sums
+The floor is the flops term at these shapes (matmul bound).
+"""
+
+from __future__ import annotations
+
+from tileport.ops.grouped_gemm.reference import grouped_gemm_reference
+
+STANDARD = [dict(G=8, M=2048, K=4096, N=4096), dict(G=64, M=256, K=2048, N=1408), dict(G=4, M=4096, K=4096, N=14336)]
+SMALL = [dict(G=3, M=40, K=64, N=48), dict(G=2, M=33, K=96, N=40)]
+
+
+def row_counts(shape: dict) -> list[int]:
+    G, M = shape["G"], shape["M"]
+    if G == 1:
+        return [M]
+    ms = [int(M * (0.25 + 1.5 * i / (G - 1))) for i in range(G)]
+    ms[-1] += G * M - sum(ms)
+    return ms
+
+
+def minimal_cost(shape: dict, elem_bytes: int, mode: str) -> tuple[int, int]:
+    G, K, N = shape["G"], shape["K"], shape["N"]
+    S = G * shape["M"]
+    fwd = ((S * K + G * K * N + S * N) * elem_bytes, 2 * S * K * N)
+    bwd = ((2 * S * K + 2 * G * K * N + S * N) * elem_bytes, 4 * S * K * N)
+    if mode == "fwd":
+        return fwd
+    if mode == "bwd":
+        return bwd
+    return fwd[0] + bwd[0], fwd[1] + bwd[1]
+
+
+def make_inputs(shape: dict, dtype, device, torch):
+    K, N = shape["K"], shape["N"]
+    a = [torch.randn(m, K, device=device, dtype=dtype) for m in row_counts(shape)]
+    b = [(torch.randn(K, N, device=device) / K**0.5).to(dtype) for _ in range(shape["G"])]
+    return dict(a=a, b=b)
+
+
+def differentiable(inputs: dict) -> list:
+    return [*inputs["a"], *inputs["b"]]
+
+
+def reference(inputs: dict):
+    import torch
+
+    return torch.cat(grouped_gemm_reference(inputs["a"], inputs["b"]))
+
+
+def systems(torch):
+    import tileport.ops.grouped_gemm as gg
+    from tileport.dispatch import use_backend
+    from tileport.ops.rms_norm.perf import compiled_system
+
+    def ours(backend):
+        def run(inp):
+            with use_backend(backend, op="grouped_gemm"):
+                return gg.grouped_gemm_stacked(inp["a"], inp["b"])
+
+        return run
+
+    def loop(a, b):
+        return torch.cat([x @ w for x, w in zip(a, b)])
+
+    torch_compiled = compiled_system(torch, loop, lambda inp: (inp["a"], inp["b"]))
+    return {"triton": ours("triton"), "reference": ours("reference"),
+            "torch": lambda inp: loop(inp["a"], inp["b"]), "torch_compile": torch_compiled}

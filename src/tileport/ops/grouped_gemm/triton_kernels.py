@@ -1,0 +1,194 @@
+"""Grouped GEMM, Triton backend: one launch per direction, all groups in one grid.
+
+One kernel computes G independent products C_g [M_g, Np] = A_g [M_g, K_g] @ B_g [K_g, Np]
+(fp32 accumulation) whose operands are addressed through scalar strides shared by the groups and
+a per-group table on the device: (a, b, c base addresses, M_g, K_g). The three products training
+needs are all of that form:
+    forward   c_i  = a_i @ b_i        M_g = M_i, K_g = K,   Np = N
+    d a       da_i = dc_i @ b_i^T     M_g = M_i, K_g = N,   Np = K     (b_i^T read through strides)
+    d b       db_i = a_i^T @ dc_i     M_g = K,   K_g = M_i, Np = N     (a_i^T read through strides)
+A second table lists the (group, row tile) pairs, so the grid is (row tiles of all groups,
+column tiles) with no empty programs; a group with M_i = 0 has no row tile in the forward and
+writes a zero db (an empty reduction).
+
+Tensor descriptors (TMA on sm_90) are made per program from the group's base address when the
+rows of a_i, b_i and c_i are 16-byte aligned (K and N multiples of 8 for 16-bit types); a
+transposed operand is read as tiles of its row-major storage and transposed in registers
+(A_T / B_T). Otherwise masked raw pointers. fp32 inputs multiply in full fp32 ("ieee"),
+16-bit inputs on the tensor cores (under the interpreter bf16 operands are widened to fp32
+first: its bf16 tl.dot is wrong in triton 3.6, and its fp32 -> bf16 cast truncates).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tileport.memory import new_empty
+from tileport.ops.rms_norm.triton_kernels import ensure_descriptor_allocator
+
+_GPU_BLOCKS = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+_INTERPRETER_BLOCKS = dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=1)
+_PREFER_DESCRIPTORS = True
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _interpreting(device: torch.device) -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type == "cpu"
+
+
+def gemm_config(device: torch.device) -> dict:
+    return dict(_INTERPRETER_BLOCKS if _interpreting(device) else _GPU_BLOCKS)
+
+
+def triton_refusal(dtype, b_dtype) -> str | None:
+    if dtype not in _SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not one of float32, float16, bfloat16"
+    if b_dtype != dtype:
+        return f"b dtype {b_dtype} differs from a dtype {dtype}"
+    return None
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b. UPCAST (bf16 under the interpreter, whose bf16 tl.dot is wrong in triton 3.6):
+    the operands go in as fp32, exactly, and multiply in full fp32."""
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    table_ptr, tiles_ptr, like_ptr, Np, sam, sak, sbk, sbn, scm,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_DESC: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+):
+    r = tl.program_id(0)
+    n0 = tl.program_id(1) * BN
+    g = tl.load(tiles_ptr + 2 * r)
+    m0 = tl.load(tiles_ptr + 2 * r + 1) * BM
+    ety = like_ptr.dtype.element_ty
+    a_ptr = tl.load(table_ptr + 5 * g).to(tl.pointer_type(ety))
+    b_ptr = tl.load(table_ptr + 5 * g + 1).to(tl.pointer_type(ety))
+    c_ptr = tl.load(table_ptr + 5 * g + 2).to(tl.pointer_type(ety))
+    Mg = tl.load(table_ptr + 5 * g + 3).to(tl.int32)
+    Kg = tl.load(table_ptr + 5 * g + 4).to(tl.int32)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if USE_DESC:
+        # A_T / B_T: the operand is the transpose of a row-major matrix (its storage), read as
+        # storage tiles and transposed in registers.
+        if A_T:
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[Kg, Mg], strides=[sak, 1], block_shape=[BK, BM])
+        else:
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[Mg, Kg], strides=[sam, 1], block_shape=[BM, BK])
+        if B_T:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[Np, Kg], strides=[sbn, 1], block_shape=[BN, BK])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[Kg, Np], strides=[sbk, 1], block_shape=[BK, BN])
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[Mg, Np], strides=[scm, 1], block_shape=[BM, BN])
+        for k in range(0, Kg, BK):
+            if A_T:
+                a = tl.trans(a_desc.load([k, m0]))
+            else:
+                a = a_desc.load([m0, k])
+            if B_T:
+                b = tl.trans(b_desc.load([n0, k]))
+            else:
+                b = b_desc.load([k, n0])
+            acc = _mma(a, b, acc, IEEE, UPCAST)
+        c_desc.store([m0, n0], acc.to(ety))
+    else:
+        rows = m0 + tl.arange(0, BM)
+        cols = n0 + tl.max_contiguous(tl.multiple_of(tl.arange(0, BN), BN), BN)
+        ks = tl.arange(0, BK)
+        a_rows = a_ptr + rows.to(tl.int64)[:, None] * sam
+        b_cols = b_ptr + cols.to(tl.int64)[None, :] * sbn
+        for k in range(0, Kg, BK):
+            kk = k + ks
+            a = tl.load(a_rows + kk.to(tl.int64)[None, :] * sak, mask=(rows < Mg)[:, None] & (kk < Kg)[None, :], other=0.0)
+            b = tl.load(b_cols + kk.to(tl.int64)[:, None] * sbk, mask=(kk < Kg)[:, None] & (cols < Np)[None, :], other=0.0)
+            acc = _mma(a, b, acc, IEEE, UPCAST)
+        c = c_ptr + rows.to(tl.int64)[:, None] * scm + cols[None, :]
+        tl.store(c, acc.to(ety), mask=(rows < Mg)[:, None] & (cols < Np)[None, :])
+
+
+def _launch(a_addrs, b_addrs, c_addrs, Ms, Ks, Np, strides, like: torch.Tensor, use_desc: bool,
+            a_t: bool = False, b_t: bool = False) -> None:
+    """One grouped launch: group g multiplies [Ms[g], Ks[g]] by [Ks[g], Np] into c_addrs[g].
+    a_t / b_t: that operand is the transpose of a row-major matrix (strides say how)."""
+    device = like.device
+    cfg = gemm_config(device)
+    BM = cfg["BM"]
+    G = len(Ms)
+    table = torch.tensor([[a_addrs[g], b_addrs[g], c_addrs[g], Ms[g], Ks[g]] for g in range(G)],
+                         dtype=torch.int64).to(device)
+    tiles = [(g, t) for g in range(G) for t in range(triton.cdiv(Ms[g], BM))]
+    if not tiles or Np == 0:
+        return
+    tiles_t = torch.tensor(tiles, dtype=torch.int32).to(device)
+    if use_desc:
+        ensure_descriptor_allocator()
+    sam, sak, sbk, sbn, scm = strides
+    _grouped_gemm_kernel[(len(tiles), triton.cdiv(Np, cfg["BN"]))](
+        table, tiles_t, like, Np, sam, sak, sbk, sbn, scm,
+        BM=BM, BN=cfg["BN"], BK=cfg["BK"], USE_DESC=use_desc, IEEE=like.dtype == torch.float32,
+        UPCAST=like.dtype == torch.bfloat16 and _interpreting(device), A_T=a_t, B_T=b_t,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _descriptors_fit(tensors, row_elems: list[int], device: torch.device) -> bool:
+    if not _PREFER_DESCRIPTORS:
+        return False
+    if not _interpreting(device):
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+            return False
+    e = tensors[0].element_size()
+    return all(t.data_ptr() % 16 == 0 for t in tensors) and all((n * e) % 16 == 0 for n in row_elems)
+
+
+def grouped_gemm_forward_triton(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    """c stacked [sum M_i, N] (row-major, groups in order). a_i [M_i, K], b_i [K, N] contiguous."""
+    K, N = b[0].shape
+    Ms = [x.shape[0] for x in a]
+    c = new_empty((sum(Ms), N), a[0].dtype, a[0].device)
+    offs = [0]
+    for m in Ms:
+        offs.append(offs[-1] + m)
+    e = c.element_size()
+    use_desc = _descriptors_fit(list(a) + list(b) + [c], [K, N], c.device)
+    _launch([x.data_ptr() for x in a], [w.data_ptr() for w in b], [c.data_ptr() + o * N * e for o in offs[:-1]],
+            Ms, [K] * len(a), N, (K, 1, N, 1, N), c, use_desc)
+    return c
+
+
+def grouped_gemm_backward_triton(grad_c: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor],
+                                 want_da: bool, want_db: bool):
+    """(da stacked [sum M_i, K] or None, db [G, K, N] or None) from grad_c [sum M_i, N] contiguous."""
+    K, N = b[0].shape
+    Ms = [x.shape[0] for x in a]
+    G = len(a)
+    e = grad_c.element_size()
+    offs = [0]
+    for m in Ms:
+        offs.append(offs[-1] + m)
+    dc_addrs = [grad_c.data_ptr() + o * N * e for o in offs[:-1]]
+    da = db = None
+    use_desc = _descriptors_fit(list(a) + list(b) + [grad_c], [K, N], grad_c.device)
+    if want_da:  # da_i = dc_i @ b_i^T: b_i^T [N, K] is b_i read with strides (1, N)
+        da = new_empty((sum(Ms), K), grad_c.dtype, grad_c.device)
+        _launch(dc_addrs, [w.data_ptr() for w in b], [da.data_ptr() + o * K * e for o in offs[:-1]],
+                Ms, [N] * G, K, (N, 1, 1, N, K), da, use_desc, b_t=True)
+    if want_db:  # db_i = a_i^T @ dc_i: a_i^T [K, M_i] is a_i read with strides (1, K)
+        db = new_empty((G, K, N), grad_c.dtype, grad_c.device)
+        _launch([x.data_ptr() for x in a], dc_addrs, [db[g].data_ptr() for g in range(G)],
+                [K] * G, Ms, N, (1, K, N, 1, N), db, use_desc, a_t=True)
+    return da, db

@@ -1,0 +1,253 @@
+"""RMSNorm over the last dimension: `rms_norm(x, weight=None, eps=1e-6)`.
+
+    y = x * rsqrt(mean(x^2, dim=-1) + eps) * weight
+
+Gradients for x and weight. Math in fp32 (float64 on the reference); y in x's dtype, d weight in
+weight's dtype. The call is validated here, then runs through the torch.library custom ops
+`tileport::rms_norm_forward` / `tileport::rms_norm_backward` under torch.compile (an
+autograd.Function in eager mode), whose bodies ask the dispatcher for a backend:
+
+    triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
+    reference  float64 PyTorch, the contract, reference.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import torch
+
+from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
+from tileport.memory import new_empty
+from tileport.ops.rms_norm.reference import rms_norm_reference
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float64 runs on the reference only
+
+
+# --------------------------------------------------------------------------------------------
+# Input validation
+# --------------------------------------------------------------------------------------------
+def check_float_tensor(name: str, t, device: torch.device | None = None, device_of: str = "x") -> None:
+    """TypeError unless `t` is a floating tensor of a supported dtype; ValueError if on another device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (bfloat16, float16, float32; float64 on the reference backend), got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but {device_of} is on {device}; put every tensor on one device")
+
+
+def check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a positive finite float, got {eps!r}")
+
+
+def validate_rms_norm_args(x, weight, eps) -> None:
+    check_float_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have shape [..., D] (at least 1 dimension), got a 0-d tensor")
+    D = x.shape[-1]
+    if D == 0:
+        raise ValueError("x has D = 0 (last dimension); D must be at least 1")
+    if weight is not None:
+        check_float_tensor("weight", weight, x.device)
+        if weight.dim() != 1 or weight.shape[0] != D:
+            raise ValueError(f"weight must have shape [D] with D = {D} (x's last dim), got {tuple(weight.shape)}")
+    check_eps(eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RMSNormCall:
+    """What backends decide on (hashable: decisions are cached on it)."""
+
+    D: int
+    dtype: torch.dtype
+    weight_dtype: torch.dtype | None
+    device_type: str
+    capability: tuple[int, int] | None
+
+
+def _describe(x, weight) -> RMSNormCall:
+    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    return RMSNormCall(x.shape[-1], x.dtype, None if weight is None else weight.dtype, x.device.type, cap)
+
+
+def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = new_empty(t.shape, dtype, t.device)
+    return out.copy_(t)
+
+
+def _reference_forward(x, weight, eps):
+    return _fresh(rms_norm_reference(x, weight, eps), x.dtype)
+
+
+def _reference_backward(grad_y, x, weight, eps, want_dw):
+    # Closed form in float64 (autograd is off inside a custom op's body); the parity tests check
+    # it against autograd through rms_norm_reference like every backend.
+    x64 = x.to(torch.float64)
+    dy = grad_y.to(torch.float64)
+    D = x.shape[-1]
+    rstd = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    g = dy * weight.to(torch.float64) if weight is not None else dy
+    dx = rstd * g - x64 * rstd.pow(3) * (g * x64).sum(-1, keepdim=True) / D
+    dw = None
+    if want_dw and weight is not None:
+        dw = _fresh((dy * x64 * rstd).reshape(-1, D).sum(0), weight.dtype)
+    return _fresh(dx, x.dtype), dw
+
+
+def _triton_available() -> str | None:
+    from tileport.ops.rms_norm import triton_kernels  # noqa: F401  (import errors become the reason)
+
+    if not torch.cuda.is_available() and not interpreter_enabled():
+        return "no CUDA device (and TRITON_INTERPRET is not 1)"
+    return None
+
+
+def _triton_refusal(call: RMSNormCall) -> str | None:
+    from tileport.ops.rms_norm.triton_kernels import triton_refusal
+
+    if call.device_type == "cuda" and call.capability is not None and call.capability < (8, 0):
+        return f"needs compute capability 8.0 or newer, this device has {call.capability[0]}.{call.capability[1]}"
+    return triton_refusal(call.D, call.dtype, call.weight_dtype)
+
+
+def _lazy(module: str, fwd: str, bwd: str) -> SimpleNamespace:
+    def forward(*args):
+        import importlib
+
+        return getattr(importlib.import_module(module), fwd)(*args)
+
+    def backward(*args):
+        import importlib
+
+        return getattr(importlib.import_module(module), bwd)(*args)
+
+    return SimpleNamespace(forward=forward, backward=backward)
+
+
+DISPATCHER = register(
+    OpDispatcher(
+        "rms_norm",
+        [
+            Backend("triton", _triton_available, _triton_refusal,
+                    _lazy("tileport.ops.rms_norm.triton_kernels", "rms_norm_forward_triton", "rms_norm_backward_triton")),
+            Backend("reference", lambda: None, lambda call: None,
+                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+        ],
+        signature=lambda call: call,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Bodies shared by the eager autograd.Function and the custom ops
+# --------------------------------------------------------------------------------------------
+def _forward_impl(x, weight, eps):
+    if x.numel() == 0:
+        return new_empty(x.shape, x.dtype, x.device)
+    backend = DISPATCHER.choose(_describe(x, weight), x.device.type)
+    return backend.impl.forward(x, weight, float(eps))
+
+
+def _backward_impl(grad_y, x, weight, eps, want_dw):
+    """(dx, d weight or None)."""
+    if x.numel() == 0:
+        dw = torch.zeros_like(weight) if (want_dw and weight is not None) else None
+        return torch.zeros_like(x), dw
+    backend = DISPATCHER.choose(_describe(x, weight), x.device.type)
+    return backend.impl.backward(grad_y.to(x.dtype), x, weight, float(eps), want_dw)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y = _forward_impl(x, weight, eps)
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        want_dw = weight is not None and ctx.needs_input_grad[1]
+        dx, dw = _backward_impl(grad_y, x, weight, ctx.eps, want_dw)
+        return dx, dw, None
+
+
+@torch.library.custom_op("tileport::rms_norm_forward", mutates_args=())
+def _rms_norm_forward_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _forward_impl(x, weight, eps)
+
+
+@_rms_norm_forward_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("tileport::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                          want_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = _backward_impl(grad_y, x, weight, eps, want_dw)
+    if dw is None:  # placeholder: one element (torch 2.11 rejects zero-size CUDA custom-op outputs)
+        dw = x.new_zeros(1)
+    return dx, dw
+
+
+@_rms_norm_backward_op.register_fake
+def _(grad_y, x, weight, eps, want_dw):
+    dw = weight.new_empty(weight.shape) if (want_dw and weight is not None) else x.new_empty(1)
+    return x.new_empty(x.shape), dw
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _backward(ctx, grad_y):
+    x, weight = ctx.saved_tensors
+    want_dw = weight is not None and ctx.needs_input_grad[1]
+    dx, dw = _rms_norm_backward_op(grad_y, x, weight, ctx.eps, want_dw)
+    return dx, (dw if want_dw else None), None
+
+
+torch.library.register_autograd("tileport::rms_norm_forward", _backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dimension.
+
+    Args:
+        x: `[..., D]` (bfloat16, float16, float32; float64 runs on the reference backend).
+        weight: optional `[D]` scale, any supported float dtype.
+        eps: added to the mean square, positive.
+    Returns:
+        y `[..., D]` in x's dtype. Differentiable in x and weight.
+    """
+    validate_rms_norm_args(x, weight, eps)
+    if torch.compiler.is_compiling():
+        return _rms_norm_forward_op(x, weight, float(eps))
+    return _RMSNormFunction.apply(x, weight, float(eps))
+
+
+def explain_call(shape: str, dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None) -> RMSNormCall:
+    """The call `tileport explain rms_norm --shape M,D` describes (weight in x's dtype)."""
+    try:
+        _M, D = (int(v) for v in shape.split(","))
+    except ValueError:
+        raise ValueError(f"--shape for rms_norm is M,D (e.g. 8192,4096), got {shape!r}") from None
+    return RMSNormCall(D, dtype, dtype, device_type, capability)
+
+
+__all__ = ["rms_norm", "rms_norm_reference", "DISPATCHER", "RMSNormCall", "explain_call"]

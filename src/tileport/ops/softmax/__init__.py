@@ -1,0 +1,201 @@
+"""Softmax over the last dimension: `softmax(x, dim=-1)`, as `torch.softmax(x, -1)` computes it.
+
+    y = exp(x - max(x)) / sum(exp(x - max(x)))
+
+Gradient for x: dx = y * (dy - sum(y * dy)), with y recomputed in fp32 from the saved input and
+the forward's row statistics (max, 1/sum) (torch uses its rounded output instead, which costs bf16
+gradients their precision on peaked rows). Math in fp32 (float64 on the reference); y in x's dtype. Runs through the torch.library custom ops
+`tileport::softmax_forward` / `tileport::softmax_backward` under torch.compile (an
+autograd.Function in eager mode), whose bodies ask the dispatcher for a backend:
+
+    triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
+    reference  float64 PyTorch, the contract, reference.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+
+from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
+from tileport.memory import new_empty
+from tileport.ops.rms_norm import check_float_tensor
+from tileport.ops.softmax.reference import softmax_reference
+
+
+def validate_softmax_args(x, dim) -> None:
+    check_float_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have shape [..., D] (at least 1 dimension), got a 0-d tensor")
+    if x.shape[-1] == 0:
+        raise ValueError("x has D = 0 (last dimension); D must be at least 1")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if dim not in (-1, x.dim() - 1):
+        raise ValueError(f"dim must be the last dimension (-1 or {x.dim() - 1}) for x of rank {x.dim()}, got {dim}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxCall:
+    D: int
+    dtype: torch.dtype
+    device_type: str
+    capability: tuple[int, int] | None
+
+
+def _describe(x) -> SoftmaxCall:
+    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    return SoftmaxCall(x.shape[-1], x.dtype, x.device.type, cap)
+
+
+def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = new_empty(t.shape, dtype, t.device)
+    return out.copy_(t)
+
+
+def _reference_forward(x):
+    x64 = x.to(torch.float64).reshape(-1, x.shape[-1])
+    m = x64.max(dim=-1).values
+    stats = torch.stack([m, 1.0 / torch.exp(x64 - m[:, None]).sum(-1)], dim=-1)
+    return _fresh(softmax_reference(x), x.dtype), _fresh(stats, torch.float32)
+
+
+def _reference_backward(grad_y, x, stats):
+    y64 = softmax_reference(x)  # float64 from x itself (the statistics are for the kernels)
+    dy = grad_y.to(torch.float64)
+    return _fresh(y64 * (dy - (y64 * dy).sum(-1, keepdim=True)), x.dtype)
+
+
+def _triton_available() -> str | None:
+    from tileport.ops.softmax import triton_kernels  # noqa: F401
+
+    if not torch.cuda.is_available() and not interpreter_enabled():
+        return "no CUDA device (and TRITON_INTERPRET is not 1)"
+    return None
+
+
+def _triton_refusal(call: SoftmaxCall) -> str | None:
+    from tileport.ops.softmax.triton_kernels import triton_refusal
+
+    if call.device_type == "cuda" and call.capability is not None and call.capability < (8, 0):
+        return f"needs compute capability 8.0 or newer, this device has {call.capability[0]}.{call.capability[1]}"
+    return triton_refusal(call.D, call.dtype)
+
+
+def _lazy(module: str, fwd: str, bwd: str) -> SimpleNamespace:
+    def forward(*args):
+        import importlib
+
+        return getattr(importlib.import_module(module), fwd)(*args)
+
+    def backward(*args):
+        import importlib
+
+        return getattr(importlib.import_module(module), bwd)(*args)
+
+    return SimpleNamespace(forward=forward, backward=backward)
+
+
+DISPATCHER = register(
+    OpDispatcher(
+        "softmax",
+        [
+            Backend("triton", _triton_available, _triton_refusal,
+                    _lazy("tileport.ops.softmax.triton_kernels", "softmax_forward_triton", "softmax_backward_triton")),
+            Backend("reference", lambda: None, lambda call: None,
+                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+        ],
+        signature=lambda call: call,
+    )
+)
+
+
+def _stats_shape(x) -> tuple[int, int]:
+    # (max, 1/sum) per row in fp32; a one-row placeholder for an empty x (torch 2.11 rejects
+    # zero-size CUDA custom-op outputs)
+    return (max(1, x.numel() // x.shape[-1]), 2)
+
+
+def _forward_impl(x):
+    """(y, row statistics [rows, 2] fp32)."""
+    if x.numel() == 0:
+        return new_empty(x.shape, x.dtype, x.device), torch.zeros(_stats_shape(x), dtype=torch.float32, device=x.device)
+    return DISPATCHER.choose(_describe(x), x.device.type).impl.forward(x)
+
+
+def _backward_impl(grad_y, x, stats):
+    if x.numel() == 0:
+        return torch.zeros_like(x)
+    return DISPATCHER.choose(_describe(x), x.device.type).impl.backward(grad_y.to(x.dtype), x, stats)
+
+
+class _SoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y, stats = _forward_impl(x)
+        ctx.save_for_backward(x, stats)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, stats = ctx.saved_tensors
+        return _backward_impl(grad_y, x, stats)
+
+
+@torch.library.custom_op("tileport::softmax_forward", mutates_args=())
+def _softmax_forward_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_impl(x)
+
+
+@_softmax_forward_op.register_fake
+def _(x):
+    return x.new_empty(x.shape), x.new_empty(_stats_shape(x), dtype=torch.float32)
+
+
+@torch.library.custom_op("tileport::softmax_backward", mutates_args=())
+def _softmax_backward_op(grad_y: torch.Tensor, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    return _backward_impl(grad_y, x, stats)
+
+
+@_softmax_backward_op.register_fake
+def _(grad_y, x, stats):
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    ctx.set_materialize_grads(True)
+
+
+def _backward(ctx, grad_y, grad_stats):
+    # stats is an internal output: it carries no gradient
+    x, stats = ctx.saved_tensors
+    return _softmax_backward_op(grad_y, x, stats)
+
+
+torch.library.register_autograd("tileport::softmax_forward", _backward, setup_context=_setup_context)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax over the last dimension of `x [..., D]`; y in x's dtype, differentiable in x.
+
+    `dim` must name the last dimension (-1 or x.dim() - 1): other dims are not supported.
+    """
+    validate_softmax_args(x, dim)
+    if torch.compiler.is_compiling():
+        return _softmax_forward_op(x)[0]
+    return _SoftmaxFunction.apply(x)
+
+
+def explain_call(shape: str, dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None) -> SoftmaxCall:
+    """The call `tileport explain softmax --shape M,D` describes."""
+    try:
+        _M, D = (int(v) for v in shape.split(","))
+    except ValueError:
+        raise ValueError(f"--shape for softmax is M,D (e.g. 8192,4096), got {shape!r}") from None
+    return SoftmaxCall(D, dtype, device_type, capability)
+
+
+__all__ = ["softmax", "softmax_reference", "DISPATCHER", "SoftmaxCall", "explain_call"]

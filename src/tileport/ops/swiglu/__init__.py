@@ -1,0 +1,181 @@
+"""SwiGLU (silu-and-mul): `swiglu(x, y) = silu(x) * y`, as `fla.modules.activations.swiglu(x, y)`.
+
+    out = x * sigmoid(x) * y
+
+x is the gate (the "a" of silu(a) * b), y the up projection. Same shape, dtype and device; any
+shape. Gradients for x and y. Math in fp32 (float64 on the reference); out in the input dtype.
+Runs through the torch.library custom ops `tileport::swiglu_forward` / `tileport::swiglu_backward`
+under torch.compile (an autograd.Function in eager mode); backends:
+
+    triton     flat elementwise kernels, triton_kernels.py
+    reference  float64 PyTorch, the contract, reference.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+
+from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
+from tileport.memory import new_empty
+from tileport.ops.rms_norm import check_float_tensor
+from tileport.ops.swiglu.reference import swiglu_reference
+
+
+def validate_swiglu_args(x, y) -> None:
+    check_float_tensor("x", x)
+    check_float_tensor("y", y, x.device)
+    if y.dtype != x.dtype:
+        raise TypeError(f"y has dtype {y.dtype} but x has {x.dtype}; x and y must share one dtype")
+    if y.shape != x.shape:
+        raise ValueError(f"y has shape {tuple(y.shape)} but x has {tuple(x.shape)}; x and y must have one shape (no broadcasting)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SwiGLUCall:
+    dtype: torch.dtype
+    device_type: str
+    capability: tuple[int, int] | None
+
+
+def _describe(x) -> SwiGLUCall:
+    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    return SwiGLUCall(x.dtype, x.device.type, cap)
+
+
+def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = new_empty(t.shape, dtype, t.device)
+    return out.copy_(t)
+
+
+def _reference_forward(x, y):
+    return _fresh(swiglu_reference(x, y), x.dtype)
+
+
+def _reference_backward(grad_out, x, y):
+    x64, y64, g = x.to(torch.float64), y.to(torch.float64), grad_out.to(torch.float64)
+    s = torch.sigmoid(x64)
+    dx = g * y64 * s * (1 + x64 * (1 - s))
+    return _fresh(dx, x.dtype), _fresh(g * x64 * s, y.dtype)
+
+
+def _triton_available() -> str | None:
+    from tileport.ops.swiglu import triton_kernels  # noqa: F401
+
+    if not torch.cuda.is_available() and not interpreter_enabled():
+        return "no CUDA device (and TRITON_INTERPRET is not 1)"
+    return None
+
+
+def _triton_refusal(call: SwiGLUCall) -> str | None:
+    from tileport.ops.swiglu.triton_kernels import triton_refusal
+
+    if call.device_type == "cuda" and call.capability is not None and call.capability < (8, 0):
+        return f"needs compute capability 8.0 or newer, this device has {call.capability[0]}.{call.capability[1]}"
+    return triton_refusal(call.dtype)
+
+
+def _lazy(module: str, fwd: str, bwd: str) -> SimpleNamespace:
+    def forward(*args):
+        import importlib
+
+        return getattr(importlib.import_module(module), fwd)(*args)
+
+    def backward(*args):
+        import importlib
+
+        return getattr(importlib.import_module(module), bwd)(*args)
+
+    return SimpleNamespace(forward=forward, backward=backward)
+
+
+DISPATCHER = register(
+    OpDispatcher(
+        "swiglu",
+        [
+            Backend("triton", _triton_available, _triton_refusal,
+                    _lazy("tileport.ops.swiglu.triton_kernels", "swiglu_forward_triton", "swiglu_backward_triton")),
+            Backend("reference", lambda: None, lambda call: None,
+                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+        ],
+        signature=lambda call: call,
+    )
+)
+
+
+def _forward_impl(x, y):
+    if x.numel() == 0:
+        return new_empty(x.shape, x.dtype, x.device)
+    return DISPATCHER.choose(_describe(x), x.device.type).impl.forward(x, y)
+
+
+def _backward_impl(grad_out, x, y):
+    if x.numel() == 0:
+        return torch.zeros_like(x), torch.zeros_like(y)
+    return DISPATCHER.choose(_describe(x), x.device.type).impl.backward(grad_out.to(x.dtype), x, y)
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x, y)
+        return _forward_impl(x, y)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, y = ctx.saved_tensors
+        return _backward_impl(grad_out, x, y)
+
+
+@torch.library.custom_op("tileport::swiglu_forward", mutates_args=())
+def _swiglu_forward_op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _forward_impl(x, y)
+
+
+@_swiglu_forward_op.register_fake
+def _(x, y):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("tileport::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward_impl(grad_out, x, y)
+
+
+@_swiglu_backward_op.register_fake
+def _(grad_out, x, y):
+    return x.new_empty(x.shape), y.new_empty(y.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad_out):
+    x, y = ctx.saved_tensors
+    return _swiglu_backward_op(grad_out, x, y)
+
+
+torch.library.register_autograd("tileport::swiglu_forward", _backward, setup_context=_setup_context)
+
+
+def swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """silu(x) * y elementwise; x (gate) and y of one shape, dtype and device. Differentiable in both."""
+    validate_swiglu_args(x, y)
+    if torch.compiler.is_compiling():
+        return _swiglu_forward_op(x, y)
+    return _SwiGLUFunction.apply(x, y)
+
+
+def explain_call(shape: str, dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None) -> SwiGLUCall:
+    """The call `tileport explain swiglu --shape M,D` describes (any shape: only dtype and device matter)."""
+    try:
+        [int(v) for v in shape.split(",")]
+    except ValueError:
+        raise ValueError(f"--shape for swiglu is comma-separated sizes (e.g. 8192,4096), got {shape!r}") from None
+    return SwiGLUCall(dtype, device_type, capability)
+
+
+__all__ = ["swiglu", "swiglu_reference", "DISPATCHER", "SwiGLUCall", "explain_call"]
