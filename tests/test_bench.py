@@ -75,3 +75,39 @@ def test_cli_json_record_schema(tmp_path):
         assert key in systems["triton"]
     assert systems["gluon"]["status"].startswith("n/a here:")
     assert systems["fla"]["status"].startswith(("unavailable:", "refuses:", "ok"))
+
+
+def test_forced_backend_also_runs_the_backward(monkeypatch):
+    """A system named after one of our backends must run its backward on that backend too (the
+    backward dispatches when autograd calls it, outside the system's forward call)."""
+    from tileport.dispatch import REGISTRY, Backend, OpDispatcher
+
+    used = []
+
+    def impl(name):
+        return name
+
+    disp = OpDispatcher("fakeop", [
+        Backend("fast", lambda: None, lambda c: None, "fast", devices=("cpu",)),
+        Backend("slow", lambda: None, lambda c: None, "slow", devices=("cpu",)),
+    ], signature=lambda c: c)
+    monkeypatch.setitem(REGISTRY, "fakeop", disp)
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            used.append(("fwd", disp.choose(0, "cpu").impl))
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            used.append(("bwd", disp.choose(0, "cpu").impl))
+            return g * 2
+
+    suite = _fake_suite({"slow": lambda inp: Double.apply(inp["x"])})
+    monkeypatch.setitem(sys.modules, "fake_suite2", suite)
+    monkeypatch.setitem(bench.OPS, "fakeop", "fake_suite2")
+    rows = bench.bench_op("fakeop", _args(op="fakeop", backends="slow", modes="fwdbwd"), gpu=False,
+                          ceilings=dict(bench.NOMINAL), progress_total=[])
+    assert rows[0]["status"] == "ok", rows
+    assert ("bwd", "slow") in used and ("bwd", "fast") not in used, used

@@ -157,6 +157,18 @@ def _verify(out_and_grads, ref_and_grads, dtype, kinds) -> tuple[bool, float]:
     return True, worst
 
 
+def _forcing(op: str, system: str):
+    """A context factory forcing `system` for `op` when it names one of our backends (else a no-op)."""
+    import contextlib
+
+    from tileport.dispatch import REGISTRY, use_backend
+
+    disp = REGISTRY.get(op)
+    if disp is not None and system in disp._by_name:
+        return lambda: use_backend(system, op=op)
+    return contextlib.nullcontext
+
+
 def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> list[dict]:
     suite = importlib.import_module(OPS[op])
     device = "cuda" if gpu else "cpu"
@@ -187,9 +199,14 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
             if fn is None:
                 rows.append(dict(row, status="n/a here: no such backend for this op"))
                 continue
+            # One of our backends is forced for the forward AND the backward: the backward dispatches
+            # when autograd runs it, outside the system's own call (before this, a forced backend's
+            # backward ran on the default backend: the 2026-11-29 H200 record's triton bwd rows).
+            forced = _forcing(op, name)
             try:
-                o = fn(inputs)
-                grads = torch.autograd.grad(o, leaves, grad_o, allow_unused=True) if ("bwd" in modes or "fwdbwd" in modes) else ()
+                with forced():
+                    o = fn(inputs)
+                    grads = torch.autograd.grad(o, leaves, grad_o, allow_unused=True) if ("bwd" in modes or "fwdbwd" in modes) else ()
                 if getattr(fn, "different_op", None):
                     ok, worst = True, float("nan")  # a different function, timed for scale only
                     row["note"] = fn.different_op
@@ -215,16 +232,19 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
                 try:
                     if mode == "fwd":
                         def run():
-                            with torch.no_grad():
+                            with torch.no_grad(), forced():
                                 fn(inputs)
                     elif mode == "fwdbwd":
                         def run():
-                            torch.autograd.grad(fn(inputs), leaves, grad_o, allow_unused=True)
+                            with forced():
+                                torch.autograd.grad(fn(inputs), leaves, grad_o, allow_unused=True)
                     else:
-                        out_keep = fn(inputs)
+                        with forced():
+                            out_keep = fn(inputs)
 
                         def run():
-                            torch.autograd.grad(out_keep, leaves, grad_o, retain_graph=True, allow_unused=True)
+                            with forced():
+                                torch.autograd.grad(out_keep, leaves, grad_o, retain_graph=True, allow_unused=True)
                     t = time_ms(run, gpu)
                     t["graph"] = graph_time_ms(run) if gpu else None
                 except Exception as exc:
