@@ -31,6 +31,9 @@ def table(record: dict) -> str:
             continue
         vs = r.get("speedup_vs", {}).get("fla")
         graph = f"{r['graph_ms']:.3f}" if r.get("graph_ms") else "-"
+        if str(r.get("note", "")).startswith("INVALID"):
+            lines.append(f"| {r['op']} | {shape} | {r['mode']} | {r['system']} | ~~{r['ms']:.3f}~~ invalid: {r['note'][9:80]}... | | | | |")
+            continue
         lines.append(f"| {r['op']} | {shape} | {r['mode']} | {r['system']} | {r['ms']:.3f} | {graph} | {r['tbps']:.2f} | "
                      f"{100 * r['frac_floor']:.0f}% | {'' if vs is None else f'{vs:.2f}x'} |")
     return "\n".join(lines)
@@ -45,7 +48,8 @@ def main() -> int:
             print("no GPU record in benchmarks/results/", file=sys.stderr)
             return 1
         path = records[-1]
-    text = table(json.load(open(path))) + f"\n\nSource: `{os.path.relpath(path, ROOT)}`."
+    rec = json.load(open(path))
+    text = table(rec) + (f"\n\nCaveat: {rec['caveat']}." if rec.get("caveat") else "") + f"\n\nSource: `{os.path.relpath(path, ROOT)}`."
     readme = os.path.join(ROOT, "README.md")
     body = open(readme).read()
     body = re.sub(r"<!-- results:start -->.*<!-- results:end -->",
