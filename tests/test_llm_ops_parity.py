@@ -204,6 +204,7 @@ def test_triton_chunked_rows_and_pointer_path(dt, device, seed, monkeypatch):
     from tileport.ops.rms_norm import triton_kernels as rk
     from tileport.ops.rope import triton_kernels as ropek
     from tileport.ops.softmax import triton_kernels as sk
+    from tileport import triton_rows
 
     dtype = DTYPES[dt]
     monkeypatch.setattr(rk, "_MAX_TILE_D", 64)
@@ -211,7 +212,7 @@ def test_triton_chunked_rows_and_pointer_path(dt, device, seed, monkeypatch):
     for shape in [(7, 200), (1, 130), (33, 64 * 3)]:
         run_and_check("rms_norm", "triton", _rms_case(shape, dtype, device), dtype, seed)
         run_and_check("softmax", "triton", _softmax_case(shape, dtype, device), dtype, seed)
-    monkeypatch.setattr(rk, "_PREFER_DESCRIPTORS", False)
+    monkeypatch.setattr(triton_rows, "_PREFER_DESCRIPTORS", False)
     monkeypatch.setattr(ropek, "_PREFER_DESCRIPTORS", False)
     run_and_check("rms_norm", "triton", _rms_case((7, 200), dtype, device), dtype, seed)
     run_and_check("softmax", "triton", _softmax_case((130, 96), dtype, device), dtype, seed)

@@ -44,6 +44,25 @@ def add_arguments(p) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+def compiled_system(torch, fn, args_of):
+    """A torch.compile baseline: inputs -> fn(*args_of(inputs)), compiled on first use.
+
+    It turns AOTAutograd's donated buffers off for the process (on first use): the bench's
+    backward-only mode calls backward with retain_graph=True, which a graph compiled with donated
+    buffers refuses, and the backward graph may be compiled lazily at that first backward."""
+    state = {}
+
+    def run(inp):
+        if "fn" not in state:
+            import torch._functorch.config as functorch_config
+
+            functorch_config.donated_buffer = False
+            state["fn"] = torch.compile(fn)
+        return state["fn"](*args_of(inp))
+
+    return run
+
+
 def machine_info() -> dict:
     info = {
         "python": platform.python_version(),

@@ -23,7 +23,7 @@ import torch
 from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
 from tileport.memory import new_empty
 from tileport.ops.grouped_gemm.reference import grouped_gemm_reference
-from tileport.ops.rms_norm import check_float_tensor
+from tileport.validation import check_float_tensor
 
 
 def _as_list(name: str, seq) -> list:

@@ -57,7 +57,7 @@ def reference(inputs: dict):
 def systems(torch):
     import tileport.ops.grouped_gemm as gg
     from tileport.dispatch import use_backend
-    from tileport.ops.rms_norm.perf import compiled_system
+    from tileport.bench import compiled_system
 
     def ours(backend):
         def run(inp):

@@ -21,23 +21,18 @@ first: its bf16 tl.dot is wrong in triton 3.6, and its fp32 -> bf16 cast truncat
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from tileport.memory import new_empty
-from tileport.ops.rms_norm.triton_kernels import ensure_descriptor_allocator
+from tileport.triton_rows import _interpreting, ensure_descriptor_allocator
 
 _GPU_BLOCKS = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
 _INTERPRETER_BLOCKS = dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=1)
 _PREFER_DESCRIPTORS = True
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _interpreting(device: torch.device) -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type == "cpu"
 
 
 def gemm_config(device: torch.device) -> dict:

@@ -36,26 +36,9 @@ def reference(inputs: dict):
     return rms_norm_reference(inputs["x"], inputs["weight"], EPS)
 
 
-def compiled_system(torch, fn, args_of):
-    """A torch.compile baseline: inputs -> fn(*args_of(inputs)), compiled on first use.
-
-    It turns AOTAutograd's donated buffers off for the process (on first use): the bench's
-    backward-only mode calls backward with retain_graph=True, which a graph compiled with donated
-    buffers refuses, and the backward graph may be compiled lazily at that first backward."""
-    state = {}
-
-    def run(inp):
-        if "fn" not in state:
-            import torch._functorch.config as functorch_config
-
-            functorch_config.donated_buffer = False
-            state["fn"] = torch.compile(fn)
-        return state["fn"](*args_of(inp))
-
-    return run
-
-
 def systems(torch):
+    from tileport.bench import compiled_system
+
     """name -> callable(inputs) -> y; raising marks a refusal."""
     import tileport
     from tileport.dispatch import use_backend

@@ -21,7 +21,7 @@ import torch
 
 from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
 from tileport.memory import new_empty
-from tileport.ops.rms_norm import check_float_tensor
+from tileport.validation import check_float_tensor
 from tileport.ops.rope.reference import rope_reference, rotate_half
 
 

@@ -48,7 +48,7 @@ def _torch_rope(torch, x, cos, sin):
 def systems(torch):
     import tileport
     from tileport.dispatch import use_backend
-    from tileport.ops.rms_norm.perf import compiled_system
+    from tileport.bench import compiled_system
 
     def ours(backend):
         def run(inp):

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tileport.memory import new_empty
-from tileport.ops.rms_norm.triton_kernels import ensure_descriptor_allocator
+from tileport.triton_rows import _interpreting, ensure_descriptor_allocator
 
 _GPU_TILE_ELEMS = 4096  # target BLOCK_T * BLOCK_H * BLOCK_HALF (one half) on a GPU
 _INTERPRETER_TILE_ELEMS = 1 << 14
@@ -41,10 +41,6 @@ _PREFER_DESCRIPTORS = True
 # D=64, against 64 with 128-bit global accesses on the pointer path. Flip it to measure.
 _DESCRIPTORS_ON_GPU = False
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _interpreting(device: torch.device) -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type == "cpu"
 
 
 def rope_config(T: int, H: int, D: int, device: torch.device) -> dict:

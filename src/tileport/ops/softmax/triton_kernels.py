@@ -11,7 +11,7 @@ x - lse loses |x| * 2^-24 absolutely, 1e-4 relative error in y at logits near 10
 
 Design (bandwidth bound: forward moves 2*M*D elements, backward 3*M*D: x, dy, dx):
 - Row tiles, tensor descriptors and the config come from the RMSNorm kernels
-  (`tileport.ops.rms_norm.triton_kernels`): a program owns BLOCK_M whole rows.
+  (`tileport.triton_rows`): a program owns BLOCK_M whole rows.
 - ONE_TILE (next_pow2(D) <= _MAX_TILE_D): the row tile stays in registers, one read per input.
 - Wider rows (vocabulary-sized softmax): the forward makes an online max/sum pass over column
   chunks, then a second pass (re-reading x, hot in L2) writes y; the backward forms
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tileport.memory import new_empty
-from tileport.ops.rms_norm.triton_kernels import (
+from tileport.triton_rows import (
     _load_rows,
     _make_rows_desc,
     _rows,

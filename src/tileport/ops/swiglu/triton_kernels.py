@@ -11,22 +11,18 @@ Non-contiguous inputs are copied to contiguous first.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from tileport.memory import new_empty
+from tileport.triton_rows import _interpreting
 
 _GPU_BLOCK = 4096  # elements per program on a GPU (8 warps: 16 per thread)
 _GPU_WARPS = 8
 _INTERPRETER_BLOCK = 1 << 14  # under TRITON_INTERPRET: few, large programs
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _interpreting(device: torch.device) -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type == "cpu"
 
 
 def block_config(n: int, device: torch.device) -> dict:
