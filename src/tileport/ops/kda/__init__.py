@@ -32,6 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
+from tileport.autograd_ops import eager_function
 from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, interpreter_enabled, register
 from tileport.memory import new_empty
 from tileport.ops.gdn import _check_shape, _check_tensor, _state_dtype
@@ -185,8 +186,7 @@ def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
 # --------------------------------------------------------------------------------------------
 # torch.library custom ops: opaque to torch.compile, dispatching at run time.
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("tileport::kda_forward", mutates_args=())
-def _kda_forward_op(
+def _kda_forward_body(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -208,6 +208,9 @@ def _kda_forward_op(
     return o, ht
 
 
+_kda_forward_op = torch.library.custom_op("tileport::kda_forward", _kda_forward_body, mutates_args=())
+
+
 @_kda_forward_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel):
     B, T, H, K = q.shape
@@ -217,8 +220,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, us
     return q.new_empty((B, T, H, V)), q.new_empty(ht_shape, dtype=sdt)
 
 
-@torch.library.custom_op("tileport::kda_backward", mutates_args=())
-def _kda_backward_op(
+def _kda_backward_body(
     grad_o: torch.Tensor,
     grad_final_state: torch.Tensor | None,
     q: torch.Tensor,
@@ -237,6 +239,9 @@ def _kda_backward_op(
     if dh0 is None:  # placeholder: one element (see the forward's final state)
         dh0 = q.new_zeros((1,))
     return [dq, dk, dv, dg, dbeta, dh0]
+
+
+_kda_backward_op = torch.library.custom_op("tileport::kda_backward", _kda_backward_body, mutates_args=())
 
 
 @_kda_backward_op.register_fake
@@ -258,7 +263,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*saved)
 
 
-def _backward(ctx, grad_o, grad_final_state):
+def _backward(ctx, grad_o, grad_final_state, backward_op=None):
     saved = list(ctx.saved_tensors)
     q, k, v, g, beta = saved[:5]
     rest = saved[5:]
@@ -266,12 +271,14 @@ def _backward(ctx, grad_o, grad_final_state):
     cu_seqlens = rest.pop(0) if ctx.has_cu else None
     if not ctx.output_final_state:
         grad_final_state = None  # the placeholder's gradient
-    dq, dk, dv, dg, dbeta, dh0 = _kda_backward_op(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
+    backward_op = backward_op or _kda_backward_op  # the body in eager mode, the custom op under compile
+    dq, dk, dv, dg, dbeta, dh0 = backward_op(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
                                                   cu_seqlens, ctx.scale, ctx.use_l2)
     return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None, None, None
 
 
 torch.library.register_autograd("tileport::kda_forward", _backward, setup_context=_setup_context)
+_KDAFunction = eager_function("_KDAFunction", _kda_forward_body, _kda_backward_body, _setup_context, _backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,7 +326,8 @@ def chunk_kda(
         if initial_state is None:
             return o, q.new_zeros((N, H, K, v.shape[-1]), dtype=sdt)
         return o, initial_state.to(sdt, copy=True)
-    o, ht = _kda_forward_op(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
+    run = _kda_forward_op if torch.compiler.is_compiling() else _KDAFunction.apply
+    o, ht = run(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
                             use_qk_l2norm_in_kernel)
     return o, (ht if output_final_state else None)
 
