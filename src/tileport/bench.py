@@ -296,19 +296,19 @@ def print_table(rows: list[dict], ceilings: dict) -> None:
     print(f"\nceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s"
           + ("" if ceilings.get("measured") else " (SPEC nominal, not measured here)"))
     print("ms: do_bench median (CUDA events, eager launches); graph: median of CUDA-graph replays (no launch cost)")
-    hdr = f"{'op':<8} {'shape':<22} {'mode':<7} {'system':<8} {'ms':>8} {'p20-p80':>15} {'graph':>7} {'TB/s':>6} {'floor%':>7}  notes"
+    hdr = f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<8} {'ms':>8} {'p20-p80':>15} {'graph':>7} {'TB/s':>6} {'floor%':>7}  notes"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         shape = ",".join(f"{k}{v}" for k, v in r["shape"].items())
         if r.get("status") != "ok":
-            print(f"{r['op']:<8} {shape:<22} {r.get('mode', '-'):<7} {r['system']:<8} {'':>8} {'':>15} {'':>7} {'':>6} {'':>7}  {r['status']}")
+            print(f"{r['op']:<12} {shape:<22} {r.get('mode', '-'):<7} {r['system']:<8} {'':>8} {'':>15} {'':>7} {'':>6} {'':>7}  {r['status']}")
             continue
         vs = " ".join(f"x{v:.2f} vs {k}" for k, v in sorted(r.get("speedup_vs", {}).items()))
         if r.get("note"):
             vs = f"[{r['note']}] " + vs
         graph = f"{r['graph_ms']:7.3f}" if r.get("graph_ms") else f"{'-':>7}"
-        print(f"{r['op']:<8} {shape:<22} {r['mode']:<7} {r['system']:<8} {r['ms']:8.3f} {r['p20']:7.3f}-{r['p80']:<7.3f} {graph} "
+        print(f"{r['op']:<12} {shape:<22} {r['mode']:<7} {r['system']:<8} {r['ms']:8.3f} {r['p20']:7.3f}-{r['p80']:<7.3f} {graph} "
               f"{r['tbps']:6.2f} {100 * r['frac_floor']:6.1f}%  {vs}")
 
 
@@ -373,19 +373,19 @@ def compare_with_base(rows: list[dict], base_rows: list[dict], base_sha: str) ->
     base = {key(r): r for r in base_rows if r.get("status") == "ok"}
     out = []
     print(f"\nbefore ({base_sha}) / after (this tree), median ms:")
-    print(f"{'op':<8} {'shape':<22} {'mode':<7} {'system':<8} {'before':>8} {'after':>8} {'change':>8}")
+    print(f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<8} {'before':>8} {'after':>8} {'change':>8}")
     for r in rows:
         if r.get("status") != "ok" or r["system"] in ("fla", "torch"):
             continue
         b = base.get(key(r))
         shape = ",".join(f"{k}{v}" for k, v in r["shape"].items())
         if b is None:
-            print(f"{r['op']:<8} {shape:<22} {r['mode']:<7} {r['system']:<8} {'-':>8} {r['ms']:8.3f} {'new':>8}")
+            print(f"{r['op']:<12} {shape:<22} {r['mode']:<7} {r['system']:<8} {'-':>8} {r['ms']:8.3f} {'new':>8}")
             continue
         change = b["ms"] / r["ms"]
         out.append({"op": r["op"], "shape": r["shape"], "mode": r["mode"], "system": r["system"],
                     "before_ms": b["ms"], "after_ms": r["ms"], "speedup": change})
-        print(f"{r['op']:<8} {shape:<22} {r['mode']:<7} {r['system']:<8} {b['ms']:8.3f} {r['ms']:8.3f} {change:7.2f}x")
+        print(f"{r['op']:<12} {shape:<22} {r['mode']:<7} {r['system']:<8} {b['ms']:8.3f} {r['ms']:8.3f} {change:7.2f}x")
     return out
 
 
