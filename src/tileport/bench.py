@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
-import math
 import os
 import platform
 import statistics

@@ -20,7 +20,6 @@ Every op that has Gluon kernels exposes `compile_cases()` in `tileport.ops.<op>.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import pkgutil
 import re

@@ -236,16 +236,45 @@ def lazy_stages(module: str, forward: str, backward: str):
     return SimpleNamespace(forward=stage(forward), backward=stage(backward))
 
 
+def triton_available(module: str) -> Callable[[], str | None]:
+    """The availability check every Triton backend shares: its module imports, and there is a
+    CUDA device or the interpreter is on."""
+
+    def available() -> str | None:
+        import importlib
+
+        import torch
+
+        importlib.import_module(module)  # an import error becomes the reason (OpDispatcher.availability)
+        if not torch.cuda.is_available() and not interpreter_enabled():
+            return "no CUDA device (and TRITON_INTERPRET is not 1)"
+        return None
+
+    return available
+
+
+def reference_backend(forward: Callable, backward: Callable) -> Backend:
+    """The float64 reference: always available, accepts every call, on any device."""
+    from types import SimpleNamespace
+
+    return Backend("reference", lambda: None, lambda call: None,
+                   SimpleNamespace(forward=forward, backward=backward), devices=("cuda", "cpu"))
+
+
+def capability_refusal(device_type: str, capability, minimum=(8, 0)) -> str | None:
+    if device_type == "cuda" and capability is not None and tuple(capability) < tuple(minimum):
+        return (f"needs compute capability {minimum[0]}.{minimum[1]} or newer, "
+                f"this device has {capability[0]}.{capability[1]}")
+    return None
+
+
 def kernel_dtype_and_capability_refusal(dtype, device_type: str, capability, min_capability=(8, 0)) -> str | None:
     """The refusal every Triton backend shares: kernel dtypes only, and a recent enough GPU."""
     import torch
 
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"{dtype} is not a kernel dtype (bfloat16, float16, float32)"
-    if device_type == "cuda" and capability is not None and tuple(capability) < tuple(min_capability):
-        return (f"needs compute capability {min_capability[0]}.{min_capability[1]} or newer, "
-                f"this device has {capability[0]}.{capability[1]}")
-    return None
+    return capability_refusal(device_type, capability, min_capability)
 
 
 REGISTRY: dict[str, OpDispatcher] = {}

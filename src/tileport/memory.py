@@ -47,3 +47,8 @@ def new_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 def new_empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return new_empty(t.shape, dtype or t.dtype, t.device)
+
+
+def new_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new (poisonable) buffer holding t in `dtype`: never an alias of t (op outputs must not be)."""
+    return new_empty(t.shape, dtype, t.device).copy_(t)

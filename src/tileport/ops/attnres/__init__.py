@@ -16,12 +16,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import torch
 
-from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, interpreter_enabled, register
-from tileport.memory import new_empty
+from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.memory import new_copy
 from tileport.ops.attnres.reference import attnres_reference
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -105,15 +104,9 @@ def _describe(query, residuals) -> AttnResCall:
     return AttnResCall(len(residuals), r0.shape[-1], r0.dtype, r0.device.type, cap, aligned)
 
 
-def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A new (poisonable) buffer holding t: custom-op outputs must not alias each other."""
-    out = new_empty(t.shape, dtype, t.device)
-    return out.copy_(t)
-
-
 def _reference_forward(query, residuals, rms_weight, output_rms_weight, eps, scale, return_weights):
     o, p = attnres_reference(query, residuals, rms_weight, output_rms_weight, eps, scale)
-    return _fresh(o, residuals[0].dtype), (_fresh(p, torch.float32) if return_weights else None)
+    return new_copy(o, residuals[0].dtype), (new_copy(p, torch.float32) if return_weights else None)
 
 
 def _reference_backward(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale):
@@ -133,7 +126,7 @@ def _reference_backward(grad_o, query, residuals, rms_weight, output_rms_weight,
         rstd_o = torch.rsqrt(o_pre.pow(2).mean(-1, keepdim=True) + eps)
         g = dy * output_rms_weight.to(f64)
         do = rstd_o * g - o_pre * rstd_o.pow(3) * (g * o_pre).mean(-1, keepdim=True)
-        dow = _fresh((dy * o_pre * rstd_o).sum(0), output_rms_weight.dtype)
+        dow = new_copy((dy * o_pre * rstd_o).sum(0), output_rms_weight.dtype)
     else:
         do = dy
     dp = (r * do).sum(-1)  # [L, N]
@@ -141,17 +134,9 @@ def _reference_backward(grad_o, query, residuals, rms_weight, output_rms_weight,
     coef = (ds * scale * rstd).unsqueeze(-1)
     dr = p.unsqueeze(-1) * do + coef * (qw - (rstd.pow(2) * dot_qw / D).unsqueeze(-1) * r)
     G = (coef * r).sum((0, 1))
-    dq = _fresh(G * rms_weight.to(f64), query.dtype)
-    dw = _fresh(G * query.to(f64), rms_weight.dtype)
-    return [_fresh(dr[i], x.dtype) for i, x in enumerate(residuals)], dq, dw, dow
-
-
-def _triton_available() -> str | None:
-    from tileport.ops.attnres import triton_kernels  # noqa: F401  (import errors become the reason)
-
-    if not torch.cuda.is_available() and not interpreter_enabled():
-        return "no CUDA device (and TRITON_INTERPRET is not 1)"
-    return None
+    dq = new_copy(G * rms_weight.to(f64), query.dtype)
+    dw = new_copy(G * query.to(f64), rms_weight.dtype)
+    return [new_copy(dr[i], x.dtype) for i, x in enumerate(residuals)], dq, dw, dow
 
 
 def _triton_refusal(call: AttnResCall) -> str | None:
@@ -192,10 +177,9 @@ DISPATCHER = register(
         [
             Backend("gluon", _gluon_available, _gluon_refusal,
                     lazy_stages("tileport.ops.attnres.gluon_kernels", "attnres_forward_gluon", "attnres_backward_gluon")),
-            Backend("triton", _triton_available, _triton_refusal,
+            Backend("triton", triton_available("tileport.ops.attnres.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.attnres.triton_kernels", "attnres_forward_triton", "attnres_backward_triton")),
-            Backend("reference", lambda: None, lambda call: None,
-                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+            reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
     )

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import torch
 
-from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
-from tileport.memory import new_empty
+from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.memory import new_empty, new_copy
 from tileport.ops.grouped_gemm.reference import grouped_gemm_reference
 from tileport.validation import check_float_tensor
 
@@ -88,61 +87,34 @@ def _describe(a, b) -> GroupedGemmCall:
     return GroupedGemmCall(x.shape[1], b[0].shape[1], x.dtype, b[0].dtype, x.device.type, cap)
 
 
-def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    out = new_empty(t.shape, dtype, t.device)
-    return out.copy_(t)
-
-
 def _reference_forward(a, b):
-    return _fresh(torch.cat(grouped_gemm_reference(a, b)), a[0].dtype)
+    return new_copy(torch.cat(grouped_gemm_reference(a, b)), a[0].dtype)
 
 
 def _reference_backward(grad_c, a, b, want_da, want_db):
     dcs = grad_c.to(torch.float64).split([x.shape[0] for x in a])
-    da = _fresh(torch.cat([dc @ w.to(torch.float64).T for dc, w in zip(dcs, b)]), a[0].dtype) if want_da else None
-    db = _fresh(torch.stack([x.to(torch.float64).T @ dc for x, dc in zip(a, dcs)]), b[0].dtype) if want_db else None
+    da = new_copy(torch.cat([dc @ w.to(torch.float64).T for dc, w in zip(dcs, b)]), a[0].dtype) if want_da else None
+    db = new_copy(torch.stack([x.to(torch.float64).T @ dc for x, dc in zip(a, dcs)]), b[0].dtype) if want_db else None
     return da, db
-
-
-def _triton_available() -> str | None:
-    from tileport.ops.grouped_gemm import triton_kernels  # noqa: F401
-
-    if not torch.cuda.is_available() and not interpreter_enabled():
-        return "no CUDA device (and TRITON_INTERPRET is not 1)"
-    return None
 
 
 def _triton_refusal(call: GroupedGemmCall) -> str | None:
     from tileport.ops.grouped_gemm.triton_kernels import triton_refusal
 
-    if call.device_type == "cuda" and call.capability is not None and call.capability < (8, 0):
-        return f"needs compute capability 8.0 or newer, this device has {call.capability[0]}.{call.capability[1]}"
+    cap = capability_refusal(call.device_type, call.capability)
+    if cap:
+        return cap
     return triton_refusal(call.dtype, call.b_dtype)
-
-
-def _lazy(module: str, fwd: str, bwd: str) -> SimpleNamespace:
-    def forward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), fwd)(*args)
-
-    def backward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), bwd)(*args)
-
-    return SimpleNamespace(forward=forward, backward=backward)
 
 
 DISPATCHER = register(
     OpDispatcher(
         "grouped_gemm",
         [
-            Backend("triton", _triton_available, _triton_refusal,
-                    _lazy("tileport.ops.grouped_gemm.triton_kernels", "grouped_gemm_forward_triton",
+            Backend("triton", triton_available("tileport.ops.grouped_gemm.triton_kernels"), _triton_refusal,
+                    lazy_stages("tileport.ops.grouped_gemm.triton_kernels", "grouped_gemm_forward_triton",
                           "grouped_gemm_backward_triton")),
-            Backend("reference", lambda: None, lambda call: None,
-                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+            reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
     )

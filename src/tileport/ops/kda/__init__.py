@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import torch
 
 from tileport.autograd_ops import eager_function
-from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, interpreter_enabled, register
-from tileport.memory import new_empty
+from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.memory import new_copy
 from tileport.ops.gdn import _check_shape, _check_tensor, _state_dtype
 from tileport.ops.kda.reference import chunked_reference, kda_reference, recurrent_backward
 
@@ -119,31 +118,17 @@ def validate_kda_args(q, k, v, g, beta, scale, initial_state, output_final_state
 # --------------------------------------------------------------------------------------------
 # Backends
 # --------------------------------------------------------------------------------------------
-def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A new (poisonable) buffer holding t: custom-op outputs must not alias inputs or each other."""
-    out = new_empty(t.shape, dtype, t.device)
-    return out.copy_(t)
-
-
 def _reference_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
     o, ht = kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens)
-    return _fresh(o, q.dtype), (_fresh(ht, _state_dtype(q.dtype)) if ht is not None else None)
+    return new_copy(o, q.dtype), (new_copy(ht, _state_dtype(q.dtype)) if ht is not None else None)
 
 
 def _reference_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2, cu_seqlens):
     # The closed-form reverse sweep in float64 (autograd is switched off inside a custom op's body).
     # The parity tests check it, like every backend, against autograd through kda_reference.
     dq, dk, dv, dg, dbeta, dh0 = recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2, cu_seqlens)
-    return (_fresh(dq, q.dtype), _fresh(dk, k.dtype), _fresh(dv, v.dtype), _fresh(dg, g.dtype),
-            _fresh(dbeta, beta.dtype), _fresh(dh0, initial_state.dtype) if dh0 is not None else None)
-
-
-def _triton_available() -> str | None:
-    from tileport.ops.kda import triton_kernels  # noqa: F401  (import errors become the reason)
-
-    if not torch.cuda.is_available() and not interpreter_enabled():
-        return "no CUDA device (and TRITON_INTERPRET is not 1)"
-    return None
+    return (new_copy(dq, q.dtype), new_copy(dk, k.dtype), new_copy(dv, v.dtype), new_copy(dg, g.dtype),
+            new_copy(dbeta, beta.dtype), new_copy(dh0, initial_state.dtype) if dh0 is not None else None)
 
 
 def _triton_refusal(call: KDACall) -> str | None:
@@ -162,9 +147,8 @@ DISPATCHER = register(
     OpDispatcher(
         "kda",
         [
-            Backend("triton", _triton_available, _triton_refusal, _triton_impl),
-            Backend("reference", lambda: None, lambda call: None,
-                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+            Backend("triton", triton_available("tileport.ops.kda.triton_kernels"), _triton_refusal, _triton_impl),
+            reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
     )

@@ -14,13 +14,12 @@ autograd.Function in eager mode), whose bodies ask the dispatcher for a backend:
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import torch
 
 from tileport.validation import check_eps, check_float_tensor
-from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
-from tileport.memory import new_empty
+from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.memory import new_empty, new_copy
 from tileport.ops.rms_norm.reference import rms_norm_reference
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -63,13 +62,8 @@ def _describe(x, weight) -> RMSNormCall:
     return RMSNormCall(x.shape[-1], x.dtype, None if weight is None else weight.dtype, x.device.type, cap)
 
 
-def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    out = new_empty(t.shape, dtype, t.device)
-    return out.copy_(t)
-
-
 def _reference_forward(x, weight, eps):
-    return _fresh(rms_norm_reference(x, weight, eps), x.dtype)
+    return new_copy(rms_norm_reference(x, weight, eps), x.dtype)
 
 
 def _reference_backward(grad_y, x, weight, eps, want_dw):
@@ -83,48 +77,26 @@ def _reference_backward(grad_y, x, weight, eps, want_dw):
     dx = rstd * g - x64 * rstd.pow(3) * (g * x64).sum(-1, keepdim=True) / D
     dw = None
     if want_dw and weight is not None:
-        dw = _fresh((dy * x64 * rstd).reshape(-1, D).sum(0), weight.dtype)
-    return _fresh(dx, x.dtype), dw
-
-
-def _triton_available() -> str | None:
-    from tileport.ops.rms_norm import triton_kernels  # noqa: F401  (import errors become the reason)
-
-    if not torch.cuda.is_available() and not interpreter_enabled():
-        return "no CUDA device (and TRITON_INTERPRET is not 1)"
-    return None
+        dw = new_copy((dy * x64 * rstd).reshape(-1, D).sum(0), weight.dtype)
+    return new_copy(dx, x.dtype), dw
 
 
 def _triton_refusal(call: RMSNormCall) -> str | None:
     from tileport.ops.rms_norm.triton_kernels import triton_refusal
 
-    if call.device_type == "cuda" and call.capability is not None and call.capability < (8, 0):
-        return f"needs compute capability 8.0 or newer, this device has {call.capability[0]}.{call.capability[1]}"
+    cap = capability_refusal(call.device_type, call.capability)
+    if cap:
+        return cap
     return triton_refusal(call.D, call.dtype, call.weight_dtype)
-
-
-def _lazy(module: str, fwd: str, bwd: str) -> SimpleNamespace:
-    def forward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), fwd)(*args)
-
-    def backward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), bwd)(*args)
-
-    return SimpleNamespace(forward=forward, backward=backward)
 
 
 DISPATCHER = register(
     OpDispatcher(
         "rms_norm",
         [
-            Backend("triton", _triton_available, _triton_refusal,
-                    _lazy("tileport.ops.rms_norm.triton_kernels", "rms_norm_forward_triton", "rms_norm_backward_triton")),
-            Backend("reference", lambda: None, lambda call: None,
-                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+            Backend("triton", triton_available("tileport.ops.rms_norm.triton_kernels"), _triton_refusal,
+                    lazy_stages("tileport.ops.rms_norm.triton_kernels", "rms_norm_forward_triton", "rms_norm_backward_triton")),
+            reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
     )

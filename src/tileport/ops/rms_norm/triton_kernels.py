@@ -22,7 +22,6 @@ allocator) lives in `tileport/triton_rows.py`, shared with softmax, rope and gro
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -30,7 +29,6 @@ import triton.language as tl
 
 from tileport.memory import new_empty
 from tileport.triton_rows import (  # the row-tile machinery shared by the row-wise ops
-    _interpreting,
     _load_rows,
     _load_vec,
     _make_rows_desc,

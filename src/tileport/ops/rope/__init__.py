@@ -15,12 +15,11 @@ under torch.compile (an autograd.Function in eager mode); backends:
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import torch
 
-from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
-from tileport.memory import new_empty
+from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.memory import new_empty, new_copy
 from tileport.validation import check_float_tensor
 from tileport.ops.rope.reference import rope_reference, rotate_half
 
@@ -55,13 +54,8 @@ def _describe(x, cos) -> RopeCall:
     return RopeCall(x.shape[-1], x.dtype, cos.dtype, x.device.type, cap)
 
 
-def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    out = new_empty(t.shape, dtype, t.device)
-    return out.copy_(t)
-
-
 def _reference_forward(x, cos, sin):
-    return _fresh(rope_reference(x, cos, sin), x.dtype)
+    return new_copy(rope_reference(x, cos, sin), x.dtype)
 
 
 def _reference_backward(grad_y, cos, sin):
@@ -70,47 +64,25 @@ def _reference_backward(grad_y, cos, sin):
     g = grad_y.to(torch.float64)
     c = cos.to(torch.float64)[None, :, None, :]
     s = sin.to(torch.float64)[None, :, None, :]
-    return _fresh(g * c - rotate_half(g * s), grad_y.dtype)
-
-
-def _triton_available() -> str | None:
-    from tileport.ops.rope import triton_kernels  # noqa: F401
-
-    if not torch.cuda.is_available() and not interpreter_enabled():
-        return "no CUDA device (and TRITON_INTERPRET is not 1)"
-    return None
+    return new_copy(g * c - rotate_half(g * s), grad_y.dtype)
 
 
 def _triton_refusal(call: RopeCall) -> str | None:
     from tileport.ops.rope.triton_kernels import triton_refusal
 
-    if call.device_type == "cuda" and call.capability is not None and call.capability < (8, 0):
-        return f"needs compute capability 8.0 or newer, this device has {call.capability[0]}.{call.capability[1]}"
+    cap = capability_refusal(call.device_type, call.capability)
+    if cap:
+        return cap
     return triton_refusal(call.D, call.dtype, call.cos_dtype)
-
-
-def _lazy(module: str, fwd: str, bwd: str) -> SimpleNamespace:
-    def forward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), fwd)(*args)
-
-    def backward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), bwd)(*args)
-
-    return SimpleNamespace(forward=forward, backward=backward)
 
 
 DISPATCHER = register(
     OpDispatcher(
         "rope",
         [
-            Backend("triton", _triton_available, _triton_refusal,
-                    _lazy("tileport.ops.rope.triton_kernels", "rope_forward_triton", "rope_backward_triton")),
-            Backend("reference", lambda: None, lambda call: None,
-                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+            Backend("triton", triton_available("tileport.ops.rope.triton_kernels"), _triton_refusal,
+                    lazy_stages("tileport.ops.rope.triton_kernels", "rope_forward_triton", "rope_backward_triton")),
+            reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
     )

@@ -21,7 +21,6 @@ the batch-free tile of heads):
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton

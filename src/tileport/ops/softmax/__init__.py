@@ -15,12 +15,11 @@ autograd.Function in eager mode), whose bodies ask the dispatcher for a backend:
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import torch
 
-from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
-from tileport.memory import new_empty
+from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.memory import new_empty, new_copy
 from tileport.validation import check_float_tensor
 from tileport.ops.softmax.reference import softmax_reference
 
@@ -50,62 +49,35 @@ def _describe(x) -> SoftmaxCall:
     return SoftmaxCall(x.shape[-1], x.dtype, x.device.type, cap)
 
 
-def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    out = new_empty(t.shape, dtype, t.device)
-    return out.copy_(t)
-
-
 def _reference_forward(x):
     x64 = x.to(torch.float64).reshape(-1, x.shape[-1])
     m = x64.max(dim=-1).values
     stats = torch.stack([m, 1.0 / torch.exp(x64 - m[:, None]).sum(-1)], dim=-1)
-    return _fresh(softmax_reference(x), x.dtype), _fresh(stats, torch.float32)
+    return new_copy(softmax_reference(x), x.dtype), new_copy(stats, torch.float32)
 
 
 def _reference_backward(grad_y, x, stats):
     y64 = softmax_reference(x)  # float64 from x itself (the statistics are for the kernels)
     dy = grad_y.to(torch.float64)
-    return _fresh(y64 * (dy - (y64 * dy).sum(-1, keepdim=True)), x.dtype)
-
-
-def _triton_available() -> str | None:
-    from tileport.ops.softmax import triton_kernels  # noqa: F401
-
-    if not torch.cuda.is_available() and not interpreter_enabled():
-        return "no CUDA device (and TRITON_INTERPRET is not 1)"
-    return None
+    return new_copy(y64 * (dy - (y64 * dy).sum(-1, keepdim=True)), x.dtype)
 
 
 def _triton_refusal(call: SoftmaxCall) -> str | None:
     from tileport.ops.softmax.triton_kernels import triton_refusal
 
-    if call.device_type == "cuda" and call.capability is not None and call.capability < (8, 0):
-        return f"needs compute capability 8.0 or newer, this device has {call.capability[0]}.{call.capability[1]}"
+    cap = capability_refusal(call.device_type, call.capability)
+    if cap:
+        return cap
     return triton_refusal(call.D, call.dtype)
-
-
-def _lazy(module: str, fwd: str, bwd: str) -> SimpleNamespace:
-    def forward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), fwd)(*args)
-
-    def backward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), bwd)(*args)
-
-    return SimpleNamespace(forward=forward, backward=backward)
 
 
 DISPATCHER = register(
     OpDispatcher(
         "softmax",
         [
-            Backend("triton", _triton_available, _triton_refusal,
-                    _lazy("tileport.ops.softmax.triton_kernels", "softmax_forward_triton", "softmax_backward_triton")),
-            Backend("reference", lambda: None, lambda call: None,
-                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+            Backend("triton", triton_available("tileport.ops.softmax.triton_kernels"), _triton_refusal,
+                    lazy_stages("tileport.ops.softmax.triton_kernels", "softmax_forward_triton", "softmax_backward_triton")),
+            reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
     )

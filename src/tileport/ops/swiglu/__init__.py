@@ -14,12 +14,11 @@ under torch.compile (an autograd.Function in eager mode); backends:
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import torch
 
-from tileport.dispatch import Backend, OpDispatcher, interpreter_enabled, register
-from tileport.memory import new_empty
+from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.memory import new_empty, new_copy
 from tileport.validation import check_float_tensor
 from tileport.ops.swiglu.reference import swiglu_reference
 
@@ -45,60 +44,33 @@ def _describe(x) -> SwiGLUCall:
     return SwiGLUCall(x.dtype, x.device.type, cap)
 
 
-def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    out = new_empty(t.shape, dtype, t.device)
-    return out.copy_(t)
-
-
 def _reference_forward(x, y):
-    return _fresh(swiglu_reference(x, y), x.dtype)
+    return new_copy(swiglu_reference(x, y), x.dtype)
 
 
 def _reference_backward(grad_out, x, y):
     x64, y64, g = x.to(torch.float64), y.to(torch.float64), grad_out.to(torch.float64)
     s = torch.sigmoid(x64)
     dx = g * y64 * s * (1 + x64 * (1 - s))
-    return _fresh(dx, x.dtype), _fresh(g * x64 * s, y.dtype)
-
-
-def _triton_available() -> str | None:
-    from tileport.ops.swiglu import triton_kernels  # noqa: F401
-
-    if not torch.cuda.is_available() and not interpreter_enabled():
-        return "no CUDA device (and TRITON_INTERPRET is not 1)"
-    return None
+    return new_copy(dx, x.dtype), new_copy(g * x64 * s, y.dtype)
 
 
 def _triton_refusal(call: SwiGLUCall) -> str | None:
     from tileport.ops.swiglu.triton_kernels import triton_refusal
 
-    if call.device_type == "cuda" and call.capability is not None and call.capability < (8, 0):
-        return f"needs compute capability 8.0 or newer, this device has {call.capability[0]}.{call.capability[1]}"
+    cap = capability_refusal(call.device_type, call.capability)
+    if cap:
+        return cap
     return triton_refusal(call.dtype)
-
-
-def _lazy(module: str, fwd: str, bwd: str) -> SimpleNamespace:
-    def forward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), fwd)(*args)
-
-    def backward(*args):
-        import importlib
-
-        return getattr(importlib.import_module(module), bwd)(*args)
-
-    return SimpleNamespace(forward=forward, backward=backward)
 
 
 DISPATCHER = register(
     OpDispatcher(
         "swiglu",
         [
-            Backend("triton", _triton_available, _triton_refusal,
-                    _lazy("tileport.ops.swiglu.triton_kernels", "swiglu_forward_triton", "swiglu_backward_triton")),
-            Backend("reference", lambda: None, lambda call: None,
-                    SimpleNamespace(forward=_reference_forward, backward=_reference_backward), devices=("cuda", "cpu")),
+            Backend("triton", triton_available("tileport.ops.swiglu.triton_kernels"), _triton_refusal,
+                    lazy_stages("tileport.ops.swiglu.triton_kernels", "swiglu_forward_triton", "swiglu_backward_triton")),
+            reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
     )
