@@ -207,13 +207,11 @@ def test_explain_lists_both_backends():
 def test_custom_op_opcheck(backend, device):
     """tileport::gdn_forward passes torch.library.opcheck: schema, fake tensor, autograd registration."""
     _backend_or_skip(backend, device)
-    from tileport.ops.gdn import _gdn_forward_op
-
     q, k, v, g, beta, h0, cu = make_inputs(1, 20, 1, 16, 16, torch.float32, [0, 7, 20], True, False, "normal", "rand", device)
     for t in (q, k, v, g, beta, h0):
         t.requires_grad_(True)
     with use_backend(backend, op="gdn"):
-        torch.library.opcheck(_gdn_forward_op, (q, k, v, g, beta, h0, cu, 0.25, True, False))
+        torch.library.opcheck(torch.ops.tileport.gdn_forward.default, (q, k, v, g, beta, h0, cu, 0.25, True, False))
 
 
 # Issue 4's full sizes (SPEC's S1 and the long sequence), GPU only. The float64 step recurrence

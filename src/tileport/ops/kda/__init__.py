@@ -31,10 +31,10 @@ import math
 
 import torch
 
-from tileport.autograd_ops import eager_function
+from tileport.delta_rule_ops import make_delta_rule_op, state_dtype
 from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_copy
-from tileport.ops.gdn import _check_shape, _check_tensor, _state_dtype
+from tileport.ops.gdn import _check_shape, _check_tensor
 from tileport.ops.kda.reference import chunked_reference, kda_reference, recurrent_backward
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -120,7 +120,7 @@ def validate_kda_args(q, k, v, g, beta, scale, initial_state, output_final_state
 # --------------------------------------------------------------------------------------------
 def _reference_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
     o, ht = kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens)
-    return new_copy(o, q.dtype), (new_copy(ht, _state_dtype(q.dtype)) if ht is not None else None)
+    return new_copy(o, q.dtype), (new_copy(ht, state_dtype(q.dtype)) if ht is not None else None)
 
 
 def _reference_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2, cu_seqlens):
@@ -163,106 +163,16 @@ def _backward_backend(backend: Backend) -> Backend:
     return DISPATCHER._by_name["reference"]
 
 
-def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
-    return q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+def _forward_backend(q: torch.Tensor, v: torch.Tensor) -> Backend:
+    return DISPATCHER.choose(_describe(q, v), q.device.type)
 
 
-# --------------------------------------------------------------------------------------------
-# torch.library custom ops: opaque to torch.compile, dispatching at run time.
-# --------------------------------------------------------------------------------------------
-def _kda_forward_body(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    scale: float,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # (B * T == 0 never gets here: chunk_kda answers it without the custom ops.)
-    backend = DISPATCHER.choose(_describe(q, v), q.device.type)
-    o, ht = backend.impl.forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                 use_qk_l2norm_in_kernel, cu_seqlens)
-    if ht is None:
-        # A placeholder (the schema always returns a state); one element, as GDN's (see there).
-        ht = q.new_empty((1,), dtype=_state_dtype(q.dtype))
-    return o, ht
+def _backward_chooser(q: torch.Tensor, v: torch.Tensor) -> Backend:
+    return _backward_backend(_forward_backend(q, v))
 
 
-_kda_forward_op = torch.library.custom_op("tileport::kda_forward", _kda_forward_body, mutates_args=())
-
-
-@_kda_forward_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    sdt = _state_dtype(q.dtype)
-    ht_shape = (_num_seqs(q, cu_seqlens), H, K, V) if output_final_state else (1,)
-    return q.new_empty((B, T, H, V)), q.new_empty(ht_shape, dtype=sdt)
-
-
-def _kda_backward_body(
-    grad_o: torch.Tensor,
-    grad_final_state: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    scale: float,
-    use_qk_l2norm_in_kernel: bool,
-) -> list[torch.Tensor]:
-    backend = _backward_backend(DISPATCHER.choose(_describe(q, v), q.device.type))
-    dq, dk, dv, dg, dbeta, dh0 = backend.impl.backward(
-        grad_o.to(q.dtype), grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    if dh0 is None:  # placeholder: one element (see the forward's final state)
-        dh0 = q.new_zeros((1,))
-    return [dq, dk, dv, dg, dbeta, dh0]
-
-
-_kda_backward_op = torch.library.custom_op("tileport::kda_backward", _kda_backward_body, mutates_args=())
-
-
-@_kda_backward_op.register_fake
-def _(grad_o, grad_final_state, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel):
-    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty((1,))
-    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
-            beta.new_empty(beta.shape), dh0]
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2 = inputs
-    ctx.scale, ctx.output_final_state, ctx.use_l2 = scale, output_final_state, use_l2
-    ctx.has_h0, ctx.has_cu = initial_state is not None, cu_seqlens is not None
-    saved = [q, k, v, g, beta]
-    if initial_state is not None:
-        saved.append(initial_state)
-    if cu_seqlens is not None:
-        saved.append(cu_seqlens)
-    ctx.save_for_backward(*saved)
-
-
-def _backward(ctx, grad_o, grad_final_state, backward_op=None):
-    saved = list(ctx.saved_tensors)
-    q, k, v, g, beta = saved[:5]
-    rest = saved[5:]
-    initial_state = rest.pop(0) if ctx.has_h0 else None
-    cu_seqlens = rest.pop(0) if ctx.has_cu else None
-    if not ctx.output_final_state:
-        grad_final_state = None  # the placeholder's gradient
-    backward_op = backward_op or _kda_backward_op  # the body in eager mode, the custom op under compile
-    dq, dk, dv, dg, dbeta, dh0 = backward_op(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
-                                                  cu_seqlens, ctx.scale, ctx.use_l2)
-    return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None, None, None
-
-
-torch.library.register_autograd("tileport::kda_forward", _backward, setup_context=_setup_context)
-_KDAFunction = eager_function("_KDAFunction", _kda_forward_body, _kda_backward_body, _setup_context, _backward)
+# custom ops, fake impls, autograd (eager and compiled): tileport/delta_rule_ops.py, shared with GDN
+_run = make_delta_rule_op("kda", _forward_backend, _backward_chooser)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,22 +208,10 @@ def chunk_kda(
         o `[B, T, H, V]` in q's dtype, and the final state `[N, H, K, V]` (fp32) or None.
         Gradients flow to q, k, v, g, beta and initial_state.
     """
-    N = validate_kda_args(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    validate_kda_args(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    B, T, H, K = q.shape
-    if B * T == 0:  # no steps: o is empty and the final state is the initial one (plain torch, autograd as usual)
-        o = v.new_empty((B, T, H, v.shape[-1]))
-        if not output_final_state:
-            return o, None
-        sdt = _state_dtype(q.dtype)
-        if initial_state is None:
-            return o, q.new_zeros((N, H, K, v.shape[-1]), dtype=sdt)
-        return o, initial_state.to(sdt, copy=True)
-    run = _kda_forward_op if torch.compiler.is_compiling() else _KDAFunction.apply
-    o, ht = run(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
-                            use_qk_l2norm_in_kernel)
-    return o, (ht if output_final_state else None)
+    return _run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
 def explain_call(shape: str, dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None) -> KDACall:

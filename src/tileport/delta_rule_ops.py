@@ -1,0 +1,113 @@
+"""The op plumbing shared by the delta-rule ops (GDN, KDA): custom ops, fake impls, autograd, and
+the call after validation. The two ops differ only in their gate's shape and in which backend
+computes each direction, so each passes two backend choosers and gets back the runner.
+
+Schema, for both `tileport::<op>_forward` and `tileport::<op>_backward`:
+    forward(q, k, v, g, beta, initial_state?, cu_seqlens?, scale, output_final_state, use_l2) -> (o, ht)
+    backward(do, dht?, q, k, v, g, beta, initial_state?, cu_seqlens?, scale, use_l2) -> [dq, dk, dv, dg, dbeta, dh0]
+`ht` and `dh0` are one-element placeholders when absent (one, not zero elements: torch 2.11's
+custom-op aliasing check rejected zero-size CUDA outputs, seen with AttnRes on the H200).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tileport.autograd_ops import eager_function
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """States are fp32 (float64 on the float64 reference path)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+
+
+def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Callable) -> Callable:
+    """Build the custom ops and the eager autograd.Function for `op`; return
+    run(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens) -> (o, ht or None)
+    for validated arguments. `forward_backend(q, v)` / `backward_backend(q, v)` return the Backend."""
+
+    def forward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
+                     output_final_state: bool, use_qk_l2norm_in_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        o, ht = forward_backend(q, v).impl.forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                   use_qk_l2norm_in_kernel, cu_seqlens)
+        if ht is None:
+            ht = q.new_empty((1,), dtype=state_dtype(q.dtype))
+        return o, ht
+
+    def backward_body(grad_o: torch.Tensor, grad_final_state: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
+                      cu_seqlens: torch.Tensor | None, scale: float,
+                      use_qk_l2norm_in_kernel: bool) -> list[torch.Tensor]:
+        dq, dk, dv, dg, dbeta, dh0 = backward_backend(q, v).impl.backward(
+            grad_o.to(q.dtype), grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
+            cu_seqlens)
+        if dh0 is None:
+            dh0 = q.new_zeros((1,))
+        return [dq, dk, dv, dg, dbeta, dh0]
+
+    forward_op = torch.library.custom_op(f"tileport::{op}_forward", forward_body, mutates_args=())
+    backward_op = torch.library.custom_op(f"tileport::{op}_backward", backward_body, mutates_args=())
+
+    @forward_op.register_fake
+    def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        ht_shape = (_num_seqs(q, cu_seqlens), H, K, V) if output_final_state else (1,)
+        return q.new_empty((B, T, H, V)), q.new_empty(ht_shape, dtype=state_dtype(q.dtype))
+
+    @backward_op.register_fake
+    def _(grad_o, grad_final_state, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel):
+        dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty((1,))
+        return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+                beta.new_empty(beta.shape), dh0]
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2 = inputs
+        ctx.scale, ctx.output_final_state, ctx.use_l2 = scale, output_final_state, use_l2
+        ctx.has_h0, ctx.has_cu = initial_state is not None, cu_seqlens is not None
+        saved = [q, k, v, g, beta]
+        if initial_state is not None:
+            saved.append(initial_state)
+        if cu_seqlens is not None:
+            saved.append(cu_seqlens)
+        ctx.save_for_backward(*saved)
+
+    def backward(ctx, grad_o, grad_final_state, backward_op=backward_op):
+        # backward_op: the custom op under compile (registered below), the body in eager mode
+        saved = list(ctx.saved_tensors)
+        q, k, v, g, beta = saved[:5]
+        rest = saved[5:]
+        initial_state = rest.pop(0) if ctx.has_h0 else None
+        cu_seqlens = rest.pop(0) if ctx.has_cu else None
+        if not ctx.output_final_state:
+            grad_final_state = None  # the placeholder's gradient
+        dq, dk, dv, dg, dbeta, dh0 = backward_op(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
+                                                 cu_seqlens, ctx.scale, ctx.use_l2)
+        return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None, None, None
+
+    torch.library.register_autograd(f"tileport::{op}_forward", backward, setup_context=setup_context)
+    eager = eager_function(f"_{op.upper()}Function", forward_body, backward_body, setup_context, backward)
+
+    def run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+        B, T, H, K = q.shape
+        if B * T == 0:  # no steps: o is empty and the final state is the initial one (plain torch)
+            o = v.new_empty((B, T, H, v.shape[-1]))
+            if not output_final_state:
+                return o, None
+            sdt = state_dtype(q.dtype)
+            if initial_state is None:
+                return o, q.new_zeros((_num_seqs(q, cu_seqlens), H, K, v.shape[-1]), dtype=sdt)
+            return o, initial_state.to(sdt, copy=True)
+        call = forward_op if torch.compiler.is_compiling() else eager.apply
+        o, ht = call(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
+                     use_qk_l2norm_in_kernel)
+        return o, (ht if output_final_state else None)
+
+    return run
