@@ -67,7 +67,8 @@ def _check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None
         raise ValueError(f"{name} must have shape {what} = {list(expected)}, got {list(t.shape)}")
 
 
-def validate_gdn_args(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens) -> int:
+def validate_gdn_args(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                      op_name: str = "chunk_gated_delta_rule", per_channel_gate: bool = False) -> int:
     """Raise on bad input; return N, the number of sequences (B, or len(cu_seqlens) - 1)."""
     _check_tensor("q", q, None)
     if q.dim() != 4:
@@ -87,11 +88,14 @@ def validate_gdn_args(q, k, v, g, beta, scale, initial_state, output_final_state
     _check_shape("v", v, (B, T, H, V), "[B, T, H, V] with B, T, H of q")
     for name, d in (("K (q's last dim)", K), ("V (v's last dim)", V)):
         if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"unsupported head dim: {name} = {d}; chunk_gated_delta_rule takes 1..{MAX_HEAD_DIM}")
+            raise ValueError(f"unsupported head dim: {name} = {d}; {op_name} takes 1..{MAX_HEAD_DIM}")
     if H < 1:
         raise ValueError(f"q must have at least one head (H = q.shape[2]), got H = {H}")
     _check_tensor("g", g, dev)
-    _check_shape("g", g, (B, T, H), "[B, T, H]")
+    if per_channel_gate:  # KDA
+        _check_shape("g", g, (B, T, H, K), "[B, T, H, K] (one decay per key channel)")
+    else:
+        _check_shape("g", g, (B, T, H), "[B, T, H]")
     _check_tensor("beta", beta, dev)
     _check_shape("beta", beta, (B, T, H), "[B, T, H]")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):

@@ -27,14 +27,13 @@ Status and TODO:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
 from tileport.delta_rule_ops import make_delta_rule_op, state_dtype
 from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_copy
-from tileport.ops.gdn import _check_shape, _check_tensor
+from tileport.ops.gdn import validate_gdn_args
 from tileport.ops.kda.reference import chunked_reference, kda_reference, recurrent_backward
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -61,63 +60,11 @@ def _describe(q: torch.Tensor, v: torch.Tensor) -> KDACall:
 # Input validation: every bad input is a ValueError/TypeError naming the argument.
 # --------------------------------------------------------------------------------------------
 def validate_kda_args(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens) -> int:
-    """Raise on bad input; return N, the number of sequences (B, or len(cu_seqlens) - 1)."""
-    _check_tensor("q", q, None)
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, T, H, K] (rank 4), got rank {q.dim()} {list(q.shape)}")
-    dev = q.device
-    B, T, H, K = q.shape
-    _check_tensor("k", k, dev)
-    if k.dtype != q.dtype:
-        raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}; q, k and v must share one dtype")
-    _check_shape("k", k, (B, T, H, K), "[B, T, H, K] like q")
-    _check_tensor("v", v, dev)
-    if v.dtype != q.dtype:
-        raise TypeError(f"v has dtype {v.dtype} but q has {q.dtype}; q, k and v must share one dtype")
-    if v.dim() != 4:
-        raise ValueError(f"v must have shape [B, T, H, V] (rank 4), got rank {v.dim()} {list(v.shape)}")
-    V = v.shape[-1]
-    _check_shape("v", v, (B, T, H, V), "[B, T, H, V] with B, T, H of q")
-    for name, d in (("K (q's last dim)", K), ("V (v's last dim)", V)):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"unsupported head dim: {name} = {d}; chunk_kda takes 1..{MAX_HEAD_DIM}")
-    if H < 1:
-        raise ValueError(f"q must have at least one head (H = q.shape[2]), got H = {H}")
-    _check_tensor("g", g, dev)
-    _check_shape("g", g, (B, T, H, K), "[B, T, H, K] (one decay per key channel)")
-    _check_tensor("beta", beta, dev)
-    _check_shape("beta", beta, (B, T, H), "[B, T, H]")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        raise ValueError(f"scale must be None or a finite float, got {scale!r}")
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
-    if not isinstance(use_qk_l2norm_in_kernel, bool):
-        raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
-
-    N = B
-    if cu_seqlens is not None:
-        _check_tensor("cu_seqlens", cu_seqlens, dev, _INDEX_DTYPES)
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {list(cu_seqlens.shape)}")
-        if B != 1:
-            raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B = {B}")
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
-        if any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
-        if cu[-1] != T:
-            raise ValueError(f"cu_seqlens must end at T = {T}, got {cu[-1]}")
-        N = len(cu) - 1
-    if initial_state is not None:
-        _check_tensor("initial_state", initial_state, dev)
-        _check_shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]" + (" (N = len(cu_seqlens) - 1)" if cu_seqlens is not None else " (N = B)"))
-    return N
+    """GDN's checks, with g of shape [B, T, H, K]; returns the number of sequences."""
+    return validate_gdn_args(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                             cu_seqlens, op_name="chunk_kda", per_channel_gate=True)
 
 
-# --------------------------------------------------------------------------------------------
-# Backends
-# --------------------------------------------------------------------------------------------
 def _reference_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
     o, ht = kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens)
     return new_copy(o, q.dtype), (new_copy(ht, state_dtype(q.dtype)) if ht is not None else None)
