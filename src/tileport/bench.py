@@ -389,10 +389,14 @@ def compare_with_base(rows: list[dict], base_rows: list[dict], base_sha: str) ->
 
 
 def run(args) -> int:
-    gpu = torch.cuda.is_available()
+    # Under the interpreter a GPU's kernels would run on the host at full size (hours): a
+    # TRITON_INTERPRET=1 run is a CPU run even on a GPU machine.
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    gpu = torch.cuda.is_available() and not interpreted
     if not gpu:
         print("=" * 78)
-        print("NO GPU: running tiny shapes on the CPU (Triton interpreter where TRITON_INTERPRET=1,")
+        print(("TRITON_INTERPRET=1" if torch.cuda.is_available() else "NO GPU")
+              + ": running tiny shapes on the CPU (Triton interpreter where TRITON_INTERPRET=1,")
         print("otherwise the reference). Parity checks are real; the times mean NOTHING.")
         print("=" * 78)
     ops = list(OPS) if args.op == "all" else [args.op]
