@@ -25,7 +25,7 @@ def table(record: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in record["rows"]:
-        shape = " ".join(f"{k}={v}" for k, v in r["shape"].items())
+        shape = " ".join(f"{k}={v}" for k, v in (r["shape"] or {}).items())
         if r.get("status") != "ok":
             lines.append(f"| {r['op']} | {shape} | {r.get('mode', '')} | {r['system']} | {r['status']} | | | | |")
             continue

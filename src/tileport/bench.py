@@ -94,9 +94,10 @@ def machine_info() -> dict:
         info["dirty"] = bool(dirty)
     except (OSError, subprocess.SubprocessError):
         info["commit"] = None
-    if not info.get("commit"):
-        # the device machine gets a copy of the tree without .git: scripts/gpu-check passes it in
-        info["commit"] = os.environ.get("TILEPORT_COMMIT") or None
+    if os.environ.get("TILEPORT_COMMIT"):
+        # The device machine's copy of the tree has no .git, or a stale one (seen 2026-11-29: HEAD
+        # two commits behind the tree): scripts/gpu-check passes the real commit in.
+        info["commit"], info["dirty"] = os.environ["TILEPORT_COMMIT"], None
     return info
 
 
@@ -264,7 +265,10 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
                             with forced():
                                 torch.autograd.grad(out_keep, leaves, grad_o, retain_graph=True, allow_unused=True)
                     t = time_ms(run, gpu)
-                    t["graph"] = graph_time_ms(run) if gpu else None
+                    # Graphs for the forward only: capturing an autograd backward failed for every
+                    # system on the H200 and left torch's CUDA generator mid-capture, so that the
+                    # next op's randn raised ("Offset increment outside graph capture").
+                    t["graph"] = graph_time_ms(run) if gpu and mode == "fwd" else None
                 except Exception as exc:
                     rows.append(dict(row, mode=mode, status=f"refuses: {type(exc).__name__}: {str(exc)[:160]}"))
                     continue
@@ -299,9 +303,9 @@ def print_table(rows: list[dict], ceilings: dict) -> None:
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        shape = ",".join(f"{k}{v}" for k, v in r["shape"].items())
+        shape = ",".join(f"{k}{v}" for k, v in (r["shape"] or {}).items())
         if r.get("status") != "ok":
-            print(f"{r['op']:<12} {shape:<22} {r.get('mode', '-'):<7} {r['system']:<8} {'':>8} {'':>15} {'':>7} {'':>6} {'':>7}  {r['status']}")
+            print(f"{r['op']:<12} {shape:<22} {r.get('mode') or '-':<7} {r['system']:<8} {'':>8} {'':>15} {'':>7} {'':>6} {'':>7}  {r['status']}")
             continue
         vs = " ".join(f"x{v:.2f} vs {k}" for k, v in sorted(r.get("speedup_vs", {}).items()))
         if r.get("note"):
@@ -409,7 +413,16 @@ def run(args) -> int:
     ceilings = measure_ceilings(gpu)
     rows = []
     for op in ops:
-        rows += bench_op(op, args, gpu, ceilings, [])
+        try:
+            rows += bench_op(op, args, gpu, ceilings, [])
+        except Exception as exc:  # one op's crash must not lose the others' rows
+            msg = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print(f"\n{op}: bench crashed: {type(exc).__name__}: {msg}", file=sys.stderr)
+            rows.append({"op": op, "shape": None, "system": "all", "mode": None,
+                         "status": f"FAIL bench crashed: {type(exc).__name__}: {msg[:160]}"})
+            if gpu:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
     add_speedups(rows)
     print_table(rows, ceilings)
     record = {"schema": 1, "machine": info, "ceilings": ceilings, "args": dict(vars(args)), "rows": rows, "gpu": gpu}
@@ -431,5 +444,5 @@ def run(args) -> int:
             print(f"plot: {args.plot}")
         except ImportError:
             print("plot skipped: matplotlib is not installed (pip install 'tileport[bench]')")
-    failed = [r for r in rows if str(r.get("status", "")).startswith("FAIL") and r["system"] in ("gluon", "triton")]
+    failed = [r for r in rows if str(r.get("status", "")).startswith("FAIL") and r["system"] in ("gluon", "triton", "all")]
     return 1 if failed else 0
