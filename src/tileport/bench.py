@@ -302,6 +302,10 @@ def print_table(rows: list[dict], ceilings: dict) -> None:
     hdr = f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<8} {'ms':>8} {'p20-p80':>15} {'graph':>7} {'TB/s':>6} {'floor%':>7}  notes"
     print(hdr)
     print("-" * len(hdr))
+    print_rows(rows)
+
+
+def print_rows(rows: list[dict]) -> None:
     for r in rows:
         shape = ",".join(f"{k}{v}" for k, v in (r["shape"] or {}).items())
         if r.get("status") != "ok":
@@ -412,20 +416,27 @@ def run(args) -> int:
     print(f"machine: {info.get('gpu') or 'CPU only'}  torch {info['torch']}  triton {info['triton']}  commit {info.get('commit')}")
     ceilings = measure_ceilings(gpu)
     rows = []
+    record = {"schema": 1, "machine": info, "ceilings": ceilings, "args": dict(vars(args)), "rows": rows, "gpu": gpu}
     for op in ops:
         try:
-            rows += bench_op(op, args, gpu, ceilings, [])
+            op_rows = bench_op(op, args, gpu, ceilings, [])
         except Exception as exc:  # one op's crash must not lose the others' rows
             msg = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             print(f"\n{op}: bench crashed: {type(exc).__name__}: {msg}", file=sys.stderr)
-            rows.append({"op": op, "shape": None, "system": "all", "mode": None,
-                         "status": f"FAIL bench crashed: {type(exc).__name__}: {msg[:160]}"})
+            op_rows = [{"op": op, "shape": None, "system": "all", "mode": None,
+                        "status": f"FAIL bench crashed: {type(exc).__name__}: {msg[:160]}"}]
             if gpu:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-    add_speedups(rows)
+        # Rows and a partial record as each op ends: a run cut short by a time limit keeps them.
+        add_speedups(op_rows)
+        print_rows(op_rows)
+        rows += op_rows
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(record, partial=True), f, indent=1, default=str)
+    print("\nfinal table:")
     print_table(rows, ceilings)
-    record = {"schema": 1, "machine": info, "ceilings": ceilings, "args": dict(vars(args)), "rows": rows, "gpu": gpu}
     if args.base:
         try:
             base = run_base(args.base, args)
