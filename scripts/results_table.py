@@ -1,6 +1,9 @@
-"""Regenerate the README's results table from the newest GPU record in benchmarks/results/.
+"""Regenerate the README's results tables from GPU records in benchmarks/results/.
 
-    python scripts/results_table.py [record.json]
+    python scripts/results_table.py [record.json ...]
+
+Without arguments: for each op and mode, the newest GPU record that times it side by side with a
+baseline (an fla or torch row), one table per record.
 """
 
 import glob
@@ -39,17 +42,35 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def default_records() -> list[str]:
+    newest: dict[tuple, tuple[str, str]] = {}  # (op, mode) -> (date, path)
+    for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")):
+        rec = json.load(open(p))
+        if not rec.get("gpu"):
+            continue
+        ok = [r for r in rec["rows"] if r.get("status") == "ok"]
+        for op in {(r["op"], r["mode"]) for r in ok if r["system"] in ("fla", "torch")}:
+            when = rec["machine"].get("date", "")
+            if op not in newest or when > newest[op][0]:
+                newest[op] = (when, p)
+    return sorted({p for _, p in newest.values()}, key=lambda p: json.load(open(p))["machine"].get("date", ""))
+
+
+def only_ops(rec: dict, ops: set[str]) -> dict:
+    return dict(rec, rows=[r for r in rec["rows"] if r["op"] in ops])
+
+
 def main() -> int:
-    path = sys.argv[1] if len(sys.argv) > 1 else None
-    if path is None:
-        records = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")))
-        records = [p for p in records if json.load(open(p)).get("gpu")]
-        if not records:
-            print("no GPU record in benchmarks/results/", file=sys.stderr)
-            return 1
-        path = records[-1]
-    rec = json.load(open(path))
-    text = table(rec) + (f"\n\nCaveat: {rec['caveat']}." if rec.get("caveat") else "") + f"\n\nSource: `{os.path.relpath(path, ROOT)}`."
+    paths = sys.argv[1:] or default_records()
+    if not paths:
+        print("no GPU record in benchmarks/results/", file=sys.stderr)
+        return 1
+    parts = []
+    for path in paths:
+        rec = json.load(open(path))
+        parts.append(table(rec) + (f"\n\nCaveat: {rec['caveat']}." if rec.get("caveat") else "")
+                     + f"\n\nSource: `{os.path.relpath(path, ROOT)}`.")
+    text = "\n\n".join(parts)
     readme = os.path.join(ROOT, "README.md")
     body = open(readme).read()
     body = re.sub(r"<!-- results:start -->.*<!-- results:end -->",

@@ -10,17 +10,17 @@ chunk's last valid position, h_c the state entering the chunk.
     O     = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn)
     h_c+1 = exp(G_L) h_c + (diag(exp(G_L - G)) K)^T Vn
 
-Stages (one kernel launch each; the forward composes 1-6, the backward recomputes 1-5 and then runs
-7-11). Tokens of all sequences are flattened to [Ntok, H, D] (Ntok = B*T); a fixed-length batch is
-the varlen batch cu_seqlens = [0, T, 2T, ...]. The chunk table (first token of each chunk, end of its
+Stages (one kernel launch each; the forward composes 1-3, 5, 6, the backward recomputes 1-5 and
+then runs 7-11; stage 4, W and U, is fused into 3). Tokens of all sequences are flattened to
+[Ntok, H, D] (Ntok = B*T); a fixed-length batch is the varlen batch cu_seqlens = [0, T, 2T, ...]. The chunk table (first token of each chunk, end of its
 sequence) and each sequence's first chunk index are computed on the host (`ChunkPlan`).
 
      1 l2norm_fwd     (optional) q, k <- x * rsqrt(sum x^2 + 1e-6), stored in the input dtype
      2 chunk_cumsum   G = in-chunk cumsum of g (fp64)                          grid (NC, H)
-     3 chunk_solve    T = (I + A)^-1 by 16x16 diagonal blocks (forward substitution in registers)
-                      merged block-wise; stored fp32 [Ntok, H, 64]                 grid (NC, H)
-     4 chunk_wu       W, U (fp32)                                               grid (NC, H)
-     5 chunk_states   sequential over chunks: h_c (fp32 [NC, H, K, V]), Vn, final state
+     3 chunk_solve_wu T = (I + A)^-1 by 16x16 diagonal blocks (inverted by doubling in registers),
+                      merged block-wise; then W, U = T (scaled keys, values) from the blocks.
+                      T is stored ([Ntok, H, 64] fp32) only for the backward     grid (NC, H)
+     5 chunk_states   sequential over chunks: h_c ([NC, H, K, V]), Vn, final state (fp32)
                                                                                grid (N*H, V/BV)
      6 chunk_output   O                                                         grid (NC*V/BV, H)
    backward, with dO and dh_T (gradient of the final state):
@@ -33,8 +33,8 @@ sequence) and each sequence's first chunk index are computed on the host (`Chunk
                                                                                grid (NC, H)
     11 l2norm_bwd     (optional) dx = rstd (dy - y (dy . y))
 
-KDA (tileport.ops.kda) reuses stages 1-5 with per-channel gates: `chunk_cumsum`, `chunk_solve`,
-`chunk_wu` and `chunk_states` take g / G as [Ntok, H, K] and then launch their kernels with the
+KDA (tileport.ops.kda) reuses stages 1-5 with per-channel gates: `chunk_cumsum`, `chunk_solve_wu`
+and `chunk_states` take g / G as [Ntok, H, K] and then launch their kernels with the
 PER_CHANNEL constexpr on (kda/triton_kernels.py documents the gate-exponent scheme). With it off
 (every GDN call) the kernels compile to exactly the GDN code.
 
@@ -47,8 +47,10 @@ before it is rounded to fp32: after a few steps of -20, G is in the hundreds, wh
 carries an absolute error of ~1e-5 into every exp(G_t - G_s). Measured with 30% of the gates at
 -20..-30 and fp32 inputs: fp32 G gave rel errors up to 1e-5 in dg and 7e-6 in dq (the fp32 bound
 is 1e-5), fp64 G gives 2e-7 to 5e-7. Exponents use t >= s only and are masked to -inf before exp, so very
-negative gates underflow to 0 (never inf * 0). The other intermediates (T, W, U, Vn, h, dh,
-partial gradients) are stored in fp32; outputs and gradients are written in their tensor's dtype,
+negative gates underflow to 0 (never inf * 0). W, U, Vn and h, the intermediates the forward
+passes between kernels, are stored in bf16 for 16-bit inputs in the forward (each is rounded to
+bf16 as a matmul operand anyway) and in fp32 for fp32 inputs and in the backward's recompute; T,
+dh and the partial gradients are fp32. Outputs and gradients are written in their tensor's dtype,
 states in fp32.
 
 Under TRITON_INTERPRET=1 (the CPU tests) two things differ from the GPU in triton 3.6, and the code
@@ -233,22 +235,60 @@ def _cumsum_kernel(g_ptr, G_ptr, chunks_ptr, H, BT: tl.constexpr,
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
-def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
-                  K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
-                  PER_CHANNEL: tl.constexpr):
-    """3: T = (I + A)^-1, A = strict_lower(diag(beta) (K K^T * Gam)), for one chunk and head.
+def _unit_lower_inverse16(N):
+    """(I + N)^-1 for a strictly lower triangular 16x16 fp32 N, by doubling:
+    (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), exact because N^16 = 0. Six dependent 16x16
+    products instead of the 15 row steps of forward substitution (each a shuffle of the tile
+    through shared memory): the chain's latency is what the solve kernel waited on (H200 profile,
+    2026-11-29). All products fp32 "ieee"."""
+    r = tl.arange(0, 16)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    N2 = tl.dot(N, N, input_precision="ieee")
+    N4 = tl.dot(N2, N2, input_precision="ieee")
+    N8 = tl.dot(N4, N4, input_precision="ieee")
+    P = eye - N
+    P += tl.dot(P, N2, input_precision="ieee")
+    P += tl.dot(P, N4, input_precision="ieee")
+    P += tl.dot(P, N8, input_precision="ieee")
+    return P
 
-    In 16x16 blocks (NB = BT / 16 per side). Block row i: A_im (m <= i) from the keys; the diagonal
-    block is inverted by forward substitution, one row per step: with T_ii = I + X, row s of X is
-    -A_s - sum_{m<s} A_sm X_m, i.e. X += (X masked to row s) @ X while row s still holds -A_s
-    (a 16x16 fp32 dot whose other rows are 0); then T_ij = -T_ii sum_{j <= m < i} A_im T_mj for
-    j < i. Writes T as [64 rows, 64 cols] fp32, the blocks above the diagonal as 0.
+
+@triton.jit
+def _rounded_for(x, ptr, DA: tl.constexpr):
+    """x as stored into ptr: rounded to bf16 by `_op` when ptr holds bf16 (the interpreter's own
+    fp32 -> bf16 cast truncates), unchanged otherwise."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        y = _op(x, tl.bfloat16, DA)
+    else:
+        y = x
+    return y
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.jit
+def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
+                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                     BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                     STORE_T: tl.constexpr):
+    """3: T = (I + A)^-1, A = strict_lower(diag(beta) (K K^T * Gam)), then W = T diag(beta exp(G)) K
+    and U = T diag(beta) V, for one chunk and head; grid (NC, H). T never leaves registers unless
+    STORE_T (the backward reads it): the forward saves T's round trip through HBM and the
+    reload of k that a separate W/U kernel paid.
+
+    In 16x16 blocks (NB = BT / 16 per side), chosen by hand where Triton would take the whole
+    64x64 tile: block row i forms A_im (m <= i) from the keys, inverts its diagonal block
+    (`_unit_lower_inverse16`), then T_ij = -T_ii sum_{j <= m < i} A_im T_mj for j < i. W and U rows
+    of block i are sum_{j <= i} T_ij X_j (X = the scaled keys or values of block j): the zero
+    blocks above the diagonal are never multiplied. T, when stored, is [64 rows, 64 cols] fp32 with
+    zeros above the diagonal blocks; W and U go out in their buffers' dtype (bf16 for the forward
+    of 16-bit inputs, fp32 for the backward's recompute).
 
     PER_CHANNEL (KDA): G is [Ntok, H, K] and A_ts = beta_t sum_c k_tc k_sc exp(G_tc - G_sc). An
     off-diagonal block (m < i) is one dot with the reference point r = first row of block i:
     (k_t exp(G_t - G_r)) . (k_s exp(G_r - G_s)), both exponents <= 0 for g <= 0; a diagonal block
     uses the exact pairwise differences as a [16, 16, BK] fp32 product (no factor can overflow for
-    any gate magnitude; kda.reference.gated_products is the same scheme in float64)."""
+    any gate magnitude; kda.reference.gated_products is the same scheme in float64);
+    W = T diag(beta) (exp(G) * K)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     bos = tl.load(chunks_ptr + 2 * c)
@@ -257,9 +297,7 @@ def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
     r = tl.arange(0, 16)
     kc = tl.arange(0, BK)
     cols = tl.arange(0, BT)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     strict = r[:, None] > r[None, :]
-    ks = ()
     bs = ()
     gs = ()
     vs = ()
@@ -268,13 +306,12 @@ def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
     for b in tl.static_range(NB):
         tok = bos + b * 16 + r
         valid = tok < eos
-        row = tok * H + hh
-        k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=valid[:, None] & (kc < K)[None, :], other=0.0)
-        ks = ks + (_op(k, DT, DA),)
+        row = tok.to(tl.int64) * H + hh
+        mk = valid[:, None] & (kc < K)[None, :]
         bs = bs + (tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)[:, None],)
         if PER_CHANNEL:
-            gs = gs + (tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=valid[:, None] & (kc < K)[None, :], other=0.0),)
-            kfs = kfs + (k.to(tl.float32),)
+            gs = gs + (tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0),)
+            kfs = kfs + (tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32),)
         else:
             gs = gs + (tl.load(G_ptr + row, mask=valid, other=0.0),)
         vs = vs + (valid,)
@@ -301,61 +338,59 @@ def _solve_kernel(k_ptr, beta_ptr, G_ptr, Ai_ptr, chunks_ptr, H,
                     kk = tl.dot(xi, tl.trans(_op(kfs[m] * tl.exp(ek), DT, DA)), input_precision="ieee")
                 A_row = A_row + (tl.where(msk, kk * bs[i], 0.0),)
             else:
-                kk = tl.dot(ks[i], tl.trans(ks[m]), input_precision="ieee")
+                # both key blocks reloaded (L1 hits) rather than held: a [16, K] dot operand is
+                # replicated in every warp, and four of them held through the solve spilled
+                ki = tl.load(k_ptr + rows[i][:, None] * K + kc[None, :], mask=vs[i][:, None] & (kc < K)[None, :], other=0.0)
+                km = tl.load(k_ptr + rows[m][:, None] * K + kc[None, :], mask=vs[m][:, None] & (kc < K)[None, :], other=0.0)
+                kk = tl.dot(_op(ki, DT, DA), tl.trans(_op(km, DT, DA)), input_precision="ieee")
                 gam = tl.exp(tl.where(msk, (gs[i][:, None] - gs[m][None, :]).to(tl.float32), float("-inf")))  # 0 off the mask
                 A_row = A_row + (kk * bs[i] * gam,)
-        X = -A_row[i]
-        for s in tl.static_range(2, 16):
-            X += tl.dot(tl.where(r[:, None] == s, X, 0.0), X, input_precision="ieee")
-        Tii = X + eye
+        Tii = _unit_lower_inverse16(A_row[i])
         for j in tl.static_range(i):
             acc = tl.dot(A_row[j], Ts[(j * (j + 1)) // 2 + j], input_precision="ieee")
             for m in tl.static_range(j + 1, i):
                 acc += tl.dot(A_row[m], Ts[(m * (m + 1)) // 2 + j], input_precision="ieee")
             Ts = Ts + (-tl.dot(Tii, acc, input_precision="ieee"),)
         Ts = Ts + (Tii,)
+    Tops = ()  # T's blocks as matmul operands (rounded to DT, as a stored-and-reloaded T would be)
+    for t in tl.static_range(len(Ts)):
+        Tops = Tops + (_op(Ts[t], DT, DA),)
+    # W and U by block rows, the keys and values of block j reloaded for each row i >= j (L1/L2
+    # hits) rather than held: keeping all four blocks live through the solve spilled registers.
     for i in tl.static_range(NB):
-        base = Ai_ptr + rows[i][:, None] * BT
+        mk = vs[i][:, None] & (kc < K)[None, :]
         for j in tl.static_range(i + 1):
-            tl.store(base + (j * 16 + r)[None, :], Ts[(i * (i + 1)) // 2 + j], mask=vs[i][:, None])
-        if i + 1 < NB:
-            tl.store(base + cols[None, :], tl.full([16, BT], 0.0, tl.float32),
-                     mask=vs[i][:, None] & (cols >= (i + 1) * 16)[None, :])
-
-
-# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.jit
-def _wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
-               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-               BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """4: W = T diag(beta exp(G)) K, U = T diag(beta) V (fp32). PER_CHANNEL (KDA): W = T diag(beta) (exp(G) * K)."""
-    c = tl.program_id(0)
-    hh = tl.program_id(1)
-    bos = tl.load(chunks_ptr + 2 * c)
-    eos = tl.load(chunks_ptr + 2 * c + 1)
-    r = tl.arange(0, BT)
-    tok = bos + r
-    valid = tok < eos
-    row = tok.to(tl.int64) * H + hh
-    kc = tl.arange(0, BK)
-    mk = valid[:, None] & (kc < K)[None, :]
-    T = _op(tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0), DT, DA)
-    beta = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
-    if PER_CHANNEL:
-        G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
-        kg = k * tl.exp(G.to(tl.float32)) * beta[:, None]
-    else:
-        G = tl.load(G_ptr + row, mask=valid, other=0.0)
-        kg = k * (beta * tl.exp(G.to(tl.float32)))[:, None]
-    w = tl.dot(T, _op(kg, DT, DA), input_precision="ieee")
-    tl.store(w_ptr + row[:, None] * K + kc[None, :], w, mask=mk)
-    for j in tl.static_range(NV):
-        vc = j * BV + tl.arange(0, BV)
-        mv = valid[:, None] & (vc < V)[None, :]
-        v = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
-        u = tl.dot(T, _op((v * beta[:, None]), DT, DA), input_precision="ieee")
-        tl.store(u_ptr + row[:, None] * V + vc[None, :], u, mask=mv)
+            mkj = vs[j][:, None] & (kc < K)[None, :]
+            kj = tl.load(k_ptr + rows[j][:, None] * K + kc[None, :], mask=mkj, other=0.0).to(tl.float32)
+            if PER_CHANNEL:
+                kw = _op(kj * tl.exp(gs[j].to(tl.float32)) * bs[j], DT, DA)
+            else:
+                kw = _op(kj * (bs[j] * tl.exp(gs[j].to(tl.float32))[:, None]), DT, DA)
+            if j == 0:
+                w = tl.dot(Tops[(i * (i + 1)) // 2], kw, input_precision="ieee")
+            else:
+                w += tl.dot(Tops[(i * (i + 1)) // 2 + j], kw, input_precision="ieee")
+        tl.store(w_ptr + rows[i][:, None] * K + kc[None, :], _rounded_for(w, w_ptr, DA), mask=mk)
+    for jv in tl.static_range(NV):
+        vc = jv * BV + tl.arange(0, BV)
+        for i in tl.static_range(NB):
+            mv = vs[i][:, None] & (vc < V)[None, :]
+            for j in tl.static_range(i + 1):
+                mvj = vs[j][:, None] & (vc < V)[None, :]
+                vj = tl.load(v_ptr + rows[j][:, None] * V + vc[None, :], mask=mvj, other=0.0).to(tl.float32)
+                if j == 0:
+                    u = tl.dot(Tops[(i * (i + 1)) // 2], _op(vj * bs[j], DT, DA), input_precision="ieee")
+                else:
+                    u += tl.dot(Tops[(i * (i + 1)) // 2 + j], _op(vj * bs[j], DT, DA), input_precision="ieee")
+            tl.store(u_ptr + rows[i][:, None] * V + vc[None, :], _rounded_for(u, u_ptr, DA), mask=mv)
+    if STORE_T:
+        for i in tl.static_range(NB):
+            base = Ai_ptr + rows[i][:, None] * BT
+            for j in tl.static_range(i + 1):
+                tl.store(base + (j * 16 + r)[None, :], Ts[(i * (i + 1)) // 2 + j], mask=vs[i][:, None])
+            if i + 1 < NB:
+                tl.store(base + cols[None, :], tl.full([16, BT], 0.0, tl.float32),
+                         mask=vs[i][:, None] & (cols >= (i + 1) * 16)[None, :])
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
@@ -365,7 +400,8 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
                    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                    PER_CHANNEL: tl.constexpr):
     """5: one program per (V block, sequence, head), sequential over the sequence's chunks.
-    h [BK, BV] fp32 stays in registers; per chunk it is stored (the state entering the chunk),
+    h [BK, BV] fp32 stays in registers; per chunk it is stored (the state entering the chunk, in
+    h_ptr's dtype: bf16 for the forward of 16-bit inputs, where only the output kernel reads it),
     Vn = U - W h is formed and stored, and h <- exp(G_L) h + (diag(exp(G_L - G)) K)^T Vn.
     PER_CHANNEL (KDA): h <- diag(exp(G_L)) h + (exp(G_L - G) * K)^T Vn, G_L in R^K."""
     nh = tl.program_id(0)
@@ -386,16 +422,16 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
     else:
         h = tl.full([BK, BV], 0.0, tl.float32)
     for i in range(0, nc):
-        tl.store(h_ptr + ((c0 + i).to(tl.int64) * H + hh) * (K * V) + sblk, h, mask=smask)
+        tl.store(h_ptr + ((c0 + i).to(tl.int64) * H + hh) * (K * V) + sblk, _rounded_for(h, h_ptr, DA), mask=smask)
         tok = bos + i * BT + r
         valid = tok < eos
         row = tok.to(tl.int64) * H + hh
         mk = valid[:, None] & (kc < K)[None, :]
         mv = valid[:, None] & (vc < V)[None, :]
         w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
-        u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+        u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
         vn = u - tl.dot(_op(w, DT, DA), _op(h, DT, DA), input_precision="ieee")
-        tl.store(vn_ptr + row[:, None] * V + vc[None, :], vn, mask=mv)
+        tl.store(vn_ptr + row[:, None] * V + vc[None, :], _rounded_for(vn, vn_ptr, DA), mask=mv)
         last = tl.minimum(bos + i * BT + BT, eos) - 1
         k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
         if PER_CHANNEL:
@@ -692,8 +728,7 @@ _F32 = torch.float32
 # run without software pipelining: at the default 3 stages Triton multi-buffers every per-chunk
 # tile in shared memory (about 200 KB at K = V = 128, more than fp32 inputs fit in an H200's 227 KB).
 _LAUNCH = {
-    "solve": dict(num_warps=4),
-    "wu": dict(num_warps=4),
+    "solve_wu": dict(num_warps=8),  # sm_90a: 4 warps spill 64-180 B, 8 spill none (ptxas, 2026-11-29)
     "states": dict(num_warps=4, num_stages=1),
     "output": dict(num_warps=4),
     "dv_local": dict(num_warps=4),
@@ -754,38 +789,39 @@ def chunk_cumsum(g: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     return G
 
 
-def chunk_solve(k: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-    """3: T = (I + A)^-1 per chunk, [Ntok, H, 64] fp32 (row t of its chunk's T). G [Ntok, H, K]
-    (from per-channel gates) selects the KDA form of A."""
-    Ntok, H, K = k.shape
-    BK = _blocks(K, 1)[0]
-    Ai = new_empty((Ntok, H, BT), _F32, k.device)
-    if plan.NC:
-        _solve_kernel[(plan.NC, H)](k, beta, G, Ai, plan.chunks, H, K, BK, BT, *_dot_types(k.dtype), G.dim() == 3,
-                                    **_LAUNCH["solve"])
-    return Ai
+def _intermediate_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
+    """Storage of W, U, h and Vn between kernels: bf16 for 16-bit inputs when `compact` (the
+    forward: halves the bytes of the states and output kernels; every matmul already rounds these
+    operands to bf16, so what is lost is only the rounding of U - W h before its own rounding),
+    fp32 otherwise (fp32 inputs, and the backward's recompute, whose gradient kernels add to them)."""
+    return torch.bfloat16 if compact and dtype != torch.float32 else _F32
 
 
-def chunk_wu(k, v, beta, G, Ai, plan: ChunkPlan):
-    """4: W [Ntok, H, K], U [Ntok, H, V], fp32."""
+def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compact: bool = False):
+    """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
+    T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. G [Ntok, H, K] (from
+    per-channel gates) selects the KDA form of A and W."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
-    w = new_empty((Ntok, H, K), _F32, k.device)
-    u = new_empty((Ntok, H, V), _F32, k.device)
+    inter = _intermediate_dtype(k.dtype, compact)
+    Ai = new_empty((Ntok, H, BT), _F32, k.device) if store_T else None
+    w = new_empty((Ntok, H, K), inter, k.device)
+    u = new_empty((Ntok, H, V), inter, k.device)
     if plan.NC:
-        _wu_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
-                                 *_dot_types(k.dtype), G.dim() == 3, **_LAUNCH["wu"])
-    return w, u
+        _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
+                                       *_dot_types(k.dtype), G.dim() == 3, store_T, **_LAUNCH["solve_wu"])
+    return Ai, w, u
 
 
 def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool):
-    """5: h [NC, H, K, V] (state entering each chunk), Vn [Ntok, H, V], final state [N, H, K, V] or None; fp32."""
+    """5: h [NC, H, K, V] (state entering each chunk) and Vn [Ntok, H, V] in W's dtype (see
+    `_intermediate_dtype`); the final state [N, H, K, V] fp32, or None."""
     Ntok, H, K = k.shape
     V = u.shape[-1]
     BK, BV, NV = _blocks(K, V)
-    h = new_empty((plan.NC, H, K, V), _F32, k.device)
-    vn = new_empty((Ntok, H, V), _F32, k.device)
+    h = new_empty((plan.NC, H, K, V), w.dtype, k.device)
+    vn = new_empty((Ntok, H, V), w.dtype, k.device)
     ht = new_empty((plan.N, H, K, V), _F32, k.device) if output_final_state else None
     if plan.N:
         _states_kernel[(plan.N * H, NV)](
@@ -877,13 +913,13 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
-def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, output_final_state):
-    """Stages 1-5: what both the forward and the backward need."""
+def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, output_final_state, for_backward):
+    """Stages 1-5: what both the forward and the backward need (T only for the backward, and
+    compact intermediates only for the forward)."""
     if use_qk_l2norm_in_kernel:
         q, k = l2norm_fwd(q), l2norm_fwd(k)
     G = chunk_cumsum(g, plan)
-    Ai = chunk_solve(k, beta, G, plan)
-    w, u = chunk_wu(k, v, beta, G, Ai, plan)
+    Ai, w, u = chunk_solve_wu(k, v, beta, G, plan, store_T=for_backward, compact=not for_backward)
     h, vn, ht = chunk_states(k, w, u, G, initial_state, plan, output_final_state)
     return q, k, G, Ai, w, u, h, vn, ht
 
@@ -895,7 +931,8 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    qn, kn, G, _Ai, _w, _u, h, vn, ht = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan, output_final_state)
+    qn, kn, G, _Ai, _w, _u, h, vn, ht = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan,
+                                                    output_final_state, for_backward=False)
     o = chunk_output(qn, kn, G, h, vn, scale, plan, q.dtype)
     return o.view(B, T, H, V), ht
 
@@ -909,7 +946,8 @@ def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     dof = _flatten(do.to(q.dtype))
     h0 = initial_state.contiguous() if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
-    qn, kn, G, Ai, w, u, h, vn, _ = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan, False)
+    qn, kn, G, Ai, w, u, h, vn, _ = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan, False,
+                                               for_backward=True)
     dvl = chunk_dv_local(qn, kn, G, dof, scale, plan)
     dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None)
     l2 = use_qk_l2norm_in_kernel

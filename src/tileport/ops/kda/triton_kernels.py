@@ -6,8 +6,8 @@ the gate cumsum G having a key axis ([Ntok, H, K] instead of [Ntok, H]):
 
      1 l2norm_fwd     GDN's, unchanged
      2 chunk_cumsum   GDN's, PER_CHANNEL: G = in-chunk cumsum of g per key channel (fp64)
-     3 chunk_solve    GDN's, PER_CHANNEL: A_ts = beta_t sum_c k_tc k_sc exp(G_tc - G_sc)
-     4 chunk_wu       GDN's, PER_CHANNEL: W = T diag(beta) (exp(G) * K)
+     3 chunk_solve_wu GDN's, PER_CHANNEL: A_ts = beta_t sum_c k_tc k_sc exp(G_tc - G_sc),
+                      W = T diag(beta) (exp(G) * K)
      5 chunk_states   GDN's, PER_CHANNEL: h <- diag(exp(G_L)) h + (exp(G_L - G) * K)^T Vn
      6 kda output     here (`_kda_output_kernel`): the intra-chunk Q K^T product needs the
                       sub-block structure below, which does not fit GDN's single [64, 64] tile
@@ -43,9 +43,8 @@ from tileport.ops.gdn.triton_kernels import (
     _op,
     _out,
     chunk_cumsum,
-    chunk_solve,
+    chunk_solve_wu,
     chunk_states,
-    chunk_wu,
     l2norm_fwd,
     make_plan,
     triton_refusal,
@@ -134,8 +133,7 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     if use_qk_l2norm_in_kernel:
         qf, kf = l2norm_fwd(qf), l2norm_fwd(kf)
     G = chunk_cumsum(gf, plan)  # [Ntok, H, K] fp64
-    Ai = chunk_solve(kf, bf, G, plan)
-    w, u = chunk_wu(kf, vf, bf, G, Ai, plan)
+    _, w, u = chunk_solve_wu(kf, vf, bf, G, plan, compact=True)
     h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
     o = chunk_output_kda(qf, kf, G, h, vn, scale, plan, q.dtype)
     return o.view(B, T, H, V), ht
