@@ -57,6 +57,38 @@ def test_refuses_fail_and_ok_rows(monkeypatch):
     assert good["bytes"] == 2 * 8 * 4 * 4 and good["floor_ms"] > 0 and 0 < good["frac_floor"]
 
 
+def test_backward_refusal_keeps_the_forward(monkeypatch):
+    """FLA refuses GDN's backward on Hopper: its forward must still be verified and timed, its
+    backward modes reported as refusals; a system listed in NO_KERNEL_BACKWARD is timed forward only."""
+
+    class RefusesBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("wrong gradients on this stack, refusing")
+
+    calls = []
+
+    def slow_backward(inp):
+        calls.append("fwd")
+        return inp["x"] * 2
+
+    suite = _fake_suite({"fwdonly": lambda inp: RefusesBackward.apply(inp["x"]), "nokernel": slow_backward})
+    suite.NO_KERNEL_BACKWARD = {"nokernel": "its backward is the reference"}
+    monkeypatch.setitem(sys.modules, "fake_suite3", suite)
+    monkeypatch.setitem(bench.OPS, "fake3", "fake_suite3")
+    rows = bench.bench_op("fake3", _args(op="fake3", backends="fwdonly,nokernel", modes="fwd,bwd,fwdbwd"), gpu=False,
+                          ceilings=dict(bench.NOMINAL), progress_total=[])
+    status = {(r["system"], r["mode"]): r["status"] for r in rows}
+    assert status[("fwdonly", "fwd")] == "ok" and status[("nokernel", "fwd")] == "ok", status
+    for mode in ("bwd", "fwdbwd"):
+        assert status[("fwdonly", mode)].startswith("refuses: RuntimeError: wrong gradients"), status
+        assert status[("nokernel", mode)] == "n/a here: its backward is the reference", status
+
+
 def test_cli_json_record_schema(tmp_path):
     out = tmp_path / "rec.json"
     env = dict(__import__("os").environ, TRITON_INTERPRET="1")

@@ -222,15 +222,29 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
             # when autograd runs it, outside the system's own call (before this, a forced backend's
             # backward ran on the default backend: the 2026-11-29 H200 record's triton bwd rows).
             forced = _forcing(op, name)
+            # A system whose backward refuses (FLA's gated GDN backward on Hopper) or isn't a kernel
+            # (NO_KERNEL_BACKWARD in the op's suite) still gets its forward verified and timed.
+            no_bwd = getattr(suite, "NO_KERNEL_BACKWARD", {}).get(name)
+            bwd_status = f"n/a here: {no_bwd}" if no_bwd else None
+            want_bwd = any(m != "fwd" for m in modes) and not no_bwd
             try:
                 with forced():
                     o = fn(inputs)
-                    grads = torch.autograd.grad(o, leaves, grad_o, allow_unused=True) if ("bwd" in modes or "fwdbwd" in modes) else ()
+                grads = ()
+                if want_bwd:
+                    try:
+                        with forced():
+                            grads = torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
+                    except BackendRefused:
+                        raise
+                    except Exception as exc:
+                        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                        bwd_status = f"refuses: {type(exc).__name__}: {msg[:160]}"
                 if getattr(fn, "different_op", None):
                     ok, worst = True, float("nan")  # a different function, timed for scale only
                     row["note"] = fn.different_op
                 else:
-                    ok, worst = _verify([o, *grads], [ref_o, *ref_grads], dtype, kinds)
+                    ok, worst = _verify([o, *grads], [ref_o, *ref_grads][:1 + len(grads)], dtype, kinds)
             except ImportError as exc:
                 rows.append(dict(row, status=f"unavailable: {exc}"))
                 continue
@@ -246,6 +260,9 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
                 continue
             del o, grads
             for mode in modes:
+                if mode != "fwd" and bwd_status:
+                    rows.append(dict(row, mode=mode, status=bwd_status))
+                    continue
                 nbytes, flops = suite.minimal_cost(shape, torch.finfo(dtype).bits // 8, mode)
                 floor_ms = max(nbytes / (ceilings["copy_tbps"] * 1e12), flops / (ceilings["matmul_tflops"] * 1e12)) * 1e3
                 try:
