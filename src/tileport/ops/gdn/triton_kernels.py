@@ -166,6 +166,29 @@ def _dot_types(dtype: torch.dtype) -> tuple:
 # ----------------------------------------------------------------------------------------
 
 
+def _configs(options) -> list:
+    return [triton.Config({k: v for k, v in o.items() if k not in ("num_warps", "num_stages")},
+                          num_warps=o["num_warps"], num_stages=o["num_stages"]) for o in options]
+
+
+def _tuned(options) -> list:
+    """Autotune candidates for a forward kernel: on a GPU each is timed at the first call of a new
+    (K, V, H, dtypes) and the fastest kept; under the interpreter (which cannot time them) only the
+    first. Picked on the card, not guessed here: the H200 profile (2026-11-29) showed the states
+    kernel latency-bound with 256 programs, and which block of V and how many stages hide that
+    best is a measurement. tests/test_gdn_parity.py runs every candidate under the interpreter."""
+    configs = _configs(options)
+    return configs[:1] if interpreter_enabled() else configs
+
+
+SOLVE_WU_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1))
+STATES_OPTIONS = (dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
+                  dict(BV=64, num_warps=4, num_stages=2), dict(BV=32, num_warps=4, num_stages=2),
+                  dict(BV=64, num_warps=8, num_stages=2))
+OUTPUT_OPTIONS = (dict(BV=64, num_warps=4, num_stages=3), dict(BV=128, num_warps=4, num_stages=3),
+                  dict(BV=128, num_warps=8, num_stages=3), dict(BV=64, num_warps=8, num_stages=3))
+
+
 @triton.jit
 def _op(x, DT: tl.constexpr, DA: tl.constexpr):
     """x as a tl.dot operand: rounded to DT. When DA != DT (bf16 under the interpreter) x is rounded
@@ -265,6 +288,7 @@ def _rounded_for(x, ptr, DA: tl.constexpr):
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.autotune(configs=_tuned(SOLVE_WU_OPTIONS), key=["K", "V", "H"])
 @triton.jit
 def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
@@ -394,6 +418,7 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.autotune(configs=_tuned(STATES_OPTIONS), key=["K", "V", "H"])
 @triton.jit
 def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, choff_ptr, H,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -450,11 +475,15 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.autotune(configs=_tuned(OUTPUT_OPTIONS), key=["K", "V", "H"])
 @triton.jit
 def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, scale,
-                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                    DT: tl.constexpr, DA: tl.constexpr):
-    """6: O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn), in o's dtype."""
+    """6: O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn), in o's dtype; grid (NC * V/BV, H).
+    With BV = V (one of the tuned choices) q, k and Q K^T are loaded and formed once per chunk
+    instead of once per V block."""
+    NV: tl.constexpr = (V + BV - 1) // BV
     c = tl.program_id(0) // NV
     j = tl.program_id(0) % NV
     hh = tl.program_id(1)
@@ -724,13 +753,11 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
 
 _F32 = torch.float32
 
-# Launch settings per kernel (untuned; the GPU is where they get tuned). The two sequential kernels
-# run without software pipelining: at the default 3 stages Triton multi-buffers every per-chunk
-# tile in shared memory (about 200 KB at K = V = 128, more than fp32 inputs fit in an H200's 227 KB).
+# Launch settings of the backward kernels (untuned; the forward's are autotuned, see `_tuned`).
+# dstates runs without software pipelining: at the default 3 stages Triton multi-buffers every
+# per-chunk tile in shared memory (about 200 KB at K = V = 128, more than fp32 inputs fit in an
+# H200's 227 KB).
 _LAUNCH = {
-    "solve_wu": dict(num_warps=8),  # sm_90a: 4 warps spill 64-180 B, 8 spill none (ptxas, 2026-11-29)
-    "states": dict(num_warps=4, num_stages=1),
-    "output": dict(num_warps=4),
     "dv_local": dict(num_warps=4),
     "dstates": dict(num_warps=4, num_stages=1),
     "dqkwg": dict(num_warps=8),
@@ -810,7 +837,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     u = new_empty((Ntok, H, V), inter, k.device)
     if plan.NC:
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
-                                       *_dot_types(k.dtype), G.dim() == 3, store_T, **_LAUNCH["solve_wu"])
+                                       *_dot_types(k.dtype), G.dim() == 3, store_T)
     return Ai, w, u
 
 
@@ -819,15 +846,16 @@ def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool):
     `_intermediate_dtype`); the final state [N, H, K, V] fp32, or None."""
     Ntok, H, K = k.shape
     V = u.shape[-1]
-    BK, BV, NV = _blocks(K, V)
+    BK = _blocks(K, V)[0]
     h = new_empty((plan.NC, H, K, V), w.dtype, k.device)
     vn = new_empty((Ntok, H, V), w.dtype, k.device)
     ht = new_empty((plan.N, H, K, V), _F32, k.device) if output_final_state else None
     if plan.N:
-        _states_kernel[(plan.N * H, NV)](
+        DT, DA = _dot_types(k.dtype)
+        _states_kernel[lambda meta: (plan.N * H, triton.cdiv(V, meta["BV"]))](
             k, w, u, G, h0 if h0 is not None else h, h, vn, ht if ht is not None else h, plan.cu, plan.chunk_offsets, H,
-            K, V, BK, BV, BT, h0 is not None, output_final_state, *_dot_types(k.dtype), G.dim() == 3,
-            **_LAUNCH["states"])
+            K=K, V=V, BK=BK, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, DT=DT, DA=DA,
+            PER_CHANNEL=G.dim() == 3)
     return h, vn, ht
 
 
@@ -835,11 +863,12 @@ def chunk_output(q, k, G, h, vn, scale: float, plan: ChunkPlan, out_dtype: torch
     """6: o [Ntok, H, V] in out_dtype."""
     Ntok, H, K = q.shape
     V = vn.shape[-1]
-    BK, BV, NV = _blocks(K, V)
+    BK = _blocks(K, V)[0]
     o = _out((Ntok, H, V), out_dtype, q.device)
     if plan.NC:
-        _output_kernel[(plan.NC * NV, H)](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
-                                         *_dot_types(q.dtype), **_LAUNCH["output"])
+        DT, DA = _dot_types(q.dtype)
+        _output_kernel[lambda meta: (plan.NC * triton.cdiv(V, meta["BV"]), H)](
+            q, k, G, h, vn, o, plan.chunks, H, scale, K=K, V=V, BK=BK, BT=BT, DT=DT, DA=DA)
     return _done(o, out_dtype)
 
 

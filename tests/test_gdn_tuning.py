@@ -1,0 +1,41 @@
+"""Every autotune candidate of the GDN forward kernels computes the same thing.
+
+On a GPU the autotuner may pick any of `SOLVE_WU_OPTIONS`, `STATES_OPTIONS` or `OUTPUT_OPTIONS`
+(kernels' block of V, warps and pipeline stages); under the interpreter `_tuned` keeps only the
+first. Here each candidate in turn is made the kernel's only config and two parity cases of the
+frozen gate (tests/test_gdn_parity.py: varlen with a length-1 and an empty sequence, and V = 80,
+which no block of V divides) run forward and backward against the float64 recurrence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gdn_parity import _backend_or_skip, _run_and_check
+
+from tileport.ops.gdn import triton_kernels as tk
+
+KERNELS = {
+    "solve_wu": (tk._solve_wu_kernel, tk.SOLVE_WU_OPTIONS),
+    "states": (tk._states_kernel, tk.STATES_OPTIONS),
+    "output": (tk._output_kernel, tk.OUTPUT_OPTIONS),
+}
+CANDIDATES = [(name, i) for name, (_, options) in KERNELS.items() for i in range(len(options))]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("case_id", ["varlen-bf16-l2", "K48-V80-fp32"])
+@pytest.mark.parametrize("kernel,index", CANDIDATES, ids=[f"{n}-{i}" for n, i in CANDIDATES])
+def test_each_autotune_candidate(kernel, index, case_id, device, seed, monkeypatch):
+    _backend_or_skip("triton", device)
+    fn, options = KERNELS[kernel]
+    monkeypatch.setattr(fn, "configs", tk._configs([options[index]]))
+    monkeypatch.setattr(fn, "cache", {})
+    _run_and_check("triton", case_id, device, seed)
