@@ -41,6 +41,7 @@ How the kernels move data (the part Triton would have chosen for us):
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,7 @@ try:  # the module must import on a CPU machine and without Gluon
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton import knobs as _knobs
+    from triton.runtime import _allocation
 
     _GLUON_ERROR = None
 except Exception as exc:  # pragma: no cover - depends on the installed triton
@@ -319,6 +321,14 @@ if _GLUON_ERROR is None:
         tma.async_copy_global_to_shared(desc, [blk * BOXR, 0], bar, ring.index(slot), pred=pred)
 
     @gluon.jit
+    def _device_desc(ptr, N, D: gl.constexpr, BOXR: gl.constexpr, BOX: gl.constexpr, LAYOUT: gl.constexpr):
+        """The TMA descriptor of a contiguous [N, D] tensor seen as [N*D/BOX, BOX], built on the
+        device (in global scratch from triton's allocator) instead of by the host launcher:
+        the host then passes a raw pointer, saving the ~10 us per descriptor that encoding a
+        CUtensorMap costs on every launch (9 of them per backward)."""
+        return tma.make_tensor_descriptor(ptr, [N * (D // BOX), BOX], [BOX, 1], [BOXR, BOX], LAYOUT)
+
+    @gluon.jit
     def _read(ring, t, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, BL: gl.constexpr):
         """Slot of tile t as the row-major [BLOCK_N, D] tile it is, loaded in layout BL, fp32."""
         view = ring.index(t % STAGES)._reinterpret(ring.dtype, [BLOCK_N, D],
@@ -362,6 +372,7 @@ if _GLUON_ERROR is None:
         L: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, BOXR: gl.constexpr,
         STAGES: gl.constexpr, LP: gl.constexpr, RESIDENT: gl.constexpr, HAS_OW: gl.constexpr,
         STORE_P: gl.constexpr, BL: gl.constexpr,
+        DEVICE_DESC: gl.constexpr, BOX: gl.constexpr, DESC_LAYOUT: gl.constexpr,
     ):
         """AttnRes forward: o [N, D] (and p [L, N] fp32 when STORE_P) from L residual descriptors.
 
@@ -370,8 +381,14 @@ if _GLUON_ERROR is None:
         STAGES-deep mbarrier ring and its phases, prefetch across blocks, residency (RESIDENT:
         exact softmax over the resident tiles; else online softmax, each tile read once), the
         register layout BL (whole rows per warp, 16-byte vectors) and the vector stores.
+        r0..r15 are host TMA descriptors, or (DEVICE_DESC) raw pointers the kernel builds them from.
         """
         descs = (r0, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15)
+        if DEVICE_DESC:  # (a tuple holding the unused Nones can't be passed to a helper)
+            ptrs = descs
+            descs = ()
+            for l in gl.static_range(L):
+                descs = descs + (_device_desc(ptrs[l], N, D, BOXR, BOX, DESC_LAYOUT),)
         ROWS: gl.constexpr = gl.SliceLayout(1, BL)
         COLS: gl.constexpr = gl.SliceLayout(0, BL)
         pid = gl.program_id(0)
@@ -387,7 +404,8 @@ if _GLUON_ERROR is None:
         if HAS_OW:
             vecs.index(1).store(gl.load(ow_ptr + cols).to(gl.float32))
 
-        ring = gl.allocate_shared_memory(r0.dtype, [STAGES, BOXR, r0.block_type.shape[1]], r0.layout)
+        d0 = descs[0]
+        ring = gl.allocate_shared_memory(d0.dtype, [STAGES, BOXR, d0.block_type.shape[1]], d0.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -466,6 +484,7 @@ if _GLUON_ERROR is None:
         L: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, BOXR: gl.constexpr,
         STAGES: gl.constexpr, DY_STAGES: gl.constexpr, LP: gl.constexpr, RESIDENT: gl.constexpr,
         HAS_OW: gl.constexpr, BL: gl.constexpr,
+        DEVICE_DESC: gl.constexpr, BOX: gl.constexpr, DESC_LAYOUT: gl.constexpr,
     ):
         """AttnRes backward: dr [L, N, D], G partial rows [P, D] and (HAS_OW) dow partial rows [P, D].
 
@@ -476,9 +495,19 @@ if _GLUON_ERROR is None:
         dy has its own DY_STAGES-slot TMA ring, read from SMEM where needed (not held in registers).
         Explicit here (Triton would choose): descriptors, rings, mbarrier phases, residency, the
         cross-block prefetch, the register layout BL, and the G/dow partials that stay in
-        registers until one row per program is written.
+        registers until one row per program is written. r0..r15 and dy_desc are host TMA
+        descriptors, or (DEVICE_DESC) raw pointers the kernel builds them from.
         """
         descs = (r0, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15)
+        if DEVICE_DESC:  # (a tuple holding the unused Nones can't be passed to a helper)
+            ptrs = descs
+            descs = ()
+            for l in gl.static_range(L):
+                descs = descs + (_device_desc(ptrs[l], N, D, BOXR, BOX, DESC_LAYOUT),)
+        if DEVICE_DESC:
+            dyd = _device_desc(dy_desc, N, D, BOXR, BOX, DESC_LAYOUT)
+        else:
+            dyd = dy_desc
         ROWS: gl.constexpr = gl.SliceLayout(1, BL)
         COLS: gl.constexpr = gl.SliceLayout(0, BL)
         NPASS: gl.constexpr = 4 if HAS_OW else 2
@@ -496,10 +525,10 @@ if _GLUON_ERROR is None:
         if HAS_OW:
             vecs.index(1).store(gl.load(ow_ptr + cols).to(gl.float32))
 
-        ring = gl.allocate_shared_memory(r0.dtype, [STAGES, BOXR, r0.block_type.shape[1]], r0.layout)
+        d0 = descs[0]
+        ring = gl.allocate_shared_memory(d0.dtype, [STAGES, BOXR, d0.block_type.shape[1]], d0.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        dy_ring = gl.allocate_shared_memory(dy_desc.dtype, [DY_STAGES, BOXR, dy_desc.block_type.shape[1]],
-                                            dy_desc.layout)
+        dy_ring = gl.allocate_shared_memory(dyd.dtype, [DY_STAGES, BOXR, dyd.block_type.shape[1]], dyd.layout)
         dy_ready = gl.allocate_shared_memory(gl.int64, [DY_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -508,7 +537,7 @@ if _GLUON_ERROR is None:
         fence_async_shared()
         gl.thread_barrier()
         for i in gl.static_range(DY_STAGES):
-            _issue(dy_desc, dy_ring, dy_ready, i, pid + i * P, i < my_blocks, BOXR, DY_STAGES)
+            _issue(dyd, dy_ring, dy_ready, i, pid + i * P, i < my_blocks, BOXR, DY_STAGES)
         for i in gl.static_range(STAGES):
             _issue(descs[(i % TPB) % L], ring, ready, i, pid + (i // TPB) * P, (i // TPB) < my_blocks,
                    BOXR, STAGES)
@@ -608,7 +637,7 @@ if _GLUON_ERROR is None:
             # dy slot of block k is free (its last read was before pass D's barriers): prefetch block k+DY_STAGES
             gl.thread_barrier()
             kn = k + DY_STAGES
-            _issue(dy_desc, dy_ring, dy_ready, kn, pid + kn * P, kn < my_blocks, BOXR, DY_STAGES)
+            _issue(dyd, dy_ring, dy_ready, kn, pid + kn * P, kn < my_blocks, BOXR, DY_STAGES)
 
         gl.store(g_part_ptr + pid * D + cols, gl.sum(g_acc, axis=0))
         if HAS_OW:
@@ -657,10 +686,15 @@ def _fwd_runtime(descs, o, p, q, w, ow, N, eps, scale) -> list:
     return [*descs, *([None] * (L_MAX - len(descs))), o, p, q, w, ow, N, float(eps), float(scale) * LOG2E]
 
 
+def _desc_consts_kw(plan: Plan, device_desc: bool) -> dict:
+    return dict(DEVICE_DESC=device_desc, BOX=plan.box, DESC_LAYOUT=_smem_layout(16 // plan.vec))
+
+
 @functools.lru_cache(maxsize=None)
-def _fwd_consts(plan: Plan, L: int, D: int, has_ow: bool, store_p: bool) -> dict:
+def _fwd_consts(plan: Plan, L: int, D: int, has_ow: bool, store_p: bool, device_desc: bool = False) -> dict:
     return dict(L=L, D=D, BLOCK_N=plan.block_n, BOXR=plan.boxr, STAGES=plan.stages, LP=_next_pow2(L),
-                RESIDENT=plan.resident, HAS_OW=has_ow, STORE_P=store_p, BL=plan.layout())
+                RESIDENT=plan.resident, HAS_OW=has_ow, STORE_P=store_p, BL=plan.layout(),
+                **_desc_consts_kw(plan, device_desc))
 
 
 def _bwd_runtime(descs, dy_desc, dr, g_part, w_part, q, w, ow, N, eps, scale) -> list:
@@ -670,22 +704,45 @@ def _bwd_runtime(descs, dy_desc, dr, g_part, w_part, q, w, ow, N, eps, scale) ->
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_consts(plan: Plan, L: int, D: int, has_ow: bool) -> dict:
+def _bwd_consts(plan: Plan, L: int, D: int, has_ow: bool, device_desc: bool = False) -> dict:
     return dict(L=L, D=D, BLOCK_N=plan.block_n, BOXR=plan.boxr, STAGES=plan.stages, DY_STAGES=plan.dy_stages,
-                LP=_next_pow2(L), RESIDENT=plan.resident, HAS_OW=has_ow, BL=plan.layout())
+                LP=_next_pow2(L), RESIDENT=plan.resident, HAS_OW=has_ow, BL=plan.layout(),
+                **_desc_consts_kw(plan, device_desc))
 
 
-def _fwd_args(plan: Plan, descs, o, p, q, w, ow, N, L, D, eps, scale) -> dict:
+def _fwd_args(plan: Plan, descs, o, p, q, w, ow, N, L, D, eps, scale, device_desc: bool = False) -> dict:
     args = dict(zip(_attnres_fwd_kernel.arg_names, _fwd_runtime(descs, o, p, q, w, ow, N, eps, scale)))
-    args.update(_fwd_consts(plan, L, D, ow is not None, p is not None))
+    args.update(_fwd_consts(plan, L, D, ow is not None, p is not None, device_desc))
     return args
 
 
-def _bwd_args(plan: Plan, descs, dy_desc, dr, g_part, w_part, q, w, ow, N, L, D, eps, scale) -> dict:
+def _bwd_args(plan: Plan, descs, dy_desc, dr, g_part, w_part, q, w, ow, N, L, D, eps, scale,
+              device_desc: bool = False) -> dict:
     runtime = _bwd_runtime(descs, dy_desc, dr, g_part, w_part, q, w, ow, N, eps, scale)
     args = dict(zip(_attnres_bwd_kernel.arg_names, runtime))
-    args.update(_bwd_consts(plan, L, D, ow is not None))
+    args.update(_bwd_consts(plan, L, D, ow is not None, device_desc))
     return args
+
+
+def _device_descriptors() -> bool:
+    """TILEPORT_ATTNRES_DESC=device: the kernels build their TMA descriptors on the device (see
+    `_device_desc`); the default, host, has the launcher encode them. Device-side descriptors
+    compile and pass the CPU checks but have not yet run on the H200 (2026-11-29): the default
+    flips once the GPU gate and the benchmark have seen them."""
+    return os.environ.get("TILEPORT_ATTNRES_DESC", "host") == "device"
+
+
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-side descriptors live in global scratch that the launcher asks triton's allocator
+    for. The allocator is a ContextVar, so a thread that never set one (autograd's backward
+    thread included) has the null allocator: install torch's caching allocator there, and never
+    replace one the user set."""
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        _allocation._allocator.set(_scratch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -726,10 +783,16 @@ def attnres_forward_gluon(query, residuals, rms_weight, output_rms_weight, eps: 
     if N == 0:
         return o, p
     esize = _DTYPES[dtype]
-    descs = _descriptors(residuals, N, D, plan, esize)
+    device_desc = _device_descriptors()
+    if device_desc:
+        _ensure_allocator()
+        descs = residuals
+    else:
+        descs = _descriptors(residuals, N, D, plan, esize)
     runtime = _fwd_runtime(descs, o, p, query, rms_weight, output_rms_weight, N, eps, scale)
-    consts = _fwd_consts(plan, L, D, output_rms_weight is not None, p is not None)
-    key = ("fwd", plan, L, D, dtype, p is not None, dev.index, N >= 2**31) + _vec_key(query, rms_weight, output_rms_weight)
+    consts = _fwd_consts(plan, L, D, output_rms_weight is not None, p is not None, device_desc)
+    key = ("fwd", plan, L, D, dtype, p is not None, dev.index, N >= 2**31, device_desc) + _vec_key(
+        query, rms_weight, output_rms_weight)
     _launch(_attnres_fwd_kernel, (_grid(N, plan, dev),), key, runtime, consts, plan.num_warps)
     return o, p
 
@@ -749,11 +812,17 @@ def attnres_backward_gluon(grad_o, query, residuals, rms_weight, output_rms_weig
     w_part = new_empty((P, D), torch.float32, dev) if output_rms_weight is not None else None
     if N > 0:
         esize = _DTYPES[dtype]
-        *descs, dy_desc = _descriptors(residuals + (grad_o,), N, D, plan, esize)
+        device_desc = _device_descriptors()
+        if device_desc:
+            _ensure_allocator()
+            descs, dy_desc = residuals, grad_o
+        else:
+            *descs, dy_desc = _descriptors(residuals + (grad_o,), N, D, plan, esize)
         runtime = _bwd_runtime(descs, dy_desc, dr, g_part, w_part, query, rms_weight, output_rms_weight, N, eps,
                                scale)
-        consts = _bwd_consts(plan, L, D, output_rms_weight is not None)
-        key = ("bwd", plan, L, D, dtype, dev.index, N >= 2**31) + _vec_key(query, rms_weight, output_rms_weight)
+        consts = _bwd_consts(plan, L, D, output_rms_weight is not None, device_desc)
+        key = ("bwd", plan, L, D, dtype, dev.index, N >= 2**31, device_desc) + _vec_key(
+            query, rms_weight, output_rms_weight)
         _launch(_attnres_bwd_kernel, (P,), key, runtime, consts, plan.num_warps)
     grad_q, grad_w, grad_ow = finish_parameter_grads(g_part, w_part, query, rms_weight, output_rms_weight, scale)
     return [dr[i] for i in range(L)], grad_q, grad_w, grad_ow
@@ -762,7 +831,8 @@ def attnres_backward_gluon(grad_o, query, residuals, rms_weight, output_rms_weig
 # --------------------------------------------------------------------------------------------
 # CPU compile checks (tileport.compile_check)
 # --------------------------------------------------------------------------------------------
-def _case(kind: str, L: int, D: int, dtype, has_ow: bool, N: int = 16384, max_spills: int = 0, **plan_kw):
+def _case(kind: str, L: int, D: int, dtype, has_ow: bool, N: int = 16384, max_spills: int = 0,
+          device_desc: bool = False, **plan_kw):
     from tileport.compile_check import CompileCase, TensorStandIn, descriptor_stand_in
 
     esize = _DTYPES[dtype]
@@ -772,6 +842,8 @@ def _case(kind: str, L: int, D: int, dtype, has_ow: bool, N: int = 16384, max_sp
     nb = D // plan.box
 
     def desc():
+        if device_desc:  # the kernel builds the descriptor from the tensor's pointer
+            return TensorStandIn([N, D], dtype)
         return descriptor_stand_in([N * nb, plan.box], dtype, [plan.boxr, plan.box], _smem_layout(esize))
 
     vec = TensorStandIn([D], dtype)
@@ -779,18 +851,21 @@ def _case(kind: str, L: int, D: int, dtype, has_ow: bool, N: int = 16384, max_sp
     descs = [desc() for _ in range(L)]
     if kind == "fwd":
         args = _fwd_args(plan, descs, TensorStandIn([N, D], dtype), TensorStandIn([L, N], torch.float32), vec, vec,
-                         ow, N, L, D, 1e-6, 1.0)
+                         ow, N, L, D, 1e-6, 1.0, device_desc)
         kernel = _attnres_fwd_kernel
     else:
         P = 132
         args = _bwd_args(plan, descs, desc(), TensorStandIn([L, N, D], dtype), TensorStandIn([P, D], torch.float32),
-                         TensorStandIn([P, D], torch.float32) if has_ow else None, vec, vec, ow, N, L, D, 1e-6, 1.0)
+                         TensorStandIn([P, D], torch.float32) if has_ow else None, vec, vec, ow, N, L, D, 1e-6, 1.0,
+                         device_desc)
         kernel = _attnres_bwd_kernel
     name = (f"attnres_{kind}_{'resident' if plan.resident else 'streaming'}_L{L}_D{D}_"
-            f"{str(dtype).split('.')[-1]}{'_ow' if has_ow else ''}")
+            f"{str(dtype).split('.')[-1]}{'_ow' if has_ow else ''}{'_devdesc' if device_desc else ''}")
+    expect = ["cp.async.bulk.tensor", "mbarrier.try_wait", "mbarrier.arrive.expect_tx", "st.global.v4"]
+    if device_desc:  # the descriptor written on the device and fenced before TMA uses it
+        expect += ["tensormap.replace", "fence.proxy.tensormap"]
     return CompileCase(name=name, kernel=kernel, args=args, num_warps=plan.num_warps,
-                       expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait", "mbarrier.arrive.expect_tx",
-                                   "st.global.v4"],
+                       expect_ptx=expect,
                        expect_max_spills=max_spills,
                        # ctas_per_sm CTAs must fit one SM's shared memory together
                        expect_max_shared=SMEM_PER_SM // plan.ctas_per_sm - 1024)
@@ -815,4 +890,7 @@ def compile_cases():
     cases.append(_case("bwd", 3, 64, torch.float32, True, N=1000))
     cases.append(_case("fwd", 8, 4096, torch.bfloat16, True))  # the widest rows: 8 warps split each row
     cases.append(_case("bwd", 8, 4096, torch.bfloat16, True))
+    # device-side descriptors (TILEPORT_ATTNRES_DESC=device) at the benchmark shape
+    cases.append(_case("fwd", 8, 2048, torch.bfloat16, False, device_desc=True))
+    cases.append(_case("bwd", 8, 2048, torch.bfloat16, False, device_desc=True))
     return cases
