@@ -31,7 +31,7 @@ for t in leaves:
     t.requires_grad_(True)
 all_systems = suite.systems(torch)
 for name in args.systems:
-    fn, forced = all_systems[name], _forcing(args.op, name)
+    fn, forced = all_systems[name], _forcing(args.op, name, suite)
     for mode in args.modes.split(","):
         def step():
             with forced():

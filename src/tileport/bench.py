@@ -33,7 +33,8 @@ NOMINAL = {"copy_tbps": 4.25, "matmul_tflops": 700.0}  # SPEC.md's H200 ceilings
 
 def add_arguments(p) -> None:
     p.add_argument("--op", default="all", help="op name or 'all' (" + ", ".join(OPS) + ")")
-    p.add_argument("--backends", default="gluon,triton,fla,torch", help="systems to run, comma separated")
+    p.add_argument("--backends", default=None,
+                   help="systems to run, comma separated (default: gluon,triton,fla,torch and the op's variants)")
     p.add_argument("--shapes", default=None, help="standard | anchor (SPEC's anchor shape only) | small (default: standard on a GPU, small on the CPU)")
     p.add_argument("--modes", default="fwd,bwd,fwdbwd")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -176,11 +177,21 @@ def _verify(out_and_grads, ref_and_grads, dtype, kinds) -> tuple[bool, float]:
     return True, worst
 
 
-def _forcing(op: str, system: str):
-    """A context factory forcing `system` for `op` when it names one of our backends (else a no-op)."""
+DEFAULT_SYSTEMS = ["gluon", "triton", "fla", "torch"]
+
+
+def _forcing(op: str, system: str, suite=None):
+    """A context factory forcing `system` for `op` when it names one of our backends (else a no-op).
+    An op's suite may define VARIANTS, {name: context factory} for our backends run a second
+    way (AttnRes: Gluon with device-side descriptors); the context is entered around the forward
+    and the backward alike."""
     import contextlib
 
     from tileport.dispatch import REGISTRY, use_backend
+
+    variant = getattr(suite, "VARIANTS", {}).get(system)
+    if variant is not None:
+        return variant
 
     disp = REGISTRY.get(op)
     if disp is not None and system in disp._by_name:
@@ -196,7 +207,10 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
     shapes = {"small": suite.SMALL, "standard": suite.STANDARD, "anchor": suite.STANDARD[:1]}[kind]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     all_systems = suite.systems(torch)
-    wanted = [s.strip() for s in args.backends.split(",") if s.strip()]
+    if args.backends:
+        wanted = [s.strip() for s in args.backends.split(",") if s.strip()]
+    else:
+        wanted = DEFAULT_SYSTEMS + list(getattr(suite, "VARIANTS", {}))
     rows = []
     prog = Progress(len(shapes) * len(wanted))
     for shape in shapes:
@@ -221,7 +235,7 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
             # One of our backends is forced for the forward AND the backward: the backward dispatches
             # when autograd runs it, outside the system's own call (before this, a forced backend's
             # backward ran on the default backend: the 2026-11-29 H200 record's triton bwd rows).
-            forced = _forcing(op, name)
+            forced = _forcing(op, name, suite)
             # A system whose backward refuses (FLA's gated GDN backward on Hopper) or isn't a kernel
             # (NO_KERNEL_BACKWARD in the op's suite) still gets its forward verified and timed.
             no_bwd = getattr(suite, "NO_KERNEL_BACKWARD", {}).get(name)
@@ -316,7 +330,7 @@ def print_table(rows: list[dict], ceilings: dict) -> None:
     print(f"\nceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s"
           + ("" if ceilings.get("measured") else " (SPEC nominal, not measured here)"))
     print("ms: do_bench median (CUDA events, eager launches); graph: median of CUDA-graph replays (no launch cost)")
-    hdr = f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<8} {'ms':>8} {'p20-p80':>15} {'graph':>7} {'TB/s':>6} {'floor%':>7}  notes"
+    hdr = f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<13} {'ms':>8} {'p20-p80':>15} {'graph':>7} {'TB/s':>6} {'floor%':>7}  notes"
     print(hdr)
     print("-" * len(hdr))
     print_rows(rows)
@@ -326,13 +340,13 @@ def print_rows(rows: list[dict]) -> None:
     for r in rows:
         shape = ",".join(f"{k}{v}" for k, v in (r["shape"] or {}).items())
         if r.get("status") != "ok":
-            print(f"{r['op']:<12} {shape:<22} {r.get('mode') or '-':<7} {r['system']:<8} {'':>8} {'':>15} {'':>7} {'':>6} {'':>7}  {r['status']}")
+            print(f"{r['op']:<12} {shape:<22} {r.get('mode') or '-':<7} {r['system']:<13} {'':>8} {'':>15} {'':>7} {'':>6} {'':>7}  {r['status']}")
             continue
         vs = " ".join(f"x{v:.2f} vs {k}" for k, v in sorted(r.get("speedup_vs", {}).items()))
         if r.get("note"):
             vs = f"[{r['note']}] " + vs
         graph = f"{r['graph_ms']:7.3f}" if r.get("graph_ms") else f"{'-':>7}"
-        print(f"{r['op']:<12} {shape:<22} {r['mode']:<7} {r['system']:<8} {r['ms']:8.3f} {r['p20']:7.3f}-{r['p80']:<7.3f} {graph} "
+        print(f"{r['op']:<12} {shape:<22} {r['mode']:<7} {r['system']:<13} {r['ms']:8.3f} {r['p20']:7.3f}-{r['p80']:<7.3f} {graph} "
               f"{r['tbps']:6.2f} {100 * r['frac_floor']:6.1f}%  {vs}")
 
 
@@ -375,8 +389,10 @@ def run_base(ref: str, args) -> dict:
     subprocess.run(["git", "worktree", "add", "--detach", wt, sha], cwd=top, capture_output=True, check=True)
     try:
         out_json = os.path.join(tmp, "base.json")
-        cmd = [sys.executable, "-m", "tileport", "bench", "--op", args.op, "--backends", args.backends,
+        cmd = [sys.executable, "-m", "tileport", "bench", "--op", args.op,
                "--modes", args.modes, "--dtype", args.dtype, "--json", out_json]
+        if args.backends:
+            cmd += ["--backends", args.backends]
         if args.shapes:
             cmd += ["--shapes", args.shapes]
         env = dict(os.environ, PYTHONPATH=os.path.join(wt, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -397,19 +413,19 @@ def compare_with_base(rows: list[dict], base_rows: list[dict], base_sha: str) ->
     base = {key(r): r for r in base_rows if r.get("status") == "ok"}
     out = []
     print(f"\nbefore ({base_sha}) / after (this tree), median ms:")
-    print(f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<8} {'before':>8} {'after':>8} {'change':>8}")
+    print(f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<13} {'before':>8} {'after':>8} {'change':>8}")
     for r in rows:
         if r.get("status") != "ok" or r["system"] in ("fla", "torch"):
             continue
         b = base.get(key(r))
         shape = ",".join(f"{k}{v}" for k, v in r["shape"].items())
         if b is None:
-            print(f"{r['op']:<12} {shape:<22} {r['mode']:<7} {r['system']:<8} {'-':>8} {r['ms']:8.3f} {'new':>8}")
+            print(f"{r['op']:<12} {shape:<22} {r['mode']:<7} {r['system']:<13} {'-':>8} {r['ms']:8.3f} {'new':>8}")
             continue
         change = b["ms"] / r["ms"]
         out.append({"op": r["op"], "shape": r["shape"], "mode": r["mode"], "system": r["system"],
                     "before_ms": b["ms"], "after_ms": r["ms"], "speedup": change})
-        print(f"{r['op']:<12} {shape:<22} {r['mode']:<7} {r['system']:<8} {b['ms']:8.3f} {r['ms']:8.3f} {change:7.2f}x")
+        print(f"{r['op']:<12} {shape:<22} {r['mode']:<7} {r['system']:<13} {b['ms']:8.3f} {r['ms']:8.3f} {change:7.2f}x")
     return out
 
 

@@ -10,6 +10,9 @@ at most a few GFLOP, 1000x under the matmul rate, so the floor is the bytes term
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 from tileport.ops.attnres.reference import attnres_reference
 
 STANDARD = [dict(L=8, N=16384, D=2048), dict(L=16, N=8192, D=4096), dict(L=4, N=32768, D=1024)]
@@ -63,4 +66,27 @@ def systems(torch):
         p = torch.softmax(k @ inp["query"].float(), dim=0)
         return (p.unsqueeze(-1) * r).sum(0).to(inp["residuals"][0].dtype)
 
-    return {"gluon": ours("gluon"), "triton": ours("triton"), "fla": fla, "torch": torch_eager}
+    return {"gluon": ours("gluon"), "triton": ours("triton"), "fla": fla, "torch": torch_eager,
+            "gluon-devdesc": ours("gluon")}
+
+
+@contextlib.contextmanager
+def _gluon_device_descriptors():
+    """Gluon with device-side TMA descriptors (TILEPORT_ATTNRES_DESC=device), forward and backward:
+    the environment is process-wide, so autograd's backward thread sees it too."""
+    from tileport.dispatch import use_backend
+
+    before = os.environ.get("TILEPORT_ATTNRES_DESC")
+    os.environ["TILEPORT_ATTNRES_DESC"] = "device"
+    try:
+        with use_backend("gluon", op="attnres"):
+            yield
+    finally:
+        if before is None:
+            del os.environ["TILEPORT_ATTNRES_DESC"]
+        else:
+            os.environ["TILEPORT_ATTNRES_DESC"] = before
+
+
+# our backends run a second way, side by side with the default (see bench._forcing)
+VARIANTS = {"gluon-devdesc": _gluon_device_descriptors}
