@@ -1,7 +1,7 @@
-"""Every autotune candidate of the GDN forward kernels computes the same thing.
+"""Every autotune candidate of the GDN kernels computes the same thing.
 
-On a GPU the autotuner may pick any of `SOLVE_WU_OPTIONS`, `STATES_OPTIONS` or `OUTPUT_OPTIONS`
-(kernels' block of V, warps and pipeline stages); under the interpreter `_tuned` keeps only the
+On a GPU the autotuner may pick any of `SOLVE_WU_OPTIONS`, `STATES_OPTIONS`, `OUTPUT_OPTIONS` or
+`DSTATES_OPTIONS` (kernels' block of V, warps and pipeline stages); under the interpreter `_tuned` keeps only the
 first. Here each candidate in turn is made the kernel's only config and two parity cases of the
 frozen gate (tests/test_gdn_parity.py: varlen with a length-1 and an empty sequence, and V = 80,
 which no block of V divides) run forward and backward against the float64 recurrence.
@@ -19,6 +19,7 @@ KERNELS = {
     "solve_wu": (tk._solve_wu_kernel, tk.SOLVE_WU_OPTIONS),
     "states": (tk._states_kernel, tk.STATES_OPTIONS),
     "output": (tk._output_kernel, tk.OUTPUT_OPTIONS),
+    "dstates": (tk._dstates_kernel, tk.DSTATES_OPTIONS),
 }
 CANDIDATES = [(name, i) for name, (_, options) in KERNELS.items() for i in range(len(options))]
 

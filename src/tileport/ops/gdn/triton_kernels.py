@@ -185,6 +185,10 @@ SOLVE_WU_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stage
 STATES_OPTIONS = (dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
                   dict(BV=64, num_warps=4, num_stages=2), dict(BV=32, num_warps=4, num_stages=2),
                   dict(BV=64, num_warps=8, num_stages=2))
+# the reverse recurrence of the backward: 4 warps spill 160 B at K = V = 128 (sm_90a), 8 none; no
+# pipelining (its fp32 tiles at 2 stages would not leave room in shared memory)
+DSTATES_OPTIONS = (dict(BV=64, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
+                   dict(BV=32, num_warps=4, num_stages=1))
 OUTPUT_OPTIONS = (dict(BV=64, num_warps=4, num_stages=3), dict(BV=128, num_warps=4, num_stages=3),
                   dict(BV=128, num_warps=8, num_stages=3), dict(BV=64, num_warps=8, num_stages=3))
 
@@ -542,6 +546,7 @@ def _dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.autotune(configs=_tuned(DSTATES_OPTIONS), key=["K", "V", "H"])
 @triton.jit
 def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
                     cu_ptr, choff_ptr, H, scale,
@@ -598,10 +603,10 @@ def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
-                  dq_ptr, dk_ptr, dw_ptr, dG_ptr, chunks_ptr, H, scale,
-                  K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                  dq_ptr, dk_ptr, dw_ptr, dG_ptr, chunks_ptr, H, scale, dG_stride,
+                  K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                   BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
-    """9: per chunk and head, summing over the V blocks:
+    """9: per chunk, head and block of BKS key columns (grid (NC * NK, H)), summing over V blocks:
         dQa = dO h_c^T,  dS = dO Vn^T,  dKs = Vn dh^T,  dW = -dVn h_c^T,  dgl = sum(h_c * dh)
     (dh: the gradient of the state leaving the chunk); then, with D = lower(scale dS * Gam):
         dQ = scale diag(exp(G)) dQa + D K                                   (final, or fp32 for l2norm)
@@ -611,8 +616,16 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     (fla-org/flash-linear-attention issue 640).
         dG = scale exp(G) rowsum(Q * dQa) + rowsum(D' * QK^T) - colsum(D' * QK^T) - x,
              x = exp(G_L - G) rowsum(K * dKs) (0 on the last valid row), D' = D off the diagonal;
-             the last valid row also gets exp(G_L) dgl + sum(x)."""
-    c = tl.program_id(0)
+             the last valid row also gets exp(G_L) dgl + sum(x).
+    Split over key columns by hand (BKS = 64 of K = 128): the five accumulators of a whole-K
+    program spilled 2.2 KB per thread on sm_90a (ptxas, 2026-11-29), and the H200 profile had this
+    kernel at 4.2 ms of the 13 ms forward+backward. dS, dS^T and Q K^T (all K) are formed again by
+    every column block; each block writes its dQ, dK, dW columns and its own partial of dG (every
+    term of dG is a sum over key columns, the D' terms taken by block 0 alone), and 10 adds the
+    partials."""
+    NK: tl.constexpr = (K + BKS - 1) // BKS
+    c = tl.program_id(0) // NK
+    kb = tl.program_id(0) % NK
     hh = tl.program_id(1)
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
@@ -620,15 +633,15 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     tok = bos + r
     valid = tok < eos
     row = tok.to(tl.int64) * H + hh
-    kc = tl.arange(0, BK)
+    kc = kb * BKS + tl.arange(0, BKS)
     mk = valid[:, None] & (kc < K)[None, :]
     sbase = (c.to(tl.int64) * H + hh) * (K * V)
-    dqa = tl.full([BT, BK], 0.0, tl.float32)
-    dks = tl.full([BT, BK], 0.0, tl.float32)
-    dw = tl.full([BT, BK], 0.0, tl.float32)
+    dqa = tl.full([BT, BKS], 0.0, tl.float32)
+    dks = tl.full([BT, BKS], 0.0, tl.float32)
+    dw = tl.full([BT, BKS], 0.0, tl.float32)
     ds = tl.full([BT, BT], 0.0, tl.float32)
     dsT = tl.full([BT, BT], 0.0, tl.float32)
-    hdh = tl.full([BK, BV], 0.0, tl.float32)
+    hdh = 0.0  # sum(h_c * dh) over this block's rows of the state: a scalar, not a tile
     for j in tl.static_range(NV):
         vc = j * BV + tl.arange(0, BV)
         mv = valid[:, None] & (vc < V)[None, :]
@@ -644,7 +657,7 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
         dsT += tl.dot(vn, tl.trans(do), input_precision="ieee")
         dks += tl.dot(vn, tl.trans(_op(dh, DT, DA)), input_precision="ieee")
         dw -= tl.dot(dvn, ht, input_precision="ieee")
-        hdh += h * dh
+        hdh += tl.sum(h * dh)
     q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
     qd = _op(q, DT, DA)
@@ -656,7 +669,6 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
     D = tl.where(m, ds * gam * scale, 0.0)
     Dd = _op(D, DT, DA)
-    qk = tl.dot(qd, tl.trans(kd), input_precision="ieee")
     eg = tl.exp(G.to(tl.float32))
     dq = dqa * (scale * eg)[:, None] + tl.dot(Dd, kd, input_precision="ieee")
     decay = tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))
@@ -664,32 +676,43 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
     Dt = tl.where(mT, dsT * gamT * scale, 0.0)  # = D^T
     dk = tl.dot(_op(Dt, DT, DA), qd, input_precision="ieee") + dks * decay[:, None]
-    # The diagonal of Gam and exp(G_L - G_last) = 1 have no gradient: their terms would enter dG
-    # twice with opposite signs and only leave rounding noise, which swamps dg when it is tiny
-    # (very negative gates), so they are left out rather than cancelled.
-    M = tl.where(r[:, None] > r[None, :], D * qk, 0.0)
     x = tl.where(tok == last, 0.0, decay * tl.sum(k * dks, 1))
-    dG = scale * eg * tl.sum(q * dqa, 1) + tl.sum(M, 1) - tl.sum(M, 0) - x
-    dG += tl.where(tok == last, tl.exp(GL.to(tl.float32)) * tl.sum(hdh) + tl.sum(x, 0), 0.0)
+    dG = scale * eg * tl.sum(q * dqa, 1) - x
+    dG += tl.where(tok == last, tl.exp(GL.to(tl.float32)) * hdh + tl.sum(x, 0), 0.0)
+    if kb == 0:
+        # The diagonal of Gam and exp(G_L - G_last) = 1 have no gradient: their terms would enter
+        # dG twice with opposite signs and only leave rounding noise, which swamps dg when it is
+        # tiny (very negative gates), so they are left out rather than cancelled. Q K^T over all
+        # of K, one BKS block at a time.
+        qk = tl.full([BT, BT], 0.0, tl.float32)
+        for kk in tl.static_range(NK):
+            kcc = kk * BKS + tl.arange(0, BKS)
+            mkk = valid[:, None] & (kcc < K)[None, :]
+            qb = _op(tl.load(q_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0), DT, DA)
+            kbk = _op(tl.load(k_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0), DT, DA)
+            qk += tl.dot(qb, tl.trans(kbk), input_precision="ieee")
+        M = tl.where(r[:, None] > r[None, :], D * qk, 0.0)
+        dG += tl.sum(M, 1) - tl.sum(M, 0)
     tl.store(dq_ptr + row[:, None] * K + kc[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mk)
     tl.store(dk_ptr + row[:, None] * K + kc[None, :], dk, mask=mk)
     tl.store(dw_ptr + row[:, None] * K + kc[None, :], dw, mask=mk)
-    tl.store(dG_ptr + row, dG, mask=valid)
+    tl.store(dG_ptr + kb * dG_stride + row, dG, mask=valid)
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr,
-                   dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H,
+                   dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H, dGp_stride,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                   BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+                   BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, NKP: tl.constexpr):
     """10: back through W, U, T and A. With dU = dVn and dW from 9:  dU' = T^T dU,  dW' = T^T dW,
         dA = strict_lower(-(dU' U^T + dW' W^T))      (T = (I + A)^-1)
         dV = diag(beta) dU'
         dbeta = rowsum(V * dU') + exp(G) rowsum(K * dW') + rowsum(dA * Gam * KK^T)
         dK += diag(beta exp(G)) dW' + B K + B^T K,   B = diag(beta) (dA * Gam)
         dG += beta exp(G) rowsum(K * dW') + rowsum(B * KK^T) - colsum(B * KK^T)
-    and dg = the reverse cumulative sum of dG inside the chunk. B^T comes from its own product
+    and dg = the reverse cumulative sum of dG inside the chunk (dG starts as the sum of 9's NKP
+    partials, one per block of K). B^T comes from its own product
     dA^T = strict_upper(-(W dW'^T + U dU'^T)), with dW'^T = dW^T T and dU'^T = dU^T T formed from
     loaded tiles: no tl.trans of a dot result feeds a dot (see 9)."""
     c = tl.program_id(0)
@@ -707,10 +730,9 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     beta = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
     w = _op(tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
     dw = _op(tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
-    dwp = tl.dot(Tt, dw, input_precision="ieee")
-    dA = -tl.dot(_op(dwp, DT, DA), tl.trans(w), input_precision="ieee")
+    dA = -tl.dot(_op(tl.dot(Tt, dw, input_precision="ieee"), DT, DA), tl.trans(w), input_precision="ieee")
     dAt = -tl.dot(w, _op(tl.dot(tl.trans(dw), Tm, input_precision="ieee"), DT, DA), input_precision="ieee")
-    vdu = tl.full([BT, BV], 0.0, tl.float32)
+    vdu = tl.full([BT], 0.0, tl.float32)  # rowsum(V * dU'), accumulated as a vector (not a [BT, BV] tile)
     for j in tl.static_range(NV):
         vc = j * BV + tl.arange(0, BV)
         mv = valid[:, None] & (vc < V)[None, :]
@@ -719,7 +741,7 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
         dupT = tl.dot(tl.trans(dvn), Tm, input_precision="ieee")
         tl.store(dv_ptr + row[:, None] * V + vc[None, :], (dup * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
         v = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
-        vdu += v * dup
+        vdu += tl.sum(v * dup, 1)
         u = _op(tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
         dA -= tl.dot(_op(dup, DT, DA), tl.trans(u), input_precision="ieee")
         dAt -= tl.dot(u, _op(dupT, DT, DA), input_precision="ieee")
@@ -731,8 +753,12 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
     dAg = tl.where(m, dA * gam, 0.0)
     kk = tl.dot(kd, tl.trans(kd), input_precision="ieee")
+    # dW' = T^T dW again, from a reload, rather than held through the V loop: a [64, K] fp32 tile
+    # live across it spilled (ptxas, sm_90a); the second dot is cheap next to the spills
+    dw = _op(tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
+    dwp = tl.dot(Tt, dw, input_precision="ieee")
     kdw = tl.sum(k * dwp, 1)
-    dbeta = tl.sum(vdu, 1) + eg * kdw + tl.sum(dAg * kk, 1)
+    dbeta = vdu + eg * kdw + tl.sum(dAg * kk, 1)
     B = dAg * beta[:, None]
     mT = valid[:, None] & valid[None, :] & (r[:, None] < r[None, :])
     gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
@@ -740,7 +766,9 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     dk = tl.load(dkp_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0) + dwp * (beta * eg)[:, None]
     dk += tl.dot(_op(B, DT, DA), kd, input_precision="ieee") + tl.dot(_op(Bt, DT, DA), kd, input_precision="ieee")
     M = B * kk
-    dG = tl.load(dGp_ptr + row, mask=valid, other=0.0) + beta * eg * kdw + tl.sum(M, 1) - tl.sum(M, 0)
+    dG = beta * eg * kdw + tl.sum(M, 1) - tl.sum(M, 0)
+    for kb in tl.static_range(NKP):
+        dG += tl.load(dGp_ptr + kb * dGp_stride + row, mask=valid, other=0.0)
     dg = tl.cumsum(dG, 0, reverse=True)
     tl.store(dk_ptr + row[:, None] * K + kc[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mk)
     tl.store(dbeta_ptr + row, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
@@ -753,13 +781,11 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
 
 _F32 = torch.float32
 
-# Launch settings of the backward kernels (untuned; the forward's are autotuned, see `_tuned`).
-# dstates runs without software pipelining: at the default 3 stages Triton multi-buffers every
-# per-chunk tile in shared memory (about 200 KB at K = V = 128, more than fp32 inputs fit in an
-# H200's 227 KB).
+# Launch settings of the chunk-parallel backward kernels (dstates is autotuned, see `_tuned`).
+# dqkwg and wy_bwd: 8 warps spill least on sm_90a (280 and 472 B at K = V = 128; 4 warps: 1400
+# and 1736 B).
 _LAUNCH = {
     "dv_local": dict(num_warps=4),
-    "dstates": dict(num_warps=4, num_stages=1),
     "dqkwg": dict(num_warps=8),
     "wy_bwd": dict(num_warps=8),
 }
@@ -889,30 +915,39 @@ def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_
     d initial_state [N, H, K, V] or None; fp32."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
-    BK, BV, NV = _blocks(K, V)
+    BK = _blocks(K, V)[0]
     dh = new_empty((plan.NC, H, K, V), _F32, q.device)
     dvn = new_empty((Ntok, H, V), _F32, q.device)
     dh0 = new_empty((plan.N, H, K, V), _F32, q.device) if want_dh0 else None
     if plan.N:
-        _dstates_kernel[(plan.N * H, NV)](
+        DT, DA = _dot_types(q.dtype)
+        _dstates_kernel[lambda meta: (plan.N * H, triton.cdiv(V, meta["BV"]))](
             q, k, w, G, do, dvl, dht if dht is not None else dh, dh, dvn, dh0 if dh0 is not None else dh,
-            plan.cu, plan.chunk_offsets, H, scale, K, V, BK, BV, BT, dht is not None, want_dh0,
-            *_dot_types(q.dtype), **_LAUNCH["dstates"])
+            plan.cu, plan.chunk_offsets, H, scale, K=K, V=V, BK=BK, BT=BT, HAS_DHT=dht is not None,
+            STORE_DH0=want_dh0, DT=DT, DA=DA)
     return dh, dvn, dh0
 
 
+def _key_split(K: int) -> tuple[int, int]:
+    """(BKS, NK): 9 works on blocks of BKS key columns, NK of them (see `_dqkwg_kernel`)."""
+    BK = _blocks(K, 1)[0]
+    BKS = min(BK, 64)
+    return BKS, triton.cdiv(K, BKS)
+
+
 def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_dtype: torch.dtype):
-    """9: dq [Ntok, H, K] in dq_dtype; partial dk, dW [Ntok, H, K] and partial dG [Ntok, H], fp32."""
+    """9: dq [Ntok, H, K] in dq_dtype; partial dk, dW [Ntok, H, K] and NK partials of dG [NK, Ntok, H], fp32."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
+    BKS, NK = _key_split(K)
     dq = _out((Ntok, H, K), dq_dtype, q.device)
     dk = new_empty((Ntok, H, K), _F32, q.device)
     dw = new_empty((Ntok, H, K), _F32, q.device)
-    dG = new_empty((Ntok, H), _F32, q.device)
+    dG = new_empty((NK, Ntok, H), _F32, q.device)
     if plan.NC:
-        _dqkwg_kernel[(plan.NC, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, plan.chunks, H, scale,
-                                    K, V, BK, BV, NV, BT, *_dot_types(q.dtype), **_LAUNCH["dqkwg"])
+        _dqkwg_kernel[(plan.NC * NK, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, plan.chunks, H, scale, Ntok * H,
+                                         K, V, BKS, BV, NV, BT, *_dot_types(q.dtype), **_LAUNCH["dqkwg"])
     return _done(dq, dq_dtype), dk, dw, dG
 
 
@@ -928,7 +963,8 @@ def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
     dg = _out((Ntok, H), dg_dtype, k.device)
     if plan.NC:
         _wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, dk, dv, dbeta, dg, plan.chunks, H,
-                                     K, V, BK, BV, NV, BT, *_dot_types(k.dtype), **_LAUNCH["wy_bwd"])
+                                     Ntok * H, K, V, BK, BV, NV, BT, *_dot_types(k.dtype), dGp.shape[0],
+                                     **_LAUNCH["wy_bwd"])
     return _done(dk, dk_dtype), _done(dv, dv_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
 
