@@ -16,6 +16,7 @@ then runs 7-11; stage 4, W and U, is fused into 3). Tokens of all sequences are 
 sequence) and each sequence's first chunk index are computed on the host (`ChunkPlan`).
 
      1 l2norm_fwd     (optional) q, k <- x * rsqrt(sum x^2 + 1e-6), stored in the input dtype
+                      (the forward normalises q inside stage 6 instead)
      2 chunk_cumsum   G = in-chunk cumsum of g (fp64)                          grid (NC, H)
      3 chunk_solve_wu T = (I + A)^-1 by 16x16 diagonal blocks (inverted by doubling in registers),
                       merged block-wise; then W, U = T (scaled keys, values) from the blocks.
@@ -281,6 +282,19 @@ def _unit_lower_inverse16(N):
 
 
 @triton.jit
+def _rounded_as(x, ptr, DA: tl.constexpr):
+    """fp32 x rounded to ptr's element type and kept in fp32: what storing it there and loading
+    it back would give (bf16 by `_op`, since the interpreter's bf16 cast truncates)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        y = _op(x, tl.bfloat16, DA)
+    elif ptr.dtype.element_ty == tl.float16:
+        y = x.to(tl.float16).to(tl.float32)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
 def _rounded_for(x, ptr, DA: tl.constexpr):
     """x as stored into ptr: rounded to bf16 by `_op` when ptr holds bf16 (the interpreter's own
     fp32 -> bf16 cast truncates), unchanged otherwise."""
@@ -481,12 +495,14 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.autotune(configs=_tuned(OUTPUT_OPTIONS), key=["K", "V", "H"])
 @triton.jit
-def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, scale,
+def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, scale, eps,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                   DT: tl.constexpr, DA: tl.constexpr):
+                   DT: tl.constexpr, DA: tl.constexpr, L2NORM_Q: tl.constexpr):
     """6: O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn), in o's dtype; grid (NC * V/BV, H).
     With BV = V (one of the tuned choices) q, k and Q K^T are loaded and formed once per chunk
-    instead of once per V block."""
+    instead of once per V block. L2NORM_Q: q is the raw query and is normalised here, as stage 1
+    would (rows of K in fp32, rounded to q's dtype): the forward's only use of the normalised q,
+    so stage 1 for q and its round trip through HBM (2 bytes x 2 per element) are skipped."""
     NV: tl.constexpr = (V + BV - 1) // BV
     c = tl.program_id(0) // NV
     j = tl.program_id(0) % NV
@@ -501,7 +517,11 @@ def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, sca
     vc = j * BV + tl.arange(0, BV)
     mk = valid[:, None] & (kc < K)[None, :]
     mv = valid[:, None] & (vc < V)[None, :]
-    q = _op(tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
+    q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    if L2NORM_Q:
+        qf = q.to(tl.float32)
+        q = _rounded_as(qf * tl.rsqrt(tl.sum(qf * qf, 1) + eps)[:, None], q_ptr, DA)
+    q = _op(q, DT, DA)
     k = _op(tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
     G = tl.load(G_ptr + row, mask=valid, other=0.0)
     h = tl.load(h_ptr + (c.to(tl.int64) * H + hh) * (K * V) + kc[:, None] * V + vc[None, :],
@@ -885,8 +905,8 @@ def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool):
     return h, vn, ht
 
 
-def chunk_output(q, k, G, h, vn, scale: float, plan: ChunkPlan, out_dtype: torch.dtype):
-    """6: o [Ntok, H, V] in out_dtype."""
+def chunk_output(q, k, G, h, vn, scale: float, plan: ChunkPlan, out_dtype: torch.dtype, l2norm_q: bool = False):
+    """6: o [Ntok, H, V] in out_dtype; with l2norm_q, q is the raw query and stage 1 happens here."""
     Ntok, H, K = q.shape
     V = vn.shape[-1]
     BK = _blocks(K, V)[0]
@@ -894,7 +914,8 @@ def chunk_output(q, k, G, h, vn, scale: float, plan: ChunkPlan, out_dtype: torch
     if plan.NC:
         DT, DA = _dot_types(q.dtype)
         _output_kernel[lambda meta: (plan.NC * triton.cdiv(V, meta["BV"]), H)](
-            q, k, G, h, vn, o, plan.chunks, H, scale, K=K, V=V, BK=BK, BT=BT, DT=DT, DA=DA)
+            q, k, G, h, vn, o, plan.chunks, H, scale, L2NORM_EPS, K=K, V=V, BK=BK, BT=BT, DT=DT, DA=DA,
+            L2NORM_Q=l2norm_q)
     return _done(o, out_dtype)
 
 
@@ -980,9 +1001,11 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
 
 def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, output_final_state, for_backward):
     """Stages 1-5: what both the forward and the backward need (T only for the backward, and
-    compact intermediates only for the forward)."""
+    compact intermediates only for the forward, whose output kernel normalises q itself)."""
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm_fwd(q), l2norm_fwd(k)
+        k = l2norm_fwd(k)
+        if for_backward:
+            q = l2norm_fwd(q)
     G = chunk_cumsum(g, plan)
     Ai, w, u = chunk_solve_wu(k, v, beta, G, plan, store_T=for_backward, compact=not for_backward)
     h, vn, ht = chunk_states(k, w, u, G, initial_state, plan, output_final_state)
@@ -996,9 +1019,9 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    qn, kn, G, _Ai, _w, _u, h, vn, ht = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan,
-                                                    output_final_state, for_backward=False)
-    o = chunk_output(qn, kn, G, h, vn, scale, plan, q.dtype)
+    q_raw, kn, G, _Ai, _w, _u, h, vn, ht = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan,
+                                                      output_final_state, for_backward=False)
+    o = chunk_output(q_raw, kn, G, h, vn, scale, plan, q.dtype, l2norm_q=use_qk_l2norm_in_kernel)
     return o.view(B, T, H, V), ht
 
 
