@@ -10,8 +10,7 @@ which no block of V divides) run forward and backward against the float64 recurr
 from __future__ import annotations
 
 import pytest
-import torch
-from test_gdn_parity import _backend_or_skip, _run_and_check
+from test_gdn_parity import _backend_or_skip, _one_thread, _run_and_check  # noqa: F401 (_one_thread: autouse fixture)
 
 from tileport.ops.gdn import triton_kernels as tk
 
@@ -22,14 +21,6 @@ KERNELS = {
     "dstates": (tk._dstates_kernel, tk.DSTATES_OPTIONS),
 }
 CANDIDATES = [(name, i) for name, (_, options) in KERNELS.items() for i in range(len(options))]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("case_id", ["varlen-bf16-l2", "K48-V80-fp32"])
