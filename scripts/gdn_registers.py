@@ -40,7 +40,7 @@ def cases():
             yield f"states inter={w_t} {o}", tk._states_kernel.fn, o, dict(
                 k_ptr=tok(K), w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), G_ptr=T([Ntok, H], f64), h0_ptr=T([N, H, K, V], f32),
                 h_ptr=T([NC, H, K, V], w_t), vn_ptr=tok(V, w_t), ht_ptr=T([N, H, K, V], f32), cu_ptr=T([N + 1], i32),
-                choff_ptr=T([N], i32), V=V, BV=o["BV"], HAS_H0=True, STORE_FINAL=True, PER_CHANNEL=False, **common)
+                choff_ptr=T([N], i32), NH_BUCKET=128, V=V, BV=o["BV"], HAS_H0=True, STORE_FINAL=True, PER_CHANNEL=False, **common)
     for o in tk.OUTPUT_OPTIONS:
         yield f"output {o}", tk._output_kernel.fn, o, dict(
             q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], fwd_inter), vn_ptr=tok(V, fwd_inter),
@@ -53,7 +53,7 @@ def cases():
         yield f"dstates {o}", tk._dstates_kernel.fn, o, dict(
         q_ptr=tok(K), k_ptr=tok(K), w_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32),
             dht_ptr=T([N, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32), dvn_ptr=tok(V, f32), dh0_ptr=T([N, H, K, V], f32),
-            cu_ptr=T([N + 1], i32), choff_ptr=T([N], i32), scale=0.1, V=V, BV=o["BV"], HAS_DHT=True, STORE_DH0=True,
+            cu_ptr=T([N + 1], i32), choff_ptr=T([N], i32), NH_BUCKET=128, scale=0.1, V=V, BV=o["BV"], HAS_DHT=True, STORE_DH0=True,
             **common)
     yield "dqkwg", tk._dqkwg_kernel, L["dqkwg"], dict(
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),

@@ -182,14 +182,22 @@ def _tuned(options) -> list:
     return configs[:1] if interpreter_enabled() else configs
 
 
+def _programs_bucket(n: int) -> int:
+    """The sequential kernels' autotune key NH_BUCKET (not read by their bodies): the number of
+    (sequence, head) pairs, rounded up to a power of two. The best block of V depends on how many
+    programs fill the card (S1: 128 pairs; B=1 T=32768: 16, where only small blocks of V give the
+    132 SMs work), and the bucket keeps varlen batches from re-tuning at every new count."""
+    return triton.next_power_of_2(max(1, n))
+
+
 SOLVE_WU_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1))
 STATES_OPTIONS = (dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
                   dict(BV=64, num_warps=4, num_stages=2), dict(BV=32, num_warps=4, num_stages=2),
-                  dict(BV=64, num_warps=8, num_stages=2))
+                  dict(BV=64, num_warps=8, num_stages=2), dict(BV=16, num_warps=4, num_stages=2))
 # the reverse recurrence of the backward: 4 warps spill 160 B at K = V = 128 (sm_90a), 8 none; no
 # pipelining (its fp32 tiles at 2 stages would not leave room in shared memory)
 DSTATES_OPTIONS = (dict(BV=64, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
-                   dict(BV=32, num_warps=4, num_stages=1))
+                   dict(BV=32, num_warps=4, num_stages=1), dict(BV=16, num_warps=4, num_stages=1))
 OUTPUT_OPTIONS = (dict(BV=64, num_warps=4, num_stages=3), dict(BV=128, num_warps=4, num_stages=3),
                   dict(BV=128, num_warps=8, num_stages=3), dict(BV=64, num_warps=8, num_stages=3))
 
@@ -436,9 +444,9 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(STATES_OPTIONS), key=["K", "V", "H", "PER_CHANNEL"])
+@triton.autotune(configs=_tuned(STATES_OPTIONS), key=["K", "V", "H", "NH_BUCKET", "PER_CHANNEL"])
 @triton.jit
-def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, choff_ptr, H,
+def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, choff_ptr, H, NH_BUCKET,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                    PER_CHANNEL: tl.constexpr):
@@ -566,10 +574,10 @@ def _dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(DSTATES_OPTIONS), key=["K", "V", "H"])
+@triton.autotune(configs=_tuned(DSTATES_OPTIONS), key=["K", "V", "H", "NH_BUCKET"])
 @triton.jit
 def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
-                    cu_ptr, choff_ptr, H, scale,
+                    cu_ptr, choff_ptr, H, NH_BUCKET, scale,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
     """8: one program per (V block, sequence, head), chunks in reverse. dh [BK, BV] fp32 in
@@ -900,6 +908,7 @@ def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool):
         DT, DA = _dot_types(k.dtype)
         _states_kernel[lambda meta: (plan.N * H, triton.cdiv(V, meta["BV"]))](
             k, w, u, G, h0 if h0 is not None else h, h, vn, ht if ht is not None else h, plan.cu, plan.chunk_offsets, H,
+            _programs_bucket(plan.N * H),
             K=K, V=V, BK=BK, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, DT=DT, DA=DA,
             PER_CHANNEL=G.dim() == 3)
     return h, vn, ht
@@ -944,7 +953,8 @@ def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_
         DT, DA = _dot_types(q.dtype)
         _dstates_kernel[lambda meta: (plan.N * H, triton.cdiv(V, meta["BV"]))](
             q, k, w, G, do, dvl, dht if dht is not None else dh, dh, dvn, dh0 if dh0 is not None else dh,
-            plan.cu, plan.chunk_offsets, H, scale, K=K, V=V, BK=BK, BT=BT, HAS_DHT=dht is not None,
+            plan.cu, plan.chunk_offsets, H, _programs_bucket(plan.N * H), scale, K=K, V=V, BK=BK, BT=BT,
+            HAS_DHT=dht is not None,
             STORE_DH0=want_dh0, DT=DT, DA=DA)
     return dh, dvn, dh0
 
