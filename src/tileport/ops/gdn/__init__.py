@@ -167,12 +167,37 @@ def _triton_refusal(call: GDNCall) -> str | None:
     return triton_refusal(call.K, call.V, call.dtype)
 
 
+def _gluon_available() -> str | None:
+    from tileport.ops.gdn.gluon_kernels import _GLUON_ERROR
+
+    if _GLUON_ERROR is not None:
+        return _GLUON_ERROR
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"the Gluon kernels are written for Hopper (sm_90); this device is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def _gluon_refusal(call: GDNCall) -> str | None:
+    from tileport.ops.gdn.gluon_kernels import gluon_refusal
+
+    if call.capability != (9, 0):
+        return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
+    return gluon_refusal(call.K, call.V, call.dtype)
+
+
+# Preference: triton before gluon until the Gluon output kernel has passed the GPU gate
+# (tests/test_gdn_gluon.py on the H200; written 2026-11-29 without a GPU run).
 DISPATCHER = register(
     OpDispatcher(
         "gdn",
         [
             Backend("triton", triton_available("tileport.ops.gdn.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.gdn.triton_kernels", "gdn_forward_triton", "gdn_backward_triton")),
+            Backend("gluon", _gluon_available, _gluon_refusal,
+                    lazy_stages("tileport.ops.gdn.gluon_kernels", "gdn_forward_gluon", "gdn_backward_gluon")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

@@ -1,0 +1,192 @@
+"""Gated DeltaNet, Gluon backend for Hopper (sm_90): the first stage ported, the output.
+
+The backend "gluon" is the Triton backend (tileport.ops.gdn.triton_kernels) with stage 6, the
+output O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn), replaced by `_output_kernel`
+below: TMA tensor descriptors for the four tiles of a chunk, one mbarrier, and three WGMMAs with
+fp32 accumulators. Stages 1-5 and the backward are Triton's. Written 2026-11-29 on a CPU machine:
+it compiles for sm_90a and its PTX holds wgmma.mma_async and cp.async.bulk.tensor (CPU compile
+check), but it has not run on the H200 yet, so the dispatcher prefers Triton over it until the
+GPU gate (tests/test_gdn_gluon.py) has passed there (docs/perf/gdn.md). The steps after this one
+(issue 5): the state recurrence with a TMA ring over chunks and WGMMA, then fusion.
+
+bf16 only: the Triton kernels give fp16 inputs bf16 matmul operands (gate products underflow
+fp16), which would need a conversion pass before TMA, and fp32 inputs exact fp32 products, which
+WGMMA (tf32) does not give.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tileport.memory import new_empty
+
+try:  # the module must import on a CPU machine and without Gluon
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _GLUON_ERROR = None
+except Exception as exc:  # pragma: no cover - depends on the installed triton
+    _GLUON_ERROR = f"triton.experimental.gluon is unavailable ({type(exc).__name__}: {exc})"
+
+BT = 64  # chunk: the M of every WGMMA here, one warpgroup (4 warps) of 16-row slices
+HEAD_DIMS = (64, 128)
+
+__all__ = ["gluon_refusal", "gdn_forward_gluon", "gdn_backward_gluon", "compile_cases"]
+
+
+def gluon_refusal(K: int, V: int, dtype: torch.dtype) -> str | None:
+    if _GLUON_ERROR is not None:
+        return _GLUON_ERROR
+    if dtype != torch.bfloat16:
+        return f"{dtype}: the Gluon GDN kernels take bfloat16 only (fp16 needs bf16 operands, fp32 exact products)"
+    if K not in HEAD_DIMS or V not in HEAD_DIMS:
+        return f"K={K}, V={V}: the Gluon GDN kernels take head dims {HEAD_DIMS}"
+    return None
+
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _output_kernel(q_desc, k_desc, vn_desc, h_desc, G_ptr, o_ptr, chunks_ptr, H, scale, eps,
+                       K: gl.constexpr, V: gl.constexpr, L2NORM_Q: gl.constexpr):
+        """6: O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn) for one chunk and head, in o's
+        dtype; grid (NC, H), 4 warps. q, k [Ntok, H*K], Vn [Ntok, H*V] and h [NC*H*K, V] come
+        in through TMA (one mbarrier for all four tiles; rows past the tensor are zero-filled, rows
+        of the next sequence in a varlen tail are loaded and masked out of P and of the store).
+        Explicit here (Triton would choose): the descriptors and the barrier, the accumulator
+        layouts of the three WGMMAs (S = Q K^T [64, 64], Q h [64, V], += P Vn), P handed to the
+        last WGMMA from registers, h and K^T read by the WGMMAs straight from shared memory (K^T
+        as a transposed view). L2NORM_Q: q is normalised in shared memory first, as stage 1 would."""
+        BT: gl.constexpr = q_desc.block_type.shape[0]  # the chunk (64)
+        c = gl.program_id(0)
+        hh = gl.program_id(1)
+        bos = gl.load(chunks_ptr + 2 * c)
+        eos = gl.load(chunks_ptr + 2 * c + 1)
+
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [BT, K], q_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
+        vn_s = gl.allocate_shared_memory(vn_desc.dtype, [BT, V], vn_desc.layout)
+        h_s = gl.allocate_shared_memory(h_desc.dtype, [K, V], h_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        fence_async_shared()
+        NBYTES: gl.constexpr = (q_desc.block_type.nbytes + k_desc.block_type.nbytes + vn_desc.block_type.nbytes
+                                + h_desc.block_type.nbytes)
+        mbarrier.expect(bar, NBYTES)
+        tma.async_copy_global_to_shared(q_desc, [bos, hh * K], bar, q_s)
+        tma.async_copy_global_to_shared(k_desc, [bos, hh * K], bar, k_s)
+        tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bar, vn_s)
+        tma.async_copy_global_to_shared(h_desc, [(c * H + hh) * K, 0], bar, h_s)
+        mbarrier.wait(bar, 0)
+
+        if L2NORM_Q:
+            ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            qf = q_s.load(ROWS_L).to(gl.float32)
+            qn = qf * gl.rsqrt(gl.sum(qf * qf, axis=1) + eps)[:, None]
+            gl.thread_barrier()  # every warp has read q before any overwrites it
+            q_s.store(qn.to(q_desc.dtype))
+            fence_async_shared()  # generic-proxy writes, then the async proxy (WGMMA) reads
+            gl.thread_barrier()
+
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, V, 16])
+        s = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([BT, BT], gl.float32, S_L))
+        o = warpgroup_mma(q_s, h_s, gl.zeros([BT, V], gl.float32, O_L))
+
+        r = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
+        cidx = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
+        r_ok = bos + r < eos
+        c_ok = bos + cidx < eos
+        Gr = gl.load(G_ptr + (bos + r).to(gl.int64) * H + hh, mask=r_ok, other=0.0)
+        Gc = gl.load(G_ptr + (bos + cidx).to(gl.int64) * H + hh, mask=c_ok, other=0.0)
+        m = (r[:, None] >= cidx[None, :]) & r_ok[:, None] & c_ok[None, :]
+        gam = gl.exp(gl.where(m, (Gr[:, None] - Gc[None, :]).to(gl.float32), float("-inf")))  # 0 off the mask
+        P = gl.where(m, s * gam, 0.0)
+
+        ro = gl.arange(0, BT, layout=gl.SliceLayout(1, O_L))
+        co = gl.arange(0, V, layout=gl.SliceLayout(0, O_L))
+        ro_ok = bos + ro < eos
+        Go = gl.load(G_ptr + (bos + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0)
+        o = o * gl.exp(Go.to(gl.float32))[:, None]
+        P_op = gl.convert_layout(P.to(vn_desc.dtype), gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
+        o = warpgroup_mma(P_op, vn_s, o)
+        mbarrier.invalidate(bar)
+
+        offs = ((bos + ro).to(gl.int64) * H + hh)[:, None] * V + co[None, :]
+        # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: a 64-row TMA store would overwrite them; the masked store writes only this chunk's rows
+        gl.store(o_ptr + offs, (o * scale).to(o_ptr.dtype.element_ty), mask=ro_ok[:, None])
+
+
+def _smem_layout(block, dtype):
+    return gl.NVMMASharedLayout.get_default_for(block, {torch.bfloat16: gl.bfloat16}[dtype])
+
+
+def _descriptor(t2d: torch.Tensor, block: list[int]):
+    return TensorDescriptor.from_tensor(t2d, block, _smem_layout(block, t2d.dtype))
+
+
+def chunk_output_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, l2norm_q: bool):
+    """6 on the Gluon kernel: o [Ntok, H, V] from q, k [Ntok, H, K] (q raw when l2norm_q), h [NC, H,
+    K, V] and Vn [Ntok, H, V] in bf16."""
+    from tileport.ops.gdn.triton_kernels import L2NORM_EPS
+
+    Ntok, H, K = q.shape
+    V = vn.shape[-1]
+    o = new_empty((Ntok, H, V), out_dtype, q.device)
+    if plan.NC:
+        descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
+                 _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(h.view(plan.NC * H * K, V), [K, V]))
+        _output_kernel[(plan.NC, H)](*descs, G, o, plan.chunks, H, float(scale), L2NORM_EPS, K, V, l2norm_q,
+                                     num_warps=4)
+    return o
+
+
+def gdn_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """Triton stages 1-5, the Gluon output kernel."""
+    from tileport.ops.gdn import triton_kernels as tk
+
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    plan = tk.make_plan(B, T, cu_seqlens, q.device)
+    qf, kf, vf, gf, bf = (tk._flatten(x) for x in (q, k, v, g, beta))
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    q_raw, kn, G, _Ai, _w, _u, h, vn, ht = tk._recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan,
+                                                         output_final_state, for_backward=False)
+    o = chunk_output_gluon(q_raw, kn, G, h, vn, scale, plan, q.dtype, use_qk_l2norm_in_kernel)
+    return o.view(B, T, H, V), ht
+
+
+def gdn_backward_gluon(*args):
+    """The backward is Triton's (its Gluon port is the next steps of issue 5)."""
+    from tileport.ops.gdn.triton_kernels import gdn_backward_triton
+
+    return gdn_backward_triton(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU compile checks (tileport.compile_check)
+# --------------------------------------------------------------------------------------------
+def compile_cases():
+    """The output kernel at K = V = 128 and 64, with and without the in-kernel q normalisation."""
+    if _GLUON_ERROR is not None:
+        return []
+    from tileport.compile_check import CompileCase, TensorStandIn, descriptor_stand_in
+
+    cases = []
+    Ntok, H, NC = 32768, 16, 512
+    for K, V, l2 in ((128, 128, True), (128, 128, False), (64, 64, True)):
+        bf = torch.bfloat16
+
+        def desc(rows, cols, block):
+            return descriptor_stand_in([rows, cols], bf, block, _smem_layout(block, bf))
+
+        args = dict(q_desc=desc(Ntok, H * K, [BT, K]), k_desc=desc(Ntok, H * K, [BT, K]),
+                    vn_desc=desc(Ntok, H * V, [BT, V]), h_desc=desc(NC * H * K, V, [K, V]),
+                    G_ptr=TensorStandIn([Ntok, H], torch.float64), o_ptr=TensorStandIn([Ntok, H, V], bf),
+                    chunks_ptr=TensorStandIn([2 * NC], torch.int32), H=H, scale=0.1, eps=1e-6, K=K, V=V, L2NORM_Q=l2)
+        cases.append(CompileCase(name=f"gdn_output_K{K}_V{V}{'_l2q' if l2 else ''}", kernel=_output_kernel, args=args,
+                                 num_warps=4, expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                 expect_max_spills=0))
+    return cases
