@@ -344,6 +344,7 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     NB: tl.constexpr = BT // 16
+    CB: tl.constexpr = 32 if BK > 32 else BK  # key channels per slice of a per-channel diagonal block
     r = tl.arange(0, 16)
     kc = tl.arange(0, BK)
     cols = tl.arange(0, BT)
@@ -352,17 +353,12 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
     gs = ()
     vs = ()
     rows = ()
-    kfs = ()
     for b in tl.static_range(NB):
         tok = bos + b * 16 + r
         valid = tok < eos
         row = tok.to(tl.int64) * H + hh
-        mk = valid[:, None] & (kc < K)[None, :]
         bs = bs + (tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)[:, None],)
-        if PER_CHANNEL:
-            gs = gs + (tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0),)
-            kfs = kfs + (tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32),)
-        else:
+        if not PER_CHANNEL:  # (per-channel [16, K] gate tiles are reloaded where used, not held)
             gs = gs + (tl.load(G_ptr + row, mask=valid, other=0.0),)
         vs = vs + (valid,)
         rows = rows + (row,)
@@ -373,19 +369,34 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
             tr = bos + i * 16  # the reference row r of block i
             r_ok = tr < eos
             Gr = tl.load(G_ptr + (tr * H + hh) * K + kc, mask=r_ok & (kc < K), other=0.0)
-            xi = _op(kfs[i] * tl.exp(tl.where(vs[i][:, None], (gs[i] - Gr[None, :]).to(tl.float32), float("-inf"))), DT, DA)
+            mki = vs[i][:, None] & (kc < K)[None, :]
+            ki = tl.load(k_ptr + rows[i][:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
+            Gi = tl.load(G_ptr + rows[i][:, None] * K + kc[None, :], mask=mki, other=0.0)
+            xi = _op(ki * tl.exp(tl.where(vs[i][:, None], (Gi - Gr[None, :]).to(tl.float32), float("-inf"))), DT, DA)
         for m in tl.static_range(i + 1):
             msk = vs[i][:, None] & vs[m][None, :]
             if m == i:
                 msk = msk & strict
             if PER_CHANNEL:
                 if m == i:
-                    keep = (msk[:, :, None]) & (kc < K)[None, None, :]
-                    e3 = tl.exp(tl.where(keep, (gs[i][:, None, :] - gs[i][None, :, :]).to(tl.float32), float("-inf")))
-                    kk = tl.sum(kfs[i][:, None, :] * kfs[i][None, :, :] * e3, 2)
+                    # [16, 16, CB] products over CB key channels at a time: the whole [16, 16, K]
+                    # fp32 tile (and the four [16, K] fp64 gate tiles it was held beside) spilled
+                    # 2.6-6.4 KB per thread on sm_90a (ptxas, 2026-11-29)
+                    kk = tl.full([16, 16], 0.0, tl.float32)
+                    for cb in tl.static_range(0, BK, CB):
+                        cc = cb + tl.arange(0, CB)
+                        mkc = vs[i][:, None] & (cc < K)[None, :]
+                        kci = tl.load(k_ptr + rows[i][:, None] * K + cc[None, :], mask=mkc, other=0.0).to(tl.float32)
+                        Gci = tl.load(G_ptr + rows[i][:, None] * K + cc[None, :], mask=mkc, other=0.0)
+                        keep = (msk[:, :, None]) & (cc < K)[None, None, :]
+                        e3 = tl.exp(tl.where(keep, (Gci[:, None, :] - Gci[None, :, :]).to(tl.float32), float("-inf")))
+                        kk += tl.sum(kci[:, None, :] * kci[None, :, :] * e3, 2)
                 else:
-                    ek = tl.where(vs[m][:, None] & r_ok, (Gr[None, :] - gs[m]).to(tl.float32), float("-inf"))
-                    kk = tl.dot(xi, tl.trans(_op(kfs[m] * tl.exp(ek), DT, DA)), input_precision="ieee")
+                    mkm = vs[m][:, None] & (kc < K)[None, :]
+                    km = tl.load(k_ptr + rows[m][:, None] * K + kc[None, :], mask=mkm, other=0.0).to(tl.float32)
+                    Gm = tl.load(G_ptr + rows[m][:, None] * K + kc[None, :], mask=mkm, other=0.0)
+                    ek = tl.where(vs[m][:, None] & r_ok, (Gr[None, :] - Gm).to(tl.float32), float("-inf"))
+                    kk = tl.dot(xi, tl.trans(_op(km * tl.exp(ek), DT, DA)), input_precision="ieee")
                 A_row = A_row + (tl.where(msk, kk * bs[i], 0.0),)
             else:
                 # both key blocks reloaded (L1 hits) rather than held: a [16, K] dot operand is
@@ -413,7 +424,8 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
             mkj = vs[j][:, None] & (kc < K)[None, :]
             kj = tl.load(k_ptr + rows[j][:, None] * K + kc[None, :], mask=mkj, other=0.0).to(tl.float32)
             if PER_CHANNEL:
-                kw = _op(kj * tl.exp(gs[j].to(tl.float32)) * bs[j], DT, DA)
+                Gj = tl.load(G_ptr + rows[j][:, None] * K + kc[None, :], mask=mkj, other=0.0)
+                kw = _op(kj * tl.exp(Gj.to(tl.float32)) * bs[j], DT, DA)
             else:
                 kw = _op(kj * (bs[j] * tl.exp(gs[j].to(tl.float32))[:, None]), DT, DA)
             if j == 0:
