@@ -314,16 +314,19 @@ def _rounded_for(x, ptr, DA: tl.constexpr):
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(SOLVE_WU_OPTIONS), key=["K", "V", "H", "PER_CHANNEL", "STORE_T"])
+@triton.autotune(configs=_tuned(SOLVE_WU_OPTIONS), key=["K", "V", "H", "PER_CHANNEL", "STORE_T", "EXACT_WU"])
 @triton.jit
 def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                     STORE_T: tl.constexpr):
+                     STORE_T: tl.constexpr, EXACT_WU: tl.constexpr):
     """3: T = (I + A)^-1, A = strict_lower(diag(beta) (K K^T * Gam)), then W = T diag(beta exp(G)) K
     and U = T diag(beta) V, for one chunk and head; grid (NC, H). T never leaves registers unless
     STORE_T (the backward reads it): the forward saves T's round trip through HBM and the
-    reload of k that a separate W/U kernel paid.
+    reload of k that a separate W/U kernel paid. EXACT_WU: the W and U products take fp32
+    operands ("ieee") instead of DT-rounded ones; the backward's recompute sets it, because dg
+    is far more sensitive to W and U than o is (a bf16 draw at K=128 had dg at 3.9e-2 with
+    rounded operands here and 1.7e-2 with exact ones, o unchanged; docs/perf/gdn.md).
 
     In 16x16 blocks (NB = BT / 16 per side), chosen by hand where Triton would take the whole
     64x64 tile: block row i forms A_im (m <= i) from the keys, inverts its diagonal block
@@ -413,9 +416,11 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
                 acc += tl.dot(A_row[m], Ts[(m * (m + 1)) // 2 + j], input_precision="ieee")
             Ts = Ts + (-tl.dot(Tii, acc, input_precision="ieee"),)
         Ts = Ts + (Tii,)
-    Tops = ()  # T's blocks as matmul operands (rounded to DT, as a stored-and-reloaded T would be)
+    WT: tl.constexpr = tl.float32 if EXACT_WU else DT  # W/U operand rounding (see EXACT_WU)
+    WA: tl.constexpr = tl.float32 if EXACT_WU else DA
+    Tops = ()  # T's blocks as matmul operands (rounded to WT, as a stored-and-reloaded T would be)
     for t in tl.static_range(len(Ts)):
-        Tops = Tops + (_op(Ts[t], DT, DA),)
+        Tops = Tops + (_op(Ts[t], WT, WA),)
     # W and U by block rows, the keys and values of block j reloaded for each row i >= j (L1/L2
     # hits) rather than held: keeping all four blocks live through the solve spilled registers.
     for i in tl.static_range(NB):
@@ -425,9 +430,9 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
             kj = tl.load(k_ptr + rows[j][:, None] * K + kc[None, :], mask=mkj, other=0.0).to(tl.float32)
             if PER_CHANNEL:
                 Gj = tl.load(G_ptr + rows[j][:, None] * K + kc[None, :], mask=mkj, other=0.0)
-                kw = _op(kj * tl.exp(Gj.to(tl.float32)) * bs[j], DT, DA)
+                kw = _op(kj * tl.exp(Gj.to(tl.float32)) * bs[j], WT, WA)
             else:
-                kw = _op(kj * (bs[j] * tl.exp(gs[j].to(tl.float32))[:, None]), DT, DA)
+                kw = _op(kj * (bs[j] * tl.exp(gs[j].to(tl.float32))[:, None]), WT, WA)
             if j == 0:
                 w = tl.dot(Tops[(i * (i + 1)) // 2], kw, input_precision="ieee")
             else:
@@ -441,9 +446,9 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
                 mvj = vs[j][:, None] & (vc < V)[None, :]
                 vj = tl.load(v_ptr + rows[j][:, None] * V + vc[None, :], mask=mvj, other=0.0).to(tl.float32)
                 if j == 0:
-                    u = tl.dot(Tops[(i * (i + 1)) // 2], _op(vj * bs[j], DT, DA), input_precision="ieee")
+                    u = tl.dot(Tops[(i * (i + 1)) // 2], _op(vj * bs[j], WT, WA), input_precision="ieee")
                 else:
-                    u += tl.dot(Tops[(i * (i + 1)) // 2 + j], _op(vj * bs[j], DT, DA), input_precision="ieee")
+                    u += tl.dot(Tops[(i * (i + 1)) // 2 + j], _op(vj * bs[j], WT, WA), input_precision="ieee")
             tl.store(u_ptr + rows[i][:, None] * V + vc[None, :], _rounded_for(u, u_ptr, DA), mask=mv)
     if STORE_T:
         for i in tl.static_range(NB):
@@ -890,7 +895,8 @@ def _intermediate_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
     return torch.bfloat16 if compact and dtype != torch.float32 else _F32
 
 
-def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compact: bool = False):
+def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compact: bool = False,
+                   exact_wu: bool = False):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W."""
@@ -903,7 +909,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     u = new_empty((Ntok, H, V), inter, k.device)
     if plan.NC:
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
-                                       *_dot_types(k.dtype), G.dim() == 3, store_T)
+                                       *_dot_types(k.dtype), G.dim() == 3, store_T, exact_wu)
     return Ai, w, u
 
 
@@ -1029,7 +1035,8 @@ def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, o
         if for_backward:
             q = l2norm_fwd(q)
     G = chunk_cumsum(g, plan)
-    Ai, w, u = chunk_solve_wu(k, v, beta, G, plan, store_T=for_backward, compact=not for_backward)
+    Ai, w, u = chunk_solve_wu(k, v, beta, G, plan, store_T=for_backward, compact=not for_backward,
+                              exact_wu=for_backward)
     h, vn, ht = chunk_states(k, w, u, G, initial_state, plan, output_final_state)
     return q, k, G, Ai, w, u, h, vn, ht
 
