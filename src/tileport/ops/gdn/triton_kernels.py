@@ -460,18 +460,34 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
                          mask=vs[i][:, None] & (cols >= (i + 1) * 16)[None, :])
 
 
-# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(STATES_OPTIONS), key=["K", "V", "H", "NH_BUCKET", "PER_CHANNEL"])
 @triton.jit
-def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, choff_ptr, H, NH_BUCKET,
-                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                   HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
-                   PER_CHANNEL: tl.constexpr):
-    """5: one program per (V block, sequence, head), sequential over the sequence's chunks.
-    h [BK, BV] fp32 stays in registers; per chunk it is stored (the state entering the chunk, in
-    h_ptr's dtype: bf16 for the forward of 16-bit inputs, where only the output kernel reads it),
-    Vn = U - W h is formed and stored, and h <- exp(G_L) h + (diag(exp(G_L - G)) K)^T Vn.
-    PER_CHANNEL (KDA): h <- diag(exp(G_L)) h + (exp(G_L - G) * K)^T Vn, G_L in R^K."""
+def _chunk_program(chunks_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   NV: tl.constexpr, BT: tl.constexpr):
+    """What a program of the chunk-parallel kernels with grid (NC * NV, H) works on: chunk c, head
+    hh, V block j; the chunk's tokens [bos, eos), rows, the [Ntok, H] row offsets, column ranges
+    and the [BT, K] / [BT, BV] masks."""
+    c = tl.program_id(0) // NV
+    j = tl.program_id(0) % NV
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, BT)
+    tok = bos + r
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    kc = tl.arange(0, BK)
+    vc = j * BV + tl.arange(0, BV)
+    mk = valid[:, None] & (kc < K)[None, :]
+    mv = valid[:, None] & (vc < V)[None, :]
+    return c, hh, bos, eos, r, tok, valid, row, kc, vc, mk, mv
+
+
+@triton.jit
+def _sequence_program(cu_ptr, choff_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      BT: tl.constexpr):
+    """What a program of the sequential kernels (5 and 8; grid (N*H, V/BV)) works on: its sequence
+    n and head hh, the sequence's tokens [bos, eos), its first chunk c0 and chunk count nc, and the
+    ranges, mask and offsets of its [BK, BV] block of a [K, V] state."""
     nh = tl.program_id(0)
     j = tl.program_id(1)
     n = nh // H
@@ -485,10 +501,35 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
     vc = j * BV + tl.arange(0, BV)
     smask = (kc < K)[:, None] & (vc < V)[None, :]
     sblk = kc[:, None] * V + vc[None, :]
-    if HAS_H0:
-        h = tl.load(h0_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, mask=smask, other=0.0).to(tl.float32)
+    return n, hh, bos, eos, c0, nc, r, kc, vc, smask, sblk
+
+
+@triton.jit
+def _state_or_zeros(ptr, n, hh, H, sblk, smask, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, PRESENT: tl.constexpr):
+    """This program's [BK, BV] block of state (n, hh) of a [N, H, K, V] tensor in fp32, or zeros
+    when there is no such tensor (no initial state; no gradient of the final state)."""
+    if PRESENT:
+        x = tl.load(ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, mask=smask, other=0.0).to(tl.float32)
     else:
-        h = tl.full([BK, BV], 0.0, tl.float32)
+        x = tl.full([BK, BV], 0.0, tl.float32)
+    return x
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.autotune(configs=_tuned(STATES_OPTIONS), key=["K", "V", "H", "NH_BUCKET", "PER_CHANNEL"])
+@triton.jit
+def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, choff_ptr, H, NH_BUCKET,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                   HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                   PER_CHANNEL: tl.constexpr):
+    """5: one program per (V block, sequence, head), sequential over the sequence's chunks.
+    h [BK, BV] fp32 stays in registers; per chunk it is stored (the state entering the chunk, in
+    h_ptr's dtype: bf16 for the forward of 16-bit inputs, where only the output kernel reads it),
+    Vn = U - W h is formed and stored, and h <- exp(G_L) h + (diag(exp(G_L - G)) K)^T Vn.
+    PER_CHANNEL (KDA): h <- diag(exp(G_L)) h + (exp(G_L - G) * K)^T Vn, G_L in R^K."""
+    n, hh, bos, eos, c0, nc, r, kc, vc, smask, sblk = _sequence_program(cu_ptr, choff_ptr, H, K, V, BK, BV, BT)
+    h = _state_or_zeros(h0_ptr, n, hh, H, sblk, smask, K, V, BK, BV, HAS_H0)
     for i in range(0, nc):
         tl.store(h_ptr + ((c0 + i).to(tl.int64) * H + hh) * (K * V) + sblk, _rounded_for(h, h_ptr, DA), mask=smask)
         tok = bos + i * BT + r
@@ -529,19 +570,7 @@ def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, sca
     would (rows of K in fp32, rounded to q's dtype): the forward's only use of the normalised q,
     so stage 1 for q and its round trip through HBM (2 bytes x 2 per element) are skipped."""
     NV: tl.constexpr = (V + BV - 1) // BV
-    c = tl.program_id(0) // NV
-    j = tl.program_id(0) % NV
-    hh = tl.program_id(1)
-    bos = tl.load(chunks_ptr + 2 * c)
-    eos = tl.load(chunks_ptr + 2 * c + 1)
-    r = tl.arange(0, BT)
-    tok = bos + r
-    valid = tok < eos
-    row = tok.to(tl.int64) * H + hh
-    kc = tl.arange(0, BK)
-    vc = j * BV + tl.arange(0, BV)
-    mk = valid[:, None] & (kc < K)[None, :]
-    mv = valid[:, None] & (vc < V)[None, :]
+    c, hh, bos, eos, r, tok, valid, row, kc, vc, mk, mv = _chunk_program(chunks_ptr, H, K, V, BK, BV, NV, BT)
     q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
     if L2NORM_Q:
         qf = q.to(tl.float32)
@@ -566,19 +595,7 @@ def _dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr,
                      DT: tl.constexpr, DA: tl.constexpr):
     """7: dVl = scale lower(Q K^T * Gam)^T dO (fp32), the part of dVn from this chunk's outputs."""
-    c = tl.program_id(0) // NV
-    j = tl.program_id(0) % NV
-    hh = tl.program_id(1)
-    bos = tl.load(chunks_ptr + 2 * c)
-    eos = tl.load(chunks_ptr + 2 * c + 1)
-    r = tl.arange(0, BT)
-    tok = bos + r
-    valid = tok < eos
-    row = tok.to(tl.int64) * H + hh
-    kc = tl.arange(0, BK)
-    vc = j * BV + tl.arange(0, BV)
-    mk = valid[:, None] & (kc < K)[None, :]
-    mv = valid[:, None] & (vc < V)[None, :]
+    c, hh, bos, eos, r, tok, valid, row, kc, vc, mk, mv = _chunk_program(chunks_ptr, H, K, V, BK, BV, NV, BT)
     q = _op(tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
     k = _op(tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
     G = tl.load(G_ptr + row, mask=valid, other=0.0)
@@ -601,23 +618,8 @@ def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr
     registers is the gradient of the state leaving the chunk; it is stored, then
     dVn = dVl + diag(exp(G_L - G)) K dh (stored) and
     dh <- exp(G_L) dh + scale (diag(exp(G)) Q)^T dO - W^T dVn. At the end dh is d initial_state."""
-    nh = tl.program_id(0)
-    j = tl.program_id(1)
-    n = nh // H
-    hh = nh % H
-    bos = tl.load(cu_ptr + n)
-    eos = tl.load(cu_ptr + n + 1)
-    c0 = tl.load(choff_ptr + n)
-    nc = (eos - bos + BT - 1) // BT
-    r = tl.arange(0, BT)
-    kc = tl.arange(0, BK)
-    vc = j * BV + tl.arange(0, BV)
-    smask = (kc < K)[:, None] & (vc < V)[None, :]
-    sblk = kc[:, None] * V + vc[None, :]
-    if HAS_DHT:
-        dh = tl.load(dht_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, mask=smask, other=0.0).to(tl.float32)
-    else:
-        dh = tl.full([BK, BV], 0.0, tl.float32)
+    n, hh, bos, eos, c0, nc, r, kc, vc, smask, sblk = _sequence_program(cu_ptr, choff_ptr, H, K, V, BK, BV, BT)
+    dh = _state_or_zeros(dht_ptr, n, hh, H, sblk, smask, K, V, BK, BV, HAS_DHT)
     for ii in range(0, nc):
         i = nc - 1 - ii
         tl.store(dh_ptr + ((c0 + i).to(tl.int64) * H + hh) * (K * V) + sblk, dh, mask=smask)
