@@ -62,8 +62,9 @@ if _GLUON_ERROR is None:
         BT: gl.constexpr = q_desc.block_type.shape[0]  # the chunk (64)
         c = gl.program_id(0)
         hh = gl.program_id(1)
-        bos = gl.load(chunks_ptr + 2 * c)
-        eos = gl.load(chunks_ptr + 2 * c + 1)
+        # the plan holds int64 token offsets; TMA coordinates are int32 (a descriptor's dims are too)
+        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
+        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
 
         q_s = gl.allocate_shared_memory(q_desc.dtype, [BT, K], q_desc.layout)
         k_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
@@ -185,7 +186,8 @@ def compile_cases():
         args = dict(q_desc=desc(Ntok, H * K, [BT, K]), k_desc=desc(Ntok, H * K, [BT, K]),
                     vn_desc=desc(Ntok, H * V, [BT, V]), h_desc=desc(NC * H * K, V, [K, V]),
                     G_ptr=TensorStandIn([Ntok, H], torch.float64), o_ptr=TensorStandIn([Ntok, H, V], bf),
-                    chunks_ptr=TensorStandIn([2 * NC], torch.int32), H=H, scale=0.1, eps=1e-6, K=K, V=V, L2NORM_Q=l2)
+                    chunks_ptr=TensorStandIn([2 * NC], torch.int64),  # int64, as make_plan builds it
+                    H=H, scale=0.1, eps=1e-6, K=K, V=V, L2NORM_Q=l2)
         cases.append(CompileCase(name=f"gdn_output_K{K}_V{V}{'_l2q' if l2 else ''}", kernel=_output_kernel, args=args,
                                  num_warps=4, expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],
                                  expect_max_spills=0))
