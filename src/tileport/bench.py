@@ -32,7 +32,7 @@ NOMINAL = {"copy_tbps": 4.25, "matmul_tflops": 700.0}  # SPEC.md's H200 ceilings
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--op", default="all", help="op name or 'all' (" + ", ".join(OPS) + ")")
+    p.add_argument("--op", default="all", help="op names, comma separated, or 'all' (" + ", ".join(OPS) + ")")
     p.add_argument("--backends", default=None,
                    help="systems to run, comma separated (default: gluon,triton,fla,torch and the op's variants)")
     p.add_argument("--shapes", default=None, help="standard | anchor (SPEC's anchor shape only) | small (default: standard on a GPU, small on the CPU)")
@@ -440,7 +440,7 @@ def run(args) -> int:
               + ": running tiny shapes on the CPU (Triton interpreter where TRITON_INTERPRET=1,")
         print("otherwise the reference). Parity checks are real; the times mean NOTHING.")
         print("=" * 78)
-    ops = list(OPS) if args.op == "all" else [args.op]
+    ops = list(OPS) if args.op == "all" else [o.strip() for o in args.op.split(",") if o.strip()]
     for op in ops:
         if op not in OPS:
             print(f"unknown op {op!r}; ops: {', '.join(OPS)}", file=sys.stderr)
