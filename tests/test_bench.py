@@ -143,3 +143,31 @@ def test_forced_backend_also_runs_the_backward(monkeypatch):
                           ceilings=dict(bench.NOMINAL), progress_total=[])
     assert rows[0]["status"] == "ok", rows
     assert ("bwd", "slow") in used and ("bwd", "fast") not in used, used
+
+
+def test_warm_op_calls_every_system_forward_and_backward(monkeypatch):
+    calls = []
+
+    def good(inp):
+        calls.append("good")
+        return inp["x"] * 2
+
+    def refuser(inp):
+        raise RuntimeError("no")
+
+    monkeypatch.setitem(bench.OPS, "fake", "fake_suite")
+    monkeypatch.setitem(sys.modules, "fake_suite", _fake_suite({"good": good, "refuser": refuser}))
+    x_grads = []
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: x_grads.append(1) or real_grad(*a, **k))
+    assert bench.warm_op("fake", _args(backends="good,refuser,missing"), gpu=False) == 1  # the refuser
+    assert calls == ["good"] and x_grads == [1]  # forward, then its backward
+
+
+def test_warm_up_runs_worker_processes_and_reports_failures(capsys):
+    # the workers run `tileport bench --warm-only` (here on the CPU, reference/interpreter, tiny shapes)
+    args = _args(backends="torch", shapes="small", modes="fwd", dtype="fp32")
+    bench.warm_up(["rms_norm", "not-an-op"], args, workers=2)
+    out = capsys.readouterr().out
+    assert "2 processes in parallel" in out and "compiled in" in out
+    assert "not-an-op (rc 2" in out and "rms_norm (rc" not in out

@@ -15,19 +15,19 @@ under torch.compile), whose bodies ask the dispatcher for a backend:
 
 The custom ops save only the inputs: the Triton backward recomputes the forward's intermediates.
 
-Status and TODO:
-- Forward and backward are both Triton. They pass the parity gate under the CPU interpreter and
-  compile for sm_90a, but have not yet run on the H200, whose bf16 tl.dot and bf16 stores the
-  interpreter can't exercise (triton_kernels.py says how the CPU tests emulate them). Until they
-  have, treat the GPU backward as unverified: triton 3.4-3.7.0 miscompiles FLA's gated dq/dk/dg
-  backward on Hopper (FLA issue 640: `tl.trans` of a dot result fed to another dot), and
-  `chunk_dqkwg` / `chunk_wy_bwd` are the kernels of that shape. They avoid that pattern (every
-  transposed dot operand here is a loaded tile or an elementwise function of one), which is a
-  precaution, not a proof.
-- A Gluon (Hopper) backend will slot in ahead of "triton".
-- The kernels are untuned: block sizes, warps, stages; register spills at K = V = 128 (solve,
-  dqkwg, wy_bwd); fp32 inputs run fp32 "ieee" dots (FMA, slow); intermediates are stored in fp32
-  (h alone is NC * H * K * V * 4 bytes).
+Status and TODO (2026-11-29):
+- Forward and backward pass the parity gate on the H200 (scripts/gpu-check tests at 6ec45b2:
+  every GDN case, dense and varlen, the full-size S1 / B=1 T=32768 / varlen cases included) and
+  under the CPU interpreter. triton 3.4-3.7.0 miscompiles FLA's gated dq/dk/dg backward on Hopper
+  (FLA issue 640: `tl.trans` of a dot result fed to another dot); `chunk_dqkwg` / `chunk_wy_bwd`
+  avoid that pattern (every transposed dot operand is a loaded tile or an elementwise function
+  of one), and their H200 parity is the evidence that they are not hit.
+- "gluon" (bf16, K, V in {64, 128}, sm_90) runs Triton's stages 1-5 and backward with the Gluon
+  output kernel; it passed tests/test_gdn_gluon.py on the H200 at 909a64e and ran the S1 forward
+  in 1.484 ms against Triton's 1.501 in the same bench, so it comes first. Its next steps
+  (issue 5): the state recurrence and the solve in Gluon.
+- Speed (docs/perf/gdn.md): the S1 forward is 1.50 ms against FLA's 0.98; the fused solve + W/U
+  kernel is half of it (0.75 ms, 7x its memory floor).
 - Head dims above 128 are refused by the Triton backend and fall back to the reference.
 """
 
@@ -185,19 +185,20 @@ def _gluon_refusal(call: GDNCall) -> str | None:
 
     if call.capability != (9, 0):
         return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
-    return gluon_refusal(call.K, call.V, call.dtype)
+    # stages 1-5 and the backward are Triton's: what Triton refuses, this backend refuses too
+    return _triton_refusal(call) or gluon_refusal(call.K, call.V, call.dtype)
 
 
-# Preference: triton before gluon until the Gluon output kernel has passed the GPU gate
-# (tests/test_gdn_gluon.py on the H200; written 2026-11-29 without a GPU run).
+# Preference: gluon (Triton with the Gluon output kernel: passed the H200 gate at 909a64e, and
+# 1% faster there), then triton, then the float64 reference.
 DISPATCHER = register(
     OpDispatcher(
         "gdn",
         [
-            Backend("triton", triton_available("tileport.ops.gdn.triton_kernels"), _triton_refusal,
-                    lazy_stages("tileport.ops.gdn.triton_kernels", "gdn_forward_triton", "gdn_backward_triton")),
             Backend("gluon", _gluon_available, _gluon_refusal,
                     lazy_stages("tileport.ops.gdn.gluon_kernels", "gdn_forward_gluon", "gdn_backward_gluon")),
+            Backend("triton", triton_available("tileport.ops.gdn.triton_kernels"), _triton_refusal,
+                    lazy_stages("tileport.ops.gdn.triton_kernels", "gdn_forward_triton", "gdn_backward_triton")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
