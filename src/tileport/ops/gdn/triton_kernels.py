@@ -271,14 +271,12 @@ def _cumsum_kernel(g_ptr, G_ptr, chunks_ptr, H, BT: tl.constexpr,
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
-def _unit_lower_inverse16(N):
-    """(I + N)^-1 for a strictly lower triangular 16x16 fp32 N, by doubling:
-    (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), exact because N^16 = 0. Six dependent 16x16
-    products instead of the 15 row steps of forward substitution (each a shuffle of the tile
-    through shared memory): the chain's latency is what the solve kernel waited on (H200 profile,
-    2026-11-29). All products fp32 "ieee"."""
-    r = tl.arange(0, 16)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+def _unit_lower_inverse16(N, eye):
+    """(I + N)^-1 for strictly lower triangular 16x16 fp32 N ([16, 16], or a batch [B, 16, 16]
+    with eye shaped alike), by doubling: (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), exact
+    because N^16 = 0. Six dependent 16x16 products instead of the 15 row steps of forward
+    substitution (each a shuffle of the tile through shared memory): the chain's latency is what
+    the solve kernel waited on (H200 profile, 2026-11-29). All products fp32 "ieee"."""
     N2 = tl.dot(N, N, input_precision="ieee")
     N4 = tl.dot(N2, N2, input_precision="ieee")
     N8 = tl.dot(N4, N4, input_precision="ieee")
@@ -409,7 +407,7 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
                 kk = tl.dot(_op(ki, DT, DA), tl.trans(_op(km, DT, DA)), input_precision="ieee")
                 gam = tl.exp(tl.where(msk, (gs[i][:, None] - gs[m][None, :]).to(tl.float32), float("-inf")))  # 0 off the mask
                 A_row = A_row + (kk * bs[i] * gam,)
-        Tii = _unit_lower_inverse16(A_row[i])
+        Tii = _unit_lower_inverse16(A_row[i], tl.where(r[:, None] == r[None, :], 1.0, 0.0))
         for j in tl.static_range(i):
             acc = tl.dot(A_row[j], Ts[(j * (j + 1)) // 2 + j], input_precision="ieee")
             for m in tl.static_range(j + 1, i):
@@ -458,6 +456,74 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
             if i + 1 < NB:
                 tl.store(base + cols[None, :], tl.full([16, BT], 0.0, tl.float32),
                          mask=vs[i][:, None] & (cols >= (i + 1) * 16)[None, :])
+
+
+
+SOLVE_WU_TILE_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1))
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU"])
+@triton.jit
+def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
+                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                          BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr,
+                          STORE_T: tl.constexpr, EXACT_WU: tl.constexpr):
+    """3, the same T, W and U as `_solve_wu_kernel` (scalar gates only), in whole [64, 64] tiles
+    rather than a chain of 16x16 blocks; grid (NC, H).
+
+    A = strict_lower(diag(beta) (K K^T * Gam)) is one [64, K] x [K, 64] product. Its four
+    diagonal 16x16 blocks are taken out as a batch [4, 16, 16] (a reshape to [4, 16, 4, 16] and a
+    masked sum) and inverted together by doubling (batched "ieee" products), giving D =
+    blockdiag((I + A_ii)^-1). With M = D A_off (A_off: A below the diagonal blocks, so M^4 = 0),
+    (I + A) = (I + A_diag)(I + M) gives T = (I + M)^-1 D = (I - M + M^2 - M^3) D, by Horner:
+    four [64, 64] products. W and U are each one [64, 64] x [64, K or BV] product with T.
+
+    Why: the block form is 16 dependent 16x16 products for T and 20 [16, 16] x [16, K] ones for
+    W and U, each moving its operands between layouts through shared memory; on the H200 that
+    chain made the kernel 0.75 ms at S1 (7x its memory floor; profile at 5031cf0). Here the
+    chain is 7 batched 16x16 products, 4 [64, 64] ones and 1 + NV output products, each of 64
+    rows (a full MMA tile for 4 warps). Explicit where Triton would choose: the 16-row diagonal
+    blocks (their inverse must be exact, and 16^3 per block is cheap on FMA units); PREC, the
+    precision of the fp32 [64, 64] products: "tf32x3" (three tf32 tensor-core passes, error near
+    fp32's) for 16-bit inputs, "ieee" for fp32 inputs. EXACT_WU and STORE_T as in
+    `_solve_wu_kernel`."""
+    c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT)
+    NB: tl.constexpr = BT // 16
+    tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
+    b = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
+    g = tl.load(G_ptr + row, mask=valid, other=0.0)
+    kd = _op(tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32), DT, DA)
+    kk = tl.dot(kd, tl.trans(kd), input_precision="ieee")
+    strict = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
+    A = kk * b[:, None] * tl.exp(tl.where(strict, (g[:, None] - g[None, :]).to(tl.float32), float("-inf")))
+    # the diagonal blocks as a batch, inverted; then D = blockdiag of the inverses as [64, 64]
+    blk = tl.arange(0, NB)
+    same = blk[:, None, None, None] == blk[None, None, :, None]  # [NB, 1, NB, 1]
+    Ad = tl.sum(tl.where(same, tl.reshape(A, [NB, 16, NB, 16]), 0.0), 2)  # [NB, 16, 16]
+    r16 = tl.arange(0, 16)
+    eye16 = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
+    Dd = _unit_lower_inverse16(Ad, tl.broadcast_to(eye16[None, :, :], [NB, 16, 16]))
+    D = tl.reshape(tl.where(same, tl.reshape(Dd, [NB, 16, 1, 16]), 0.0), [BT, BT])
+    M = tl.dot(D, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0), input_precision=PREC)
+    Tm = D  # Horner: T = (I - M + M^2 - M^3) D = D - M (D - M (D - M D)), three tiles live
+    for _ in tl.static_range(NB - 1):
+        Tm = D - tl.dot(M, Tm, input_precision=PREC)
+    WT: tl.constexpr = tl.float32 if EXACT_WU else DT  # W/U operand rounding (see _solve_wu_kernel)
+    WA: tl.constexpr = tl.float32 if EXACT_WU else DA
+    Top = _op(Tm, WT, WA)
+    # k loaded again (an L1/L2 hit) rather than held through the solve: registers
+    kt = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    w = tl.dot(Top, _op(kt * (b * tl.exp(g.to(tl.float32)))[:, None], WT, WA), input_precision=PREC)
+    tl.store(w_ptr + row[:, None] * K + kc[None, :], _rounded_for(w, w_ptr, DA), mask=mk)
+    for jv in tl.static_range(NV):
+        vc = jv * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (vc < V)[None, :]
+        vt = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        u = tl.dot(Top, _op(vt * b[:, None], WT, WA), input_precision=PREC)
+        tl.store(u_ptr + row[:, None] * V + vc[None, :], _rounded_for(u, u_ptr, DA), mask=mv)
+    if STORE_T:
+        tl.store(Ai_ptr + row[:, None] * BT + r[None, :], Tm, mask=valid[:, None])
 
 
 @triton.jit
@@ -909,10 +975,27 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     Ai = new_empty((Ntok, H, BT), _F32, k.device) if store_T else None
     w = new_empty((Ntok, H, K), inter, k.device)
     u = new_empty((Ntok, H, V), inter, k.device)
-    if plan.NC:
+    if not plan.NC:
+        return Ai, w, u
+    DT, DA = _dot_types(k.dtype)
+    if solve_form(k.dtype, G.dim() == 3) == "tile":
+        prec = "ieee" if k.dtype == torch.float32 else "tf32x3"
+        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
+                                            NV, BT, DT, DA, prec, store_T, exact_wu)
+    else:
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
-                                       *_dot_types(k.dtype), G.dim() == 3, store_T, exact_wu)
+                                       DT, DA, G.dim() == 3, store_T, exact_wu)
     return Ai, w, u
+
+
+# Which kernel forms T, W and U: "blocks" (`_solve_wu_kernel`, a chain of 16x16 blocks; KDA's
+# per-channel gates and fp32 inputs always take it) or "tile" (`_solve_wu_tile_kernel`, whole
+# [64, 64] tiles). Read at each call, so a benchmark can set it to compare the two.
+SOLVE_FORM = "blocks"
+
+
+def solve_form(dtype: torch.dtype, per_channel: bool) -> str:
+    return "tile" if SOLVE_FORM == "tile" and not per_channel and dtype != torch.float32 else "blocks"
 
 
 def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool):

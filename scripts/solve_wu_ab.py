@@ -1,0 +1,101 @@
+"""A/B of GDN's stage 3 (T, W, U) on the H200: `_solve_wu_kernel` (16x16 block chain) against
+`_solve_wu_tile_kernel` (whole [64, 64] tiles), at S1 (B=8, T=4096, H=16, K=V=128, bf16).
+
+    python3 scripts/solve_wu_ab.py            (on the GPU; ~1 min, most of it compiling)
+
+Each kernel is launched directly at fixed launch options (no autotuning), forward form (bf16
+W/U, no T) and backward-recompute form (T stored, fp32 W/U from fp32 operands), timed with
+do_bench (median, CUDA events) on the same inputs, once with l2-normalised keys (the bench's
+inputs) and once with raw N(0, 1) keys (large A entries: the harder case for the solve's
+precision). Accuracy: T against a float64 inverse of (I + A) over a sample of chunks, and W, U
+of the tile form against the block form.
+"""
+
+import torch
+import triton
+import triton.testing
+
+from tileport.ops.gdn import triton_kernels as tk
+
+B, T, H, K, V = 8, 4096, 16, 128, 128
+dev = "cuda"
+if not torch.cuda.is_available():  # a dry run of the script's logic (TRITON_INTERPRET=1): tiny, untimed
+    B, T, H, K, V, dev = 1, 256, 2, 32, 32, "cpu"
+torch.manual_seed(0)
+BK, BV, NV = tk._blocks(K, V)
+DT, DA = tk._dot_types(torch.bfloat16)
+plan = tk.make_plan(B, T, None, dev)
+Ntok = B * T
+
+
+def inputs(normalised: bool):
+    k = torch.randn(Ntok, H, K, device=dev)
+    if normalised:
+        k = torch.nn.functional.normalize(k, dim=-1)
+    v = torch.randn(Ntok, H, V, device=dev, dtype=torch.bfloat16)
+    beta = torch.sigmoid(torch.randn(Ntok, H, device=dev)).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(Ntok, H, device=dev))
+    return k.to(torch.bfloat16), v, beta, tk.chunk_cumsum(g, plan)
+
+
+def launch(form, prec, warps, backward, k, v, beta, G):
+    inter = torch.float32 if backward else torch.bfloat16
+    Ai = torch.empty(Ntok, H, 64, device=dev) if backward else None
+    w = torch.empty(Ntok, H, K, device=dev, dtype=inter)
+    u = torch.empty(Ntok, H, V, device=dev, dtype=inter)
+    grid = (plan.NC, H)
+    common = (k, v, beta, G, Ai if backward else w, w, u, plan.chunks, H, K, V, BK, BV, NV, 64, DT, DA)
+    if form == "blocks":
+        fn = lambda: tk._solve_wu_kernel.fn[grid](*common, False, backward, backward,  # noqa: E731
+                                                   num_warps=warps, num_stages=1)
+    else:
+        fn = lambda: tk._solve_wu_tile_kernel.fn[grid](*common, prec, backward, backward,  # noqa: E731
+                                                        num_warps=warps, num_stages=1)
+    fn()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    return fn, Ai, w, u
+
+
+def t_reference(k, beta, G, n=None):
+    """float64 T for the first n chunks of head 0."""
+    out = []
+    for c in range(n or min(64, Ntok // 64)):
+        rows = slice(64 * c, 64 * c + 64)
+        kc = k[rows, 0].double()
+        gc = G[rows, 0].double()
+        A = (kc @ kc.T) * beta[rows, 0].double()[:, None] * torch.exp(gc[:, None] - gc[None, :])
+        A = torch.tril(A, -1)
+        out.append(torch.linalg.inv(torch.eye(64, dtype=torch.float64, device=dev) + A))
+    return torch.stack(out)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+# the block form as the bench ran it (8 warps: its 4-warp candidate spills), the tile form at
+# tf32x3 (what 16-bit inputs run) on 8 and 4 warps, and at one-pass tf32 for its precision
+variants = [("blocks", "ieee", 8), ("tile", "tf32x3", 8), ("tile", "tf32x3", 4), ("tile", "tf32", 8)]
+for normalised in (True, False):
+    k, v, beta, G = inputs(normalised)
+    Tref = t_reference(k, beta, G)
+    print(f"\n== keys {'l2-normalised' if normalised else 'raw N(0,1)'}; |T| max {Tref.abs().max().item():.3g}")
+    for backward in (False, True):
+        base = None
+        for form, prec, warps in variants:
+            try:
+                fn, Ai, w, u = launch(form, prec, warps, backward, k, v, beta, G)
+            except Exception as exc:  # a candidate that fails to compile or launch is a result
+                print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:150]}")
+                continue
+            ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+            acc = ""
+            if backward:
+                Tk = Ai[: 64 * len(Tref), 0].reshape(len(Tref), 64, 64)
+                acc += f" T vs fp64 {rel(Tk, Tref):.2e}"
+            if base is None:
+                base = (w, u)
+            else:
+                acc += f" W vs blocks {rel(w, base[0]):.2e} U vs blocks {rel(u, base[1]):.2e}"
+            print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: {ms:.3f} ms{acc}", flush=True)
