@@ -21,7 +21,7 @@ V = int(sys.argv[3]) if len(sys.argv) > 3 else 128
 Ntok, H, NC, N = 32768, 16, 512, 8
 DT = tl.float32 if dt == torch.float32 else tl.bfloat16
 BK, BV, NV = tk._blocks(K, V)
-f32, f64, i32 = torch.float32, torch.float64, torch.int32
+f32, f64, i32 = torch.float32, torch.float64, torch.int64  # the plan is int64 throughout (make_plan)
 inter = f32  # the backward's recompute; the forward stores bf16 for 16-bit inputs
 fwd_inter = tk._intermediate_dtype(dt, compact=True)
 tok = lambda d, t=None: T([Ntok, H, d], t or dt)  # noqa: E731

@@ -10,12 +10,13 @@ which no block of V divides) run forward and backward against the float64 recurr
 from __future__ import annotations
 
 import pytest
-from test_gdn_parity import _backend_or_skip, _one_thread, _run_and_check  # noqa: F401 (_one_thread: autouse fixture)
+from test_gdn_parity import CASES, _backend_or_skip, _one_thread, _run_and_check  # noqa: F401 (_one_thread: autouse fixture)
 
 from tileport.ops.gdn import triton_kernels as tk
 
 KERNELS = {
     "solve_wu": (tk._solve_wu_kernel, tk.SOLVE_WU_OPTIONS),
+    "solve_wu_tile": (tk._solve_wu_tile_kernel, tk.SOLVE_WU_TILE_OPTIONS),
     "states": (tk._states_kernel, tk.STATES_OPTIONS),
     "output": (tk._output_kernel, tk.OUTPUT_OPTIONS),
     "dstates": (tk._dstates_kernel, tk.DSTATES_OPTIONS),
@@ -30,4 +31,32 @@ def test_each_autotune_candidate(kernel, index, case_id, device, seed, monkeypat
     fn, options = KERNELS[kernel]
     monkeypatch.setattr(fn, "configs", tk._configs([options[index]]))
     monkeypatch.setattr(fn, "cache", {})
+    if kernel == "solve_wu_tile":
+        monkeypatch.setattr(tk, "SOLVE_FORM", "tile")  # (fp32 cases still take the block form)
     _run_and_check("triton", case_id, device, seed)
+
+
+# The whole frozen gate's 16-bit cases (ragged T, varlen with empty and length-1 sequences, gates
+# near 0 and very negative, binary beta, K = 128) with stage 3 in the tile form.
+TILE_CASES = [c for c, spec in CASES.items() if spec[5] in ("bf16", "fp16")]
+
+
+@pytest.mark.parametrize("case_id", TILE_CASES)
+def test_tile_solve_form(case_id, device, seed, monkeypatch):
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
+    _run_and_check("triton", case_id, device, seed)
+
+
+def test_solve_form_choice():
+    import torch
+
+    for form in ("blocks", "tile"):
+        tk.SOLVE_FORM, saved = form, tk.SOLVE_FORM
+        try:
+            assert tk.solve_form(torch.bfloat16, False) == form
+            assert tk.solve_form(torch.float16, False) == form
+            assert tk.solve_form(torch.float32, False) == "blocks"  # fp32: exact "ieee" products, block form
+            assert tk.solve_form(torch.bfloat16, True) == "blocks"  # KDA's per-channel gates
+        finally:
+            tk.SOLVE_FORM = saved

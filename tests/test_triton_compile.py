@@ -1,0 +1,52 @@
+"""GDN's Triton stage-3 kernels compile for sm_90a on a CPU-only machine, in the launch forms
+the forward uses, within a spill budget.
+
+The interpreter runs the parity gate but never compiles: a kernel it accepts can still fail to
+lower on the GPU (the Gluon output kernel's int64 TMA coordinates did, 2026-11-29), and 3D dots
+and 4D reshapes such as the tile form's are exactly what the interpreter passes through numpy.
+scripts/gdn_registers.py prints every kernel and candidate; this test keeps the two forms of the
+kernel on the forward's hot path honest in CI. Run with -s to see registers/spills/SMEM.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from tileport.compile_check import CompileCase, TensorStandIn as T, compile_case  # noqa: E402
+from tileport.ops.gdn import triton_kernels as tk  # noqa: E402
+
+Ntok, H, NC, K, V = 32768, 16, 512, 128, 128
+bf, f32, f64, i64 = torch.bfloat16, torch.float32, torch.float64, torch.int64
+
+
+def _args(backward: bool) -> dict:
+    inter = f32 if backward else bf  # the backward's recompute stores fp32 W/U and T
+    BK, BV, NV = tk._blocks(K, V)
+    return dict(k_ptr=T([Ntok, H, K], bf), v_ptr=T([Ntok, H, V], bf), beta_ptr=T([Ntok, H], bf),
+                G_ptr=T([Ntok, H], f64), Ai_ptr=T([Ntok, H, 64], f32), w_ptr=T([Ntok, H, K], inter),
+                u_ptr=T([Ntok, H, V], inter), chunks_ptr=T([2 * NC], i64), H=H, K=K, V=V, BK=BK, BV=BV, NV=NV,
+                BT=64, DT=tl.bfloat16, DA=tl.bfloat16, STORE_T=backward, EXACT_WU=backward)
+
+
+# (name, kernel, extra args, warps, spill bound in bytes per thread for the forward form)
+FORMS = [
+    ("blocks", tk._solve_wu_kernel.fn, dict(PER_CHANNEL=False), 8, 0),
+    ("tile", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32x3"), 8, 0),
+]
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "recompute"])
+@pytest.mark.parametrize("form", FORMS, ids=[f[0] for f in FORMS])
+def test_gdn_solve_wu_compiles_for_sm90a(form, backward):
+    name, fn, extra, warps, max_spills = form
+    report = compile_case(CompileCase(f"gdn solve_wu {name} {'recompute' if backward else 'forward'}", fn,
+                                      dict(_args(backward), **extra), num_warps=warps, options={"num_stages": 1}))
+    print(f"\n{report.summary()}")
+    assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+    assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
+    if not backward and report.n_spills is not None:
+        assert report.n_spills <= max_spills, f"{report.n_spills} bytes of spills ({report.n_regs} registers)"
