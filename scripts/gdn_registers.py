@@ -50,7 +50,8 @@ def cases():
     for o in tk.OUTPUT_OPTIONS:
         yield f"output {o}", tk._output_kernel.fn, o, dict(
             q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], fwd_inter), vn_ptr=tok(V, fwd_inter),
-            o_ptr=tok(V), chunks_ptr=T([2 * NC], i32), scale=0.1, eps=1e-6, V=V, BV=o["BV"], L2NORM_Q=True, **common)
+            o_ptr=tok(V), chunks_ptr=T([2 * NC], i32), NC=NC, scale=0.1, eps=1e-6, V=V, BV=o["BV"], L2NORM_Q=True,
+            PER_SM=o["PER_SM"], **common)
     L = tk._LAUNCH
     yield "dv_local", tk._dv_local_kernel, L["dv_local"], dict(
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32), chunks_ptr=T([2 * NC], i32),

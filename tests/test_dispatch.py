@@ -1,5 +1,6 @@
 """Dispatch: preference order, forcing, disabling, strict mode, explain, caching, torch.compile."""
 
+import os
 import subprocess
 import sys
 import time
@@ -105,14 +106,25 @@ def test_dispatch_overhead_is_small():
     assert per_call_us < 200, per_call_us  # generous for a loaded 2-core CI box; typically ~10 us
 
 
-def test_explain_cli_lists_every_backend():
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_explain_cli_lists_every_backend(interpret):
+    # on a CPU machine: why Gluon and compiled Triton don't apply, and what runs instead
+    env = dict(os.environ, TRITON_INTERPRET=interpret, CUDA_VISIBLE_DEVICES="")
+    for var in ("TILEPORT_BACKEND", "TILEPORT_ATTNRES_BACKEND", "TILEPORT_STRICT"):
+        env.pop(var, None)
     out = subprocess.run(
         [sys.executable, "-m", "tileport", "explain", "attnres", "--dtype", "bf16", "--device", "cpu", "--shape", "8,16384,2048"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, env=env,
     ).stdout
-    for name in ("gluon", "triton", "reference"):
-        assert name in out
-    assert "runs:" in out
+    gluon = next(line for line in out.splitlines() if " gluon " in line)
+    triton = next(line for line in out.splitlines() if " triton " in line)
+    assert "Hopper" in gluon and "n/a" in gluon, out
+    if interpret == "0":
+        assert "TRITON_INTERPRET=1" in triton and "n/a" in triton, out
+        assert out.strip().endswith("runs: reference"), out
+    else:
+        assert "accepts" in triton, out
+        assert out.strip().endswith("runs: triton"), out
 
 
 class _Block(torch.nn.Module):

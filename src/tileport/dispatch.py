@@ -79,6 +79,16 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _not_meant_for(backend: str, device_type: str) -> str:
+    """Why a backend does not apply to a device, for `explain`."""
+    if backend == "triton":
+        return ("Triton runs on the CPU only under TRITON_INTERPRET=1 (set it to run the Triton kernels "
+                "in the interpreter; slow, for testing)")
+    if backend == "gluon":
+        return f"the Gluon kernels need an NVIDIA Hopper GPU (sm_90: TMA, WGMMA); this call is on {device_type}"
+    return f"not meant for {device_type}"
+
+
 class OpDispatcher:
     """Chooses a backend for one op. `signature(call)` must return a hashable key of everything
     the backends' refusals depend on (dtype, device, sizes, alignment...)."""
@@ -197,9 +207,7 @@ class OpDispatcher:
         for v in self.verdicts(call, device_type, disabled):
             mark = "->" if v.backend == chosen else "  "
             if not v.applies:
-                status = "n/a      " + (
-                    "Triton runs on the CPU only under TRITON_INTERPRET=1" if v.backend == "triton" else f"not meant for {device_type}"
-                )
+                status = "n/a      " + _not_meant_for(v.backend, device_type)
             elif v.unavailable:
                 status = f"no       unavailable: {v.unavailable}"
                 try:  # say what it would do on a machine where it is available

@@ -23,7 +23,7 @@ sequence) and each sequence's first chunk index are computed on the host (`Chunk
                       T is stored ([Ntok, H, 64] fp32) only for the backward     grid (NC, H)
      5 chunk_states   sequential over chunks: h_c ([NC, H, K, V]), Vn, final state (fp32)
                                                                                grid (N*H, V/BV)
-     6 chunk_output   O                                                         grid (NC*V/BV, H)
+     6 chunk_output   O; one-shot or persistent (autotuned)             grid (NC*V/BV or SMs, H)
    backward, with dO and dh_T (gradient of the final state):
      7 chunk_dv_local dVl = scale lower(Q K^T * Gam)^T dO                       grid (NC*V/BV, H)
      8 chunk_dstates  sequential, reverse: dh_c+1 (stored), dVn = dVl + diag(exp(G_L-G)) K dh_c+1,
@@ -190,6 +190,15 @@ def _programs_bucket(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    """Streaming multiprocessors of `device` (the persistent kernels' grid); 4 on the CPU, where
+    the interpreter runs the persistent form's loop over several items per program."""
+    if torch.device(device).type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 SOLVE_WU_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1))
 STATES_OPTIONS = (dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
                   dict(BV=64, num_warps=4, num_stages=2), dict(BV=32, num_warps=4, num_stages=2),
@@ -198,8 +207,13 @@ STATES_OPTIONS = (dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=
 # pipelining (its fp32 tiles at 2 stages would not leave room in shared memory)
 DSTATES_OPTIONS = (dict(BV=64, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
                    dict(BV=32, num_warps=4, num_stages=1), dict(BV=16, num_warps=4, num_stages=1))
-OUTPUT_OPTIONS = (dict(BV=64, num_warps=4, num_stages=3), dict(BV=128, num_warps=4, num_stages=3),
-                  dict(BV=128, num_warps=8, num_stages=3), dict(BV=64, num_warps=8, num_stages=3))
+# PER_SM = 0: one (chunk, V block) per program; PER_SM = 1: one persistent program per SM striding
+# over them, its loads pipelined num_stages deep (see `_output_kernel`). Two stages take 116 KB
+# (BV=64) and 161 KB (BV=128) of shared memory at K = V = 128 (sm_90a), so one such CTA per SM.
+OUTPUT_OPTIONS = (dict(BV=64, PER_SM=0, num_warps=4, num_stages=1), dict(BV=128, PER_SM=0, num_warps=4, num_stages=1),
+                  dict(BV=128, PER_SM=0, num_warps=8, num_stages=1), dict(BV=64, PER_SM=0, num_warps=8, num_stages=1),
+                  dict(BV=128, PER_SM=1, num_warps=8, num_stages=2), dict(BV=64, PER_SM=1, num_warps=4, num_stages=2),
+                  dict(BV=128, PER_SM=1, num_warps=4, num_stages=2))
 
 
 @triton.jit
@@ -488,7 +502,7 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     precision of the fp32 [64, 64] products: "tf32x3" (three tf32 tensor-core passes, error near
     fp32's) for 16-bit inputs, "ieee" for fp32 inputs. EXACT_WU and STORE_T as in
     `_solve_wu_kernel`."""
-    c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT)
+    c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, tl.program_id(0))
     NB: tl.constexpr = BT // 16
     tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
     b = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
@@ -528,12 +542,12 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
 
 @triton.jit
 def _chunk_program(chunks_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   NV: tl.constexpr, BT: tl.constexpr):
-    """What a program of the chunk-parallel kernels with grid (NC * NV, H) works on: chunk c, head
-    hh, V block j; the chunk's tokens [bos, eos), rows, the [Ntok, H] row offsets, column ranges
-    and the [BT, K] / [BT, BV] masks."""
-    c = tl.program_id(0) // NV
-    j = tl.program_id(0) % NV
+                   NV: tl.constexpr, BT: tl.constexpr, item):
+    """What work item `item` (in 0 .. NC * NV, grid axis 0 of the chunk-parallel kernels, whose
+    axis 1 is the head) covers: chunk c, head hh, V block j; the chunk's tokens [bos, eos), rows,
+    the [Ntok, H] row offsets, column ranges and the [BT, K] / [BT, BV] masks."""
+    c = item // NV
+    j = item % NV
     hh = tl.program_id(1)
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
@@ -627,32 +641,40 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.autotune(configs=_tuned(OUTPUT_OPTIONS), key=["K", "V", "H"])
 @triton.jit
-def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, scale, eps,
+def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, NC, scale, eps,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                   DT: tl.constexpr, DA: tl.constexpr, L2NORM_Q: tl.constexpr):
-    """6: O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn), in o's dtype; grid (NC * V/BV, H).
+                   DT: tl.constexpr, DA: tl.constexpr, L2NORM_Q: tl.constexpr, PER_SM: tl.constexpr):
+    """6: O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn), in o's dtype, for the work items
+    (chunk, V block) 0 .. NC * V/BV of head program_id(1); grid (programs, H).
+    PER_SM = 0: one item per program (programs = n_items). PER_SM > 0: persistent, PER_SM programs
+    per SM (`chunk_output` sizes the grid), each striding over the items, so that the loop's
+    loads of the next item (q, k, Vn, h: 40-64 KB) are issued while this one computes: the
+    config's num_stages is the depth of that software pipeline. Explicit where Triton would take
+    one program per tile: the persistence and the pipeline, chosen by the autotuner against the
+    one-shot form (at S1 the one-shot kernel ran at ~2 TB/s, 2 CTAs per SM, nothing to overlap).
     With BV = V (one of the tuned choices) q, k and Q K^T are loaded and formed once per chunk
     instead of once per V block. L2NORM_Q: q is the raw query and is normalised here, as stage 1
     would (rows of K in fp32, rounded to q's dtype): the forward's only use of the normalised q,
     so stage 1 for q and its round trip through HBM (2 bytes x 2 per element) are skipped."""
     NV: tl.constexpr = (V + BV - 1) // BV
-    c, hh, bos, eos, r, tok, valid, row, kc, vc, mk, mv = _chunk_program(chunks_ptr, H, K, V, BK, BV, NV, BT)
-    q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
-    if L2NORM_Q:
-        qf = q.to(tl.float32)
-        q = _rounded_as(qf * tl.rsqrt(tl.sum(qf * qf, 1) + eps)[:, None], q_ptr, DA)
-    q = _op(q, DT, DA)
-    k = _op(tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
-    G = tl.load(G_ptr + row, mask=valid, other=0.0)
-    h = tl.load(h_ptr + (c.to(tl.int64) * H + hh) * (K * V) + kc[:, None] * V + vc[None, :],
-                mask=(kc < K)[:, None] & (vc < V)[None, :], other=0.0)
-    vn = tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
-    m = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
-    gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
-    P = tl.where(m, tl.dot(q, tl.trans(k), input_precision="ieee") * gam, 0.0)
-    o = (tl.dot(q, _op(h, DT, DA), input_precision="ieee") * tl.exp(G.to(tl.float32))[:, None]
-         + tl.dot(_op(P, DT, DA), _op(vn, DT, DA), input_precision="ieee"))
-    tl.store(o_ptr + row[:, None] * V + vc[None, :], (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
+    for item in tl.range(tl.program_id(0), NC * NV, tl.num_programs(0)):
+        c, hh, bos, eos, r, tok, valid, row, kc, vc, mk, mv = _chunk_program(chunks_ptr, H, K, V, BK, BV, NV, BT, item)
+        q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+        if L2NORM_Q:
+            qf = q.to(tl.float32)
+            q = _rounded_as(qf * tl.rsqrt(tl.sum(qf * qf, 1) + eps)[:, None], q_ptr, DA)
+        q = _op(q, DT, DA)
+        k = _op(tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
+        G = tl.load(G_ptr + row, mask=valid, other=0.0)
+        h = tl.load(h_ptr + (c.to(tl.int64) * H + hh) * (K * V) + kc[:, None] * V + vc[None, :],
+                    mask=(kc < K)[:, None] & (vc < V)[None, :], other=0.0)
+        vn = tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+        m = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
+        gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
+        P = tl.where(m, tl.dot(q, tl.trans(k), input_precision="ieee") * gam, 0.0)
+        o = (tl.dot(q, _op(h, DT, DA), input_precision="ieee") * tl.exp(G.to(tl.float32))[:, None]
+             + tl.dot(_op(P, DT, DA), _op(vn, DT, DA), input_precision="ieee"))
+        tl.store(o_ptr + row[:, None] * V + vc[None, :], (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
@@ -661,7 +683,8 @@ def _dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr,
                      DT: tl.constexpr, DA: tl.constexpr):
     """7: dVl = scale lower(Q K^T * Gam)^T dO (fp32), the part of dVn from this chunk's outputs."""
-    c, hh, bos, eos, r, tok, valid, row, kc, vc, mk, mv = _chunk_program(chunks_ptr, H, K, V, BK, BV, NV, BT)
+    c, hh, bos, eos, r, tok, valid, row, kc, vc, mk, mv = _chunk_program(chunks_ptr, H, K, V, BK, BV, NV, BT,
+                                                                         tl.program_id(0))
     q = _op(tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
     k = _op(tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
     G = tl.load(G_ptr + row, mask=valid, other=0.0)
@@ -1025,9 +1048,14 @@ def chunk_output(q, k, G, h, vn, scale: float, plan: ChunkPlan, out_dtype: torch
     o = _out((Ntok, H, V), out_dtype, q.device)
     if plan.NC:
         DT, DA = _dot_types(q.dtype)
-        _output_kernel[lambda meta: (plan.NC * triton.cdiv(V, meta["BV"]), H)](
-            q, k, G, h, vn, o, plan.chunks, H, scale, L2NORM_EPS, K=K, V=V, BK=BK, BT=BT, DT=DT, DA=DA,
-            L2NORM_Q=l2norm_q)
+        def grid(meta):
+            n_items = plan.NC * triton.cdiv(V, meta["BV"])
+            if meta["PER_SM"]:  # persistent: PER_SM programs per SM over all heads
+                return (max(1, min(n_items, meta["PER_SM"] * _sm_count(q.device) // H)), H)
+            return (n_items, H)
+
+        _output_kernel[grid](q, k, G, h, vn, o, plan.chunks, H, plan.NC, scale, L2NORM_EPS, K=K, V=V, BK=BK, BT=BT,
+                             DT=DT, DA=DA, L2NORM_Q=l2norm_q)
     return _done(o, out_dtype)
 
 
