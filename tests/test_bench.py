@@ -164,10 +164,14 @@ def test_warm_op_calls_every_system_forward_and_backward(monkeypatch):
     assert calls == ["good"] and x_grads == [1]  # forward, then its backward
 
 
-def test_warm_up_runs_worker_processes_and_reports_failures(capsys):
-    # the workers run `tileport bench --warm-only` (here on the CPU, reference/interpreter, tiny shapes)
-    args = _args(backends="torch", shapes="small", modes="fwd", dtype="fp32")
+def test_warm_up_runs_worker_processes_and_reports_failures(capsys, monkeypatch):
+    # the workers run `tileport bench --warm-only` (here on the CPU, reference/interpreter, tiny
+    # shapes), one per (op, system); a worker that fails is named, the others are not
+    args = _args(backends="torch,triton", shapes="small", modes="fwd", dtype="fp32")
+    # planned here like rms_norm, but unknown to the worker processes' CLI (rc 2)
+    monkeypatch.setitem(bench.OPS, "not-an-op", "tileport.ops.rms_norm.perf")
     bench.warm_up(["rms_norm", "not-an-op"], args, workers=2)
     out = capsys.readouterr().out
-    assert "2 processes in parallel" in out and "compiled in" in out
-    assert "not-an-op (rc 2" in out and "rms_norm (rc" not in out
+    assert "4 (op, system) pairs" in out and "2 processes at a time" in out and "compiled in" in out
+    assert "not-an-op/torch (rc 2" in out and "not-an-op/triton (rc 2" in out
+    assert "rms_norm/" not in out.split("compiled in")[1]

@@ -42,8 +42,8 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", default=None, help="write a PNG of speedups here (needs matplotlib)")
     p.add_argument("--base", default=None, help="also run a git ref (in a worktree, subprocess) and print before/after")
     p.add_argument("--warm-workers", type=int, default=None,
-                   help="GPU: compile every op's kernels first in this many parallel processes (default: one per op, "
-                        "at most half the CPU cores; 0: no warm-up)")
+                   help="GPU: compile every (op, system)'s kernels first in this many parallel processes "
+                        "(default: half the CPU cores; 0: no warm-up)")
     p.add_argument("--warm-only", action="store_true", help=argparse_suppress())
 
 
@@ -256,33 +256,37 @@ def warm_op(op: str, args, gpu: bool) -> int:
 
 
 def warm_up(ops: list[str], args, workers: int) -> None:
-    """Compile every op's kernels in parallel processes before the sequential, timed run.
+    """Compile every op's kernels in parallel processes, one per (op, system), before the
+    sequential, timed run.
 
     Measured on the H200 (2026-11-29, 909a64e/5031cf0): compiling and autotuning took most of a
     bench run (the first GDN system 81 s, KDA's Triton 119 s, FLA 50-80 s per op), all of it
     single-threaded in one process while 15 of 16 cores idled, and the anchor-shape run of every
-    op did not fit the device tool's 600 s per call. Kernels compiled here are loaded from the
-    cache by the timed run; its autotuners still benchmark their configs there, on a quiet GPU."""
+    op did not fit the device tool's 600 s per call. Kernels compiled here are loaded from
+    Triton's on-disk cache by the timed run; its autotuners still benchmark their configs there,
+    on a quiet GPU."""
     t0 = time.time()
     cmd = [sys.executable, "-m", "tileport", "bench", "--warm-only", "--modes", args.modes, "--dtype", args.dtype]
-    if args.backends:
-        cmd += ["--backends", args.backends]
     if args.shapes:
         cmd += ["--shapes", args.shapes]
-    pending, running, failed = list(ops), [], []
-    print(f"compiling every op's kernels first, {workers} processes in parallel ...", flush=True)
+    jobs = []
+    for op in ops:
+        suite, *_, systems, wanted = _op_plan(op, args, True)
+        jobs += [(op, name) for name in wanted if name in systems]
+    pending, running, failed = list(jobs), [], []
+    print(f"compiling the kernels of {len(jobs)} (op, system) pairs first, {workers} processes at a time ...", flush=True)
     while pending or running:
         while pending and len(running) < workers:
-            op = pending.pop(0)
-            running.append((op, subprocess.Popen(cmd + ["--op", op], stdout=subprocess.PIPE,
-                                                 stderr=subprocess.STDOUT, text=True)))
+            op, name = pending.pop(0)
+            running.append((f"{op}/{name}", subprocess.Popen(cmd + ["--op", op, "--backends", name], stdout=subprocess.PIPE,
+                                                             stderr=subprocess.STDOUT, text=True)))
         time.sleep(0.5)
-        for op, proc in list(running):
+        for job, proc in list(running):
             if proc.poll() is not None:
-                running.remove((op, proc))
+                running.remove((job, proc))
                 out = proc.stdout.read()
                 if proc.returncode != 0:
-                    failed.append(f"{op} (rc {proc.returncode}: {out.strip()[-200:]})")
+                    failed.append(f"{job} (rc {proc.returncode}: {out.strip()[-200:]})")
     note = f"; the warm-up of {', '.join(failed)} failed (the timed run compiles those itself)" if failed else ""
     print(f"compiled in {time.time() - t0:.0f} s{note}", flush=True)
 
@@ -529,7 +533,7 @@ def run(args) -> int:
         return 0
     info = machine_info()
     print(f"machine: {info.get('gpu') or 'CPU only'}  torch {info['torch']}  triton {info['triton']}  commit {info.get('commit')}")
-    workers = args.warm_workers if args.warm_workers is not None else min(len(ops), max(1, (os.cpu_count() or 2) // 2))
+    workers = args.warm_workers if args.warm_workers is not None else max(1, (os.cpu_count() or 2) // 2)
     if gpu and workers > 0:
         warm_up(ops, args, workers)
     ceilings = measure_ceilings(gpu)
