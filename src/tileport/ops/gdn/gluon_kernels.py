@@ -34,7 +34,7 @@ except Exception as exc:  # pragma: no cover - depends on the installed triton
 BT = 64  # chunk: the M of every WGMMA here, one warpgroup (4 warps) of 16-row slices
 HEAD_DIMS = (64, 128)
 
-__all__ = ["gluon_refusal", "gdn_forward_gluon", "gdn_backward_gluon", "compile_cases"]
+__all__ = ["gluon_refusal", "gdn_forward_gluon", "gdn_backward_gluon", "compile_cases", "OUTPUT_FORM"]
 
 
 def gluon_refusal(K: int, V: int, dtype: torch.dtype) -> str | None:
@@ -50,52 +50,47 @@ def gluon_refusal(K: int, V: int, dtype: torch.dtype) -> str | None:
 if _GLUON_ERROR is None:
 
     @gluon.jit
-    def _output_kernel(q_desc, k_desc, vn_desc, h_desc, G_ptr, o_ptr, chunks_ptr, H, scale, eps,
-                       K: gl.constexpr, V: gl.constexpr, L2NORM_Q: gl.constexpr):
-        """6: O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn) for one chunk and head, in o's
-        dtype; grid (NC, H), 4 warps. q, k [Ntok, H*K], Vn [Ntok, H*V] and h [NC*H*K, V] come
-        in through TMA (one mbarrier for all four tiles; rows past the tensor are zero-filled, rows
-        of the next sequence in a varlen tail are loaded and masked out of P and of the store).
-        Explicit here (Triton would choose): the descriptors and the barrier, the accumulator
-        layouts of the three WGMMAs (S = Q K^T [64, 64], Q h [64, V], += P Vn), P handed to the
-        last WGMMA from registers, h and K^T read by the WGMMAs straight from shared memory (K^T
-        as a transposed view). L2NORM_Q: q is normalised in shared memory first, as stage 1 would."""
-        BT: gl.constexpr = q_desc.block_type.shape[0]  # the chunk (64)
-        c = gl.program_id(0)
-        hh = gl.program_id(1)
+    def _issue_chunk_tiles(q_desc, k_desc, vn_desc, h_desc, chunks_ptr, item, H, q_b, k_b, vn_b, h_b, bar,
+                           K: gl.constexpr, V: gl.constexpr):
+        """TMA the q, k, Vn tiles and the state h_c of work item `item` = c * H + hh (chunk c,
+        head hh) into one set of buffers, all four on `bar`, armed with their bytes."""
+        c = item // H
+        hh = item % H
         # the plan holds int64 token offsets; TMA coordinates are int32 (a descriptor's dims are too)
         bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
-        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
-
-        q_s = gl.allocate_shared_memory(q_desc.dtype, [BT, K], q_desc.layout)
-        k_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
-        vn_s = gl.allocate_shared_memory(vn_desc.dtype, [BT, V], vn_desc.layout)
-        h_s = gl.allocate_shared_memory(h_desc.dtype, [K, V], h_desc.layout)
-        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar, count=1)
-        fence_async_shared()
         NBYTES: gl.constexpr = (q_desc.block_type.nbytes + k_desc.block_type.nbytes + vn_desc.block_type.nbytes
                                 + h_desc.block_type.nbytes)
         mbarrier.expect(bar, NBYTES)
-        tma.async_copy_global_to_shared(q_desc, [bos, hh * K], bar, q_s)
-        tma.async_copy_global_to_shared(k_desc, [bos, hh * K], bar, k_s)
-        tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bar, vn_s)
-        tma.async_copy_global_to_shared(h_desc, [(c * H + hh) * K, 0], bar, h_s)
-        mbarrier.wait(bar, 0)
+        tma.async_copy_global_to_shared(q_desc, [bos, hh * K], bar, q_b)
+        tma.async_copy_global_to_shared(k_desc, [bos, hh * K], bar, k_b)
+        tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bar, vn_b)
+        tma.async_copy_global_to_shared(h_desc, [(c * H + hh) * K, 0], bar, h_b)
 
+    @gluon.jit
+    def _chunk_output(q_b, k_b, vn_b, h_b, G_ptr, o_ptr, chunks_ptr, item, H, scale, eps,
+                      K: gl.constexpr, V: gl.constexpr, L2NORM_Q: gl.constexpr):
+        """O of work item `item` from its tiles, already in shared memory: S = Q K^T and Q h by
+        WGMMA from shared memory, P = S * Gam masked in registers, O = Q h exp(G) + P Vn with P
+        handed to the last WGMMA from registers; stored with a row mask (a varlen chunk's tail rows
+        belong to the next sequence). L2NORM_Q: q is normalised in shared memory first."""
+        BT: gl.constexpr = q_b.shape[0]  # the chunk (64)
+        c = item // H
+        hh = item % H
+        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
+        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
         if L2NORM_Q:
             ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-            qf = q_s.load(ROWS_L).to(gl.float32)
+            qf = q_b.load(ROWS_L).to(gl.float32)
             qn = qf * gl.rsqrt(gl.sum(qf * qf, axis=1) + eps)[:, None]
             gl.thread_barrier()  # every warp has read q before any overwrites it
-            q_s.store(qn.to(q_desc.dtype))
-            fence_async_shared()  # generic-proxy writes, then the async proxy (WGMMA) reads
+            q_b.store(qn.to(q_b.dtype))
+            fence_async_shared()  # generic-proxy writes, then the async proxy (WGMMA, TMA) reads/writes
             gl.thread_barrier()
 
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, V, 16])
-        s = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([BT, BT], gl.float32, S_L))
-        o = warpgroup_mma(q_s, h_s, gl.zeros([BT, V], gl.float32, O_L))
+        s = warpgroup_mma(q_b, k_b.permute((1, 0)), gl.zeros([BT, BT], gl.float32, S_L))
+        o = warpgroup_mma(q_b, h_b, gl.zeros([BT, V], gl.float32, O_L))
 
         r = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
         cidx = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
@@ -112,13 +107,77 @@ if _GLUON_ERROR is None:
         ro_ok = bos + ro < eos
         Go = gl.load(G_ptr + (bos + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0)
         o = o * gl.exp(Go.to(gl.float32))[:, None]
-        P_op = gl.convert_layout(P.to(vn_desc.dtype), gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
-        o = warpgroup_mma(P_op, vn_s, o)
-        mbarrier.invalidate(bar)
+        P_op = gl.convert_layout(P.to(vn_b.dtype), gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
+        o = warpgroup_mma(P_op, vn_b, o)
 
         offs = ((bos + ro).to(gl.int64) * H + hh)[:, None] * V + co[None, :]
         # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: a 64-row TMA store would overwrite them; the masked store writes only this chunk's rows
         gl.store(o_ptr + offs, (o * scale).to(o_ptr.dtype.element_ty), mask=ro_ok[:, None])
+
+    @gluon.jit
+    def _output_kernel(q_desc, k_desc, vn_desc, h_desc, G_ptr, o_ptr, chunks_ptr, H, scale, eps,
+                       K: gl.constexpr, V: gl.constexpr, L2NORM_Q: gl.constexpr):
+        """6: O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn) for one chunk and head, in o's
+        dtype; grid (NC, H), 4 warps. q, k [Ntok, H*K], Vn [Ntok, H*V] and h [NC*H*K, V] come
+        in through TMA (one mbarrier for all four tiles; rows past the tensor are zero-filled, rows
+        of the next sequence in a varlen tail are loaded and masked out of P and of the store).
+        Explicit here (Triton would choose): the descriptors and the barrier, the accumulator
+        layouts of the three WGMMAs (S = Q K^T [64, 64], Q h [64, V], += P Vn), P handed to the
+        last WGMMA from registers, h and K^T read by the WGMMAs straight from shared memory (K^T
+        as a transposed view)."""
+        BT: gl.constexpr = q_desc.block_type.shape[0]
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [BT, K], q_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
+        vn_s = gl.allocate_shared_memory(vn_desc.dtype, [BT, V], vn_desc.layout)
+        h_s = gl.allocate_shared_memory(h_desc.dtype, [K, V], h_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        fence_async_shared()
+        item = gl.program_id(0) * H + gl.program_id(1)
+        _issue_chunk_tiles(q_desc, k_desc, vn_desc, h_desc, chunks_ptr, item, H, q_s, k_s, vn_s, h_s, bar, K, V)
+        mbarrier.wait(bar, 0)
+        _chunk_output(q_s, k_s, vn_s, h_s, G_ptr, o_ptr, chunks_ptr, item, H, scale, eps, K, V, L2NORM_Q)
+        mbarrier.invalidate(bar)
+
+    @gluon.jit
+    def _output_persistent_kernel(q_desc, k_desc, vn_desc, h_desc, G_ptr, o_ptr, chunks_ptr, H, n_items, scale, eps,
+                                  K: gl.constexpr, V: gl.constexpr, L2NORM_Q: gl.constexpr):
+        """6, persistent: program p computes work items p, p + P, p + 2P, ... (item = c * H + hh;
+        P programs, as many as fit on the card at once), with two sets of tile buffers: the TMA
+        loads of its next item are in flight while the WGMMAs of this one run. Grid (P,), 4
+        warps; 160 KB of shared memory at K = V = 128 (one CTA per SM), 64 KB at 64.
+        Why: the one-item kernel (`_output_kernel`) waits for its 80 KB of tiles with nothing to
+        overlap, and at S1 took ~0.39 ms for 0.19 ms of bytes (H200, 909a64e). Explicit here
+        (Triton would choose): the buffer ring of depth two and its barriers (buffer b's phase
+        flips at every reuse: (i // 2) & 1), the thread barrier that keeps the refill of a buffer
+        behind every warp's last read of it."""
+        BT: gl.constexpr = q_desc.block_type.shape[0]
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [2, BT, K], q_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [2, BT, K], k_desc.layout)
+        vn_s = gl.allocate_shared_memory(vn_desc.dtype, [2, BT, V], vn_desc.layout)
+        h_s = gl.allocate_shared_memory(h_desc.dtype, [2, K, V], h_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(bars.index(b), count=1)
+        fence_async_shared()
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        my_n = (n_items - pid + P - 1) // P
+        if my_n > 0:
+            _issue_chunk_tiles(q_desc, k_desc, vn_desc, h_desc, chunks_ptr, pid, H, q_s.index(0), k_s.index(0),
+                               vn_s.index(0), h_s.index(0), bars.index(0), K, V)
+        for i in range(my_n):
+            buf = i % 2
+            if i + 1 < my_n:
+                nxt = (i + 1) % 2
+                gl.thread_barrier()  # every warp is done with buffer set nxt (item i - 1) before its refill
+                _issue_chunk_tiles(q_desc, k_desc, vn_desc, h_desc, chunks_ptr, pid + (i + 1) * P, H, q_s.index(nxt),
+                                   k_s.index(nxt), vn_s.index(nxt), h_s.index(nxt), bars.index(nxt), K, V)
+            mbarrier.wait(bars.index(buf), (i // 2) & 1)
+            _chunk_output(q_s.index(buf), k_s.index(buf), vn_s.index(buf), h_s.index(buf), G_ptr, o_ptr, chunks_ptr,
+                          pid + i * P, H, scale, eps, K, V, L2NORM_Q)
+        for b in gl.static_range(2):
+            mbarrier.invalidate(bars.index(b))
 
 
 def _smem_layout(block, dtype):
@@ -129,10 +188,18 @@ def _descriptor(t2d: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t2d, block, _smem_layout(block, t2d.dtype))
 
 
+# Which output kernel the "gluon" backend launches: "one-shot" (`_output_kernel`, one chunk and
+# head per program: passed the H200 gate at 909a64e) or "persistent" (`_output_persistent_kernel`:
+# the next item's loads under this one's WGMMAs; not yet run on the H200). Read at each call, so
+# scripts/gdn_ab.py can time both.
+OUTPUT_FORM = "one-shot"
+SMEM_PER_SM = 227 * 1024  # Hopper: shared memory a CTA may use, per SM
+
+
 def chunk_output_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, l2norm_q: bool):
-    """6 on the Gluon kernel: o [Ntok, H, V] from q, k [Ntok, H, K] (q raw when l2norm_q), h [NC, H,
+    """6 on a Gluon kernel: o [Ntok, H, V] from q, k [Ntok, H, K] (q raw when l2norm_q), h [NC, H,
     K, V] and Vn [Ntok, H, V] in bf16."""
-    from tileport.ops.gdn.triton_kernels import L2NORM_EPS
+    from tileport.ops.gdn.triton_kernels import L2NORM_EPS, _sm_count
 
     Ntok, H, K = q.shape
     V = vn.shape[-1]
@@ -140,8 +207,15 @@ def chunk_output_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtyp
     if plan.NC:
         descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
                  _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(h.view(plan.NC * H * K, V), [K, V]))
-        _output_kernel[(plan.NC, H)](*descs, G, o, plan.chunks, H, float(scale), L2NORM_EPS, K, V, l2norm_q,
-                                     num_warps=4)
+        if OUTPUT_FORM == "persistent":
+            n_items = plan.NC * H
+            smem = 2 * 2 * (2 * BT * K + BT * V + K * V)  # two buffer sets of bf16 tiles
+            programs = min(n_items, _sm_count(q.device) * max(1, SMEM_PER_SM // smem))
+            _output_persistent_kernel[(programs,)](*descs, G, o, plan.chunks, H, n_items, float(scale), L2NORM_EPS,
+                                                   K, V, l2norm_q, num_warps=4)
+        else:
+            _output_kernel[(plan.NC, H)](*descs, G, o, plan.chunks, H, float(scale), L2NORM_EPS, K, V, l2norm_q,
+                                         num_warps=4)
     return o
 
 
@@ -171,16 +245,15 @@ def gdn_backward_gluon(*args):
 # CPU compile checks (tileport.compile_check)
 # --------------------------------------------------------------------------------------------
 def compile_cases():
-    """The output kernel at K = V = 128 and 64, with and without the in-kernel q normalisation."""
+    """Both output kernels at K = V = 128 and 64, with and without the in-kernel q normalisation."""
     if _GLUON_ERROR is not None:
         return []
     from tileport.compile_check import CompileCase, TensorStandIn, descriptor_stand_in
 
     cases = []
     Ntok, H, NC = 32768, 16, 512
+    bf = torch.bfloat16
     for K, V, l2 in ((128, 128, True), (128, 128, False), (64, 64, True)):
-        bf = torch.bfloat16
-
         def desc(rows, cols, block):
             return descriptor_stand_in([rows, cols], bf, block, _smem_layout(block, bf))
 
@@ -189,7 +262,11 @@ def compile_cases():
                     G_ptr=TensorStandIn([Ntok, H], torch.float64), o_ptr=TensorStandIn([Ntok, H, V], bf),
                     chunks_ptr=TensorStandIn([2 * NC], torch.int64),  # int64, as make_plan builds it
                     H=H, scale=0.1, eps=1e-6, K=K, V=V, L2NORM_Q=l2)
-        cases.append(CompileCase(name=f"gdn_output_K{K}_V{V}{'_l2q' if l2 else ''}", kernel=_output_kernel, args=args,
-                                 num_warps=4, expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],
-                                 expect_max_spills=0))
+        tag = f"K{K}_V{V}{'_l2q' if l2 else ''}"
+        expect = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"]
+        cases.append(CompileCase(name=f"gdn_output_{tag}", kernel=_output_kernel, args=args,
+                                 num_warps=4, expect_ptx=expect, expect_max_spills=0))
+        cases.append(CompileCase(name=f"gdn_output_persistent_{tag}", kernel=_output_persistent_kernel,
+                                 args=dict(args, n_items=NC * H), num_warps=4, expect_ptx=expect, expect_max_spills=0,
+                                 expect_max_shared=SMEM_PER_SM))
     return cases

@@ -1,7 +1,9 @@
-"""A/B of GDN's stage 3 (T, W, U) on the H200: `_solve_wu_kernel` (16x16 block chain) against
-`_solve_wu_tile_kernel` (whole [64, 64] tiles), at S1 (B=8, T=4096, H=16, K=V=128, bf16).
+"""A/B of the forms of GDN's forward stages on the H200, at S1 (B=8, T=4096, H=16, K=V=128, bf16):
+stage 3 (T, W, U), `_solve_wu_kernel` (16x16 block chain) against `_solve_wu_tile_kernel` (whole
+[64, 64] tiles); and stage 6 (the output), every Triton candidate (one-shot and persistent) and
+both Gluon kernels (one-shot and persistent, two TMA buffer sets).
 
-    python3 scripts/solve_wu_ab.py            (on the GPU; ~1 min, most of it compiling)
+    python3 scripts/gdn_ab.py            (on the GPU; ~1-2 min, most of it compiling)
 
 Each kernel is launched directly at fixed launch options (no autotuning), forward form (bf16
 W/U, no T) and backward-recompute form (T stored, fp32 W/U from fp32 operands), timed with
@@ -99,3 +101,48 @@ for normalised in (True, False):
             else:
                 acc += f" W vs blocks {rel(w, base[0]):.2e} U vs blocks {rel(u, base[1]):.2e}"
             print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: {ms:.3f} ms{acc}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# stage 6: the output kernel's forms, on the forward's own intermediates
+print("\n== output (stage 6), l2-normalised keys, q normalised in the kernel")
+q = torch.randn(Ntok, H, K, device=dev, dtype=torch.bfloat16)
+k, v, beta, _ = inputs(True)
+g = torch.nn.functional.logsigmoid(torch.randn(Ntok, H, device=dev))
+tk.SOLVE_FORM = "blocks"
+q_raw, kn, G, _Ai, _w, _u, h, vn, _ht = tk._recompute(q, k, v, g, beta, None, False, plan, False, for_backward=False)
+scale = K ** -0.5
+DT, DA = tk._dot_types(torch.bfloat16)
+base = None
+for o_cfg in tk.OUTPUT_OPTIONS:
+    cfg = dict(o_cfg)
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    o = torch.empty(Ntok, H, V, device=dev, dtype=torch.bfloat16)
+    n_items = plan.NC * triton.cdiv(V, cfg["BV"])
+    progs = max(1, min(n_items, cfg["PER_SM"] * tk._sm_count(o.device) // H)) if cfg["PER_SM"] else n_items
+
+    def run(o=o, cfg=cfg, warps=warps, stages=stages, progs=progs):
+        tk._output_kernel.fn[(progs, H)](q_raw, kn, G, h, vn, o, plan.chunks, H, plan.NC, scale, tk.L2NORM_EPS,
+                                         K=K, V=V, BK=BK, BT=64, DT=DT, DA=DA, L2NORM_Q=True, num_warps=warps,
+                                         num_stages=stages, **cfg)
+    try:
+        run()
+    except Exception as exc:
+        print(f"triton {o_cfg}: FAILED {type(exc).__name__}: {str(exc)[:150]}")
+        continue
+    ms = triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+    base = o if base is None else base
+    print(f"triton {o_cfg}: {ms:.3f} ms, vs the first {rel(o, base):.2e}", flush=True)
+if dev == "cuda":
+    from tileport.ops.gdn import gluon_kernels as gk
+
+    for form in ("one-shot", "persistent"):
+        gk.OUTPUT_FORM = form
+        try:
+            fn = lambda: gk.chunk_output_gluon(q_raw, kn, G, h, vn, scale, plan, torch.bfloat16, True)  # noqa: E731
+            o = fn()
+            ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+            print(f"gluon {form}: {ms:.3f} ms, vs triton's first {rel(o, base):.2e}", flush=True)
+        except Exception as exc:
+            print(f"gluon {form}: FAILED {type(exc).__name__}: {str(exc)[:150]}")
+    gk.OUTPUT_FORM = "one-shot"
