@@ -51,3 +51,23 @@ report("gdn output BV128 8w", tk._output_kernel.fn, dict(q_ptr=tok(K), k_ptr=tok
         chunks_ptr=T([2 * NC], i64), NC=NC, scale=0.1, eps=1e-6, V=V, BV=128, L2NORM_Q=True, PER_SM=0, **common), 8, NC * H)
 report("kda output 4w", kk._kda_output_kernel, dict(q_ptr=tok(K), k_ptr=tok(K), G_ptr=tok(K, f64), h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), o_ptr=tok(V),
     chunks_ptr=T([2 * NC], i64), scale=0.1, V=V, BV=BV, NV=NV, **common), 4, NC * H * NV)
+
+# backward (the recompute's intermediates in fp32), GDN only
+L = tk._LAUNCH
+BKS, NK = tk._key_split(K)
+report("gdn dqkwg 8w", tk._dqkwg_kernel, dict(
+    q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
+    vn_ptr=tok(V, f32), dvn_ptr=tok(V, f32), do_ptr=tok(V), dq_ptr=tok(K), dk_ptr=tok(K, f32), dw_ptr=tok(K, f32),
+    dG_ptr=T([NK, Ntok, H], f32), chunks_ptr=T([2 * NC], i64), scale=0.1, dG_stride=Ntok * H, V=V, BV=BV, NV=NV,
+    BKS=BKS, **{k: v for k, v in common.items() if k != "BK"}), L["dqkwg"]["num_warps"], NC * NK * H)
+report("gdn wy_bwd 8w", tk._wy_bwd_kernel, dict(
+    k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
+    w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
+    dGp_ptr=T([NK, Ntok, H], f32), dk_ptr=tok(K), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], bf), dg_ptr=T([Ntok, H], f32),
+    chunks_ptr=T([2 * NC], i64), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=NK, **common), L["wy_bwd"]["num_warps"], NC * H)
+report("gdn solve_wu blocks recompute 8w", tk._solve_wu_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf),
+    G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], i64), V=V, BV=BV,
+    NV=NV, PER_CHANNEL=False, STORE_T=True, EXACT_WU=True, **common), 8, NC * H)
+report("gdn solve_wu tile recompute 8w", tk._solve_wu_tile_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf),
+    G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], i64), V=V, BV=BV,
+    NV=NV, PREC="tf32x3", STORE_T=True, EXACT_WU=True, **common), 8, NC * H)
