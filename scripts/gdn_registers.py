@@ -21,7 +21,7 @@ V = int(sys.argv[3]) if len(sys.argv) > 3 else 128
 Ntok, H, NC, N = 32768, 16, 512, 8
 DT = tl.float32 if dt == torch.float32 else tl.bfloat16
 BK, BV, NV = tk._blocks(K, V)
-f32, f64, i32 = torch.float32, torch.float64, torch.int64  # the plan is int64 throughout (make_plan)
+f32, f64, idx = torch.float32, torch.float64, torch.int32  # the plan on a GPU (plan_index_dtype)
 inter = f32  # the backward's recompute; the forward stores bf16 for 16-bit inputs
 fwd_inter = tk._intermediate_dtype(dt, compact=True)
 tok = lambda d, t=None: T([Ntok, H, d], t or dt)  # noqa: E731
@@ -33,45 +33,45 @@ def cases():
         for store_T, w_t in ((False, fwd_inter), (True, inter)):
             yield f"solve_wu store_T={store_T} {o}", tk._solve_wu_kernel.fn, o, dict(
                 k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], dt), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
-                w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), chunks_ptr=T([2 * NC], i32), V=V, BV=BV, NV=NV,
+                w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV,
                 PER_CHANNEL=False, STORE_T=store_T, EXACT_WU=store_T, **common)
     for o in tk.SOLVE_WU_TILE_OPTIONS:
         for store_T, w_t in ((False, fwd_inter), (True, inter)):
             yield f"solve_wu_tile store_T={store_T} {o}", tk._solve_wu_tile_kernel.fn, o, dict(
                 k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], dt), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
-                w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), chunks_ptr=T([2 * NC], i32), V=V, BV=BV, NV=NV,
+                w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV,
                 PREC="ieee" if dt == torch.float32 else "tf32x3", STORE_T=store_T, EXACT_WU=store_T, **common)
     for o in tk.STATES_OPTIONS:
         for w_t in (fwd_inter, inter):
             yield f"states inter={w_t} {o}", tk._states_kernel.fn, o, dict(
                 k_ptr=tok(K), w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), G_ptr=T([Ntok, H], f64), h0_ptr=T([N, H, K, V], f32),
-                h_ptr=T([NC, H, K, V], w_t), vn_ptr=tok(V, w_t), ht_ptr=T([N, H, K, V], f32), cu_ptr=T([N + 1], i32),
-                choff_ptr=T([N], i32), NH_BUCKET=128, V=V, BV=o["BV"], HAS_H0=True, STORE_FINAL=True, PER_CHANNEL=False, **common)
+                h_ptr=T([NC, H, K, V], w_t), vn_ptr=tok(V, w_t), ht_ptr=T([N, H, K, V], f32), cu_ptr=T([N + 1], idx),
+                choff_ptr=T([N], idx), NH_BUCKET=128, V=V, BV=o["BV"], HAS_H0=True, STORE_FINAL=True, PER_CHANNEL=False, **common)
     for o in tk.OUTPUT_OPTIONS:
         yield f"output {o}", tk._output_kernel.fn, o, dict(
             q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], fwd_inter), vn_ptr=tok(V, fwd_inter),
-            o_ptr=tok(V), chunks_ptr=T([2 * NC], i32), NC=NC, scale=0.1, eps=1e-6, V=V, BV=o["BV"], L2NORM_Q=True,
+            o_ptr=tok(V), chunks_ptr=T([2 * NC], idx), NC=NC, scale=0.1, eps=1e-6, V=V, BV=o["BV"], L2NORM_Q=True,
             PER_SM=o["PER_SM"], **common)
     L = tk._LAUNCH
     yield "dv_local", tk._dv_local_kernel, L["dv_local"], dict(
-        q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32), chunks_ptr=T([2 * NC], i32),
+        q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32), chunks_ptr=T([2 * NC], idx),
         scale=0.1, V=V, BV=BV, NV=NV, **common)
     for o in tk.DSTATES_OPTIONS:
         yield f"dstates {o}", tk._dstates_kernel.fn, o, dict(
         q_ptr=tok(K), k_ptr=tok(K), w_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32),
             dht_ptr=T([N, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32), dvn_ptr=tok(V, f32), dh0_ptr=T([N, H, K, V], f32),
-            cu_ptr=T([N + 1], i32), choff_ptr=T([N], i32), NH_BUCKET=128, scale=0.1, V=V, BV=o["BV"], HAS_DHT=True, STORE_DH0=True,
+            cu_ptr=T([N + 1], idx), choff_ptr=T([N], idx), NH_BUCKET=128, scale=0.1, V=V, BV=o["BV"], HAS_DHT=True, STORE_DH0=True,
             **common)
     yield "dqkwg", tk._dqkwg_kernel, L["dqkwg"], dict(
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
         vn_ptr=tok(V, f32), dvn_ptr=tok(V, f32), do_ptr=tok(V), dq_ptr=tok(K), dk_ptr=tok(K, f32), dw_ptr=tok(K, f32),
-        dG_ptr=T([2, Ntok, H], f32), chunks_ptr=T([2 * NC], i32), scale=0.1, dG_stride=Ntok * H, V=V, BV=BV, NV=NV,
+        dG_ptr=T([2, Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1, dG_stride=Ntok * H, V=V, BV=BV, NV=NV,
         BKS=tk._key_split(K)[0], **{k: v for k, v in common.items() if k != "BK"})
     yield "wy_bwd", tk._wy_bwd_kernel, L["wy_bwd"], dict(
         k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], dt), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
         w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
         dGp_ptr=T([2, Ntok, H], f32), dk_ptr=tok(K), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], dt), dg_ptr=T([Ntok, H], f32),
-        chunks_ptr=T([2 * NC], i32), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=tk._key_split(K)[1], **common)
+        chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=tk._key_split(K)[1], **common)
 
 
 for name, fn, launch, args in cases():

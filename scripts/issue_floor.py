@@ -17,7 +17,7 @@ from tileport.compile_check import CompileCase, TensorStandIn as T, compile_case
 from tileport.ops.gdn import triton_kernels as tk
 from tileport.ops.kda import triton_kernels as kk
 Ntok, H, NC, N, K, V = 32768, 16, 512, 8, 128, 128
-bf, f32, f64, i64 = torch.bfloat16, torch.float32, torch.float64, torch.int64
+bf, f32, f64, idx = torch.bfloat16, torch.float32, torch.float64, torch.int32  # plan tensors as on a GPU
 tok = lambda d, t=bf: T([Ntok, H, d], t)
 BK, BV, NV = tk._blocks(K, V)
 common = dict(H=H, K=K, BK=BK, BT=64, DT=tl.bfloat16, DA=tl.bfloat16)
@@ -41,16 +41,16 @@ def report(name, fn, args, warps, programs, stages=1, loop=1):
 for pc, G in ((False, T([Ntok, H], f64)), (True, tok(K, f64))):
     tag = "kda" if pc else "gdn"
     report(f"{tag} solve_wu blocks 8w", tk._solve_wu_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=G, Ai_ptr=tok(K),
-        w_ptr=tok(K), u_ptr=tok(V), chunks_ptr=T([2 * NC], i64), V=V, BV=BV, NV=NV, PER_CHANNEL=pc, STORE_T=False, EXACT_WU=False, **common), 8, NC * H)
+        w_ptr=tok(K), u_ptr=tok(V), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV, PER_CHANNEL=pc, STORE_T=False, EXACT_WU=False, **common), 8, NC * H)
     report(f"{tag} states BV32 4w", tk._states_kernel.fn, dict(k_ptr=tok(K), w_ptr=tok(K), u_ptr=tok(V), G_ptr=G, h0_ptr=T([N, H, K, V], f32),
-        h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), ht_ptr=T([N, H, K, V], f32), cu_ptr=T([N + 1], i64), choff_ptr=T([N], i64), NH_BUCKET=128, V=V, BV=32,
+        h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), ht_ptr=T([N, H, K, V], f32), cu_ptr=T([N + 1], idx), choff_ptr=T([N], idx), NH_BUCKET=128, V=V, BV=32,
         HAS_H0=False, STORE_FINAL=False, PER_CHANNEL=pc, **common), 4, N * H * (V // 32), loop=NC // N)
 report("gdn solve_wu tile 8w", tk._solve_wu_tile_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(K),
-        w_ptr=tok(K), u_ptr=tok(V), chunks_ptr=T([2 * NC], i64), V=V, BV=BV, NV=NV, PREC="tf32x3", STORE_T=False, EXACT_WU=False, **common), 8, NC * H)
+        w_ptr=tok(K), u_ptr=tok(V), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV, PREC="tf32x3", STORE_T=False, EXACT_WU=False, **common), 8, NC * H)
 report("gdn output BV128 8w", tk._output_kernel.fn, dict(q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), o_ptr=tok(V),
-        chunks_ptr=T([2 * NC], i64), NC=NC, scale=0.1, eps=1e-6, V=V, BV=128, L2NORM_Q=True, PER_SM=0, **common), 8, NC * H)
+        chunks_ptr=T([2 * NC], idx), NC=NC, scale=0.1, eps=1e-6, V=V, BV=128, L2NORM_Q=True, PER_SM=0, **common), 8, NC * H)
 report("kda output 4w", kk._kda_output_kernel, dict(q_ptr=tok(K), k_ptr=tok(K), G_ptr=tok(K, f64), h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), o_ptr=tok(V),
-    chunks_ptr=T([2 * NC], i64), scale=0.1, V=V, BV=BV, NV=NV, **common), 4, NC * H * NV)
+    chunks_ptr=T([2 * NC], idx), scale=0.1, V=V, BV=BV, NV=NV, **common), 4, NC * H * NV)
 
 # backward (the recompute's intermediates in fp32), GDN only
 L = tk._LAUNCH
@@ -58,16 +58,16 @@ BKS, NK = tk._key_split(K)
 report("gdn dqkwg 8w", tk._dqkwg_kernel, dict(
     q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
     vn_ptr=tok(V, f32), dvn_ptr=tok(V, f32), do_ptr=tok(V), dq_ptr=tok(K), dk_ptr=tok(K, f32), dw_ptr=tok(K, f32),
-    dG_ptr=T([NK, Ntok, H], f32), chunks_ptr=T([2 * NC], i64), scale=0.1, dG_stride=Ntok * H, V=V, BV=BV, NV=NV,
+    dG_ptr=T([NK, Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1, dG_stride=Ntok * H, V=V, BV=BV, NV=NV,
     BKS=BKS, **{k: v for k, v in common.items() if k != "BK"}), L["dqkwg"]["num_warps"], NC * NK * H)
 report("gdn wy_bwd 8w", tk._wy_bwd_kernel, dict(
     k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
     w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
     dGp_ptr=T([NK, Ntok, H], f32), dk_ptr=tok(K), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], bf), dg_ptr=T([Ntok, H], f32),
-    chunks_ptr=T([2 * NC], i64), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=NK, **common), L["wy_bwd"]["num_warps"], NC * H)
+    chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=NK, **common), L["wy_bwd"]["num_warps"], NC * H)
 report("gdn solve_wu blocks recompute 8w", tk._solve_wu_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf),
-    G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], i64), V=V, BV=BV,
+    G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], idx), V=V, BV=BV,
     NV=NV, PER_CHANNEL=False, STORE_T=True, EXACT_WU=True, **common), 8, NC * H)
 report("gdn solve_wu tile recompute 8w", tk._solve_wu_tile_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf),
-    G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], i64), V=V, BV=BV,
+    G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], idx), V=V, BV=BV,
     NV=NV, PREC="tf32x3", STORE_T=True, EXACT_WU=True, **common), 8, NC * H)

@@ -97,3 +97,12 @@ def test_good_calls_pass():
     assert o.shape == (B, T, H, V) and ht.shape == (2, H, K, V) and ht.dtype == torch.float32
     o, ht = call(cu_seqlens=torch.tensor([0, 0, 10, 10]), output_final_state=True)  # empty sequences are allowed
     assert ht.shape == (3, H, K, V) and torch.equal(ht[0], torch.zeros(H, K, V))
+
+
+def test_chunk_plan_index_dtype_and_token_limit():
+    from tileport.ops.gdn import triton_kernels as tk
+
+    assert tk.make_plan(2, 100, None, torch.device("cpu")).chunks.dtype == torch.int64  # interpreter: no int32 checks
+    assert tk.plan_index_dtype("cuda") == torch.int32  # the GPU: fewer registers
+    with pytest.raises(ValueError, match="32-bit"):
+        tk.make_plan(1, 2**31, torch.tensor([0, 2**31]), torch.device("cpu"))

@@ -25,7 +25,7 @@ from tileport.compile_check import CompileCase, TensorStandIn as T, compile_case
 from tileport.ops.gdn import triton_kernels as tk  # noqa: E402
 
 Ntok, H, NC, K, V = 32768, 16, 512, 128, 128
-bf, f32, f64, i64 = torch.bfloat16, torch.float32, torch.float64, torch.int64
+bf, f32, f64, idx = torch.bfloat16, torch.float32, torch.float64, torch.int32  # plan tensors as on a GPU
 
 
 def _args(backward: bool) -> dict:
@@ -33,7 +33,7 @@ def _args(backward: bool) -> dict:
     BK, BV, NV = tk._blocks(K, V)
     return dict(k_ptr=T([Ntok, H, K], bf), v_ptr=T([Ntok, H, V], bf), beta_ptr=T([Ntok, H], bf),
                 G_ptr=T([Ntok, H], f64), Ai_ptr=T([Ntok, H, 64], f32), w_ptr=T([Ntok, H, K], inter),
-                u_ptr=T([Ntok, H, V], inter), chunks_ptr=T([2 * NC], i64), H=H, K=K, V=V, BK=BK, BV=BV, NV=NV,
+                u_ptr=T([Ntok, H, V], inter), chunks_ptr=T([2 * NC], idx), H=H, K=K, V=V, BK=BK, BV=BV, NV=NV,
                 BT=64, DT=tl.bfloat16, DA=tl.bfloat16, STORE_T=backward, EXACT_WU=backward)
 
 

@@ -260,7 +260,7 @@ def compile_cases():
         args = dict(q_desc=desc(Ntok, H * K, [BT, K]), k_desc=desc(Ntok, H * K, [BT, K]),
                     vn_desc=desc(Ntok, H * V, [BT, V]), h_desc=desc(NC * H * K, V, [K, V]),
                     G_ptr=TensorStandIn([Ntok, H], torch.float64), o_ptr=TensorStandIn([Ntok, H, V], bf),
-                    chunks_ptr=TensorStandIn([2 * NC], torch.int64),  # int64, as make_plan builds it
+                    chunks_ptr=TensorStandIn([2 * NC], torch.int64),  # int64 (the CPU plan): the cast must be there
                     H=H, scale=0.1, eps=1e-6, K=K, V=V, L2NORM_Q=l2)
         tag = f"K{K}_V{V}{'_l2q' if l2 else ''}"
         expect = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"]

@@ -100,8 +100,9 @@ def triton_refusal(K: int, V: int, dtype: torch.dtype) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkPlan:
-    # int64 throughout: token arithmetic in the kernels then never needs widening (and under the
-    # interpreter, int32 adds pay for an overflow check each)
+    # Index tensors in `plan_index_dtype(device)`: int32 on a GPU (token offsets widen to int64
+    # where they meet strides; int64 ones cost the backward kernels 250 B more spills per thread
+    # on sm_90a), int64 on the CPU (under the interpreter int32 adds pay for an overflow check each)
     cu: torch.Tensor  # [N+1], token offsets of the sequences in the flattened [Ntok] axis
     chunk_offsets: torch.Tensor  # [N+1], index of each sequence's first chunk
     chunks: torch.Tensor  # [NC, 2], (first token of the chunk, end of its sequence)
@@ -111,6 +112,8 @@ class ChunkPlan:
 
 @functools.lru_cache(maxsize=64)
 def _plan_cached(cu: tuple[int, ...], device: str) -> ChunkPlan:
+    if cu[-1] >= 2**31:
+        raise ValueError(f"{cu[-1]} tokens: the kernels index tokens with 32-bit integers (at most 2**31 - 1)")
     cu_t = torch.tensor(cu, dtype=torch.int64)
     N = len(cu) - 1
     lens = cu_t[1:] - cu_t[:-1]
@@ -121,8 +124,12 @@ def _plan_cached(cu: tuple[int, ...], device: str) -> ChunkPlan:
     seq = torch.repeat_interleave(torch.arange(N), nch)
     within = torch.arange(NC) - offs[:-1][seq]
     chunks = torch.stack([cu_t[:-1][seq] + within * BT, cu_t[1:][seq]], dim=1)
-    to = functools.partial(torch.Tensor.to, dtype=torch.int64, device=device)
+    to = functools.partial(torch.Tensor.to, dtype=plan_index_dtype(device), device=device)
     return ChunkPlan(to(cu_t), to(offs), to(chunks).contiguous(), N, NC)
+
+
+def plan_index_dtype(device) -> torch.dtype:
+    return torch.int32 if torch.device(device).type == "cuda" else torch.int64
 
 
 def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
@@ -383,7 +390,7 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
         if PER_CHANNEL:
             tr = bos + i * 16  # the reference row r of block i
             r_ok = tr < eos
-            Gr = tl.load(G_ptr + (tr * H + hh) * K + kc, mask=r_ok & (kc < K), other=0.0)
+            Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=r_ok & (kc < K), other=0.0)
             mki = vs[i][:, None] & (kc < K)[None, :]
             ki = tl.load(k_ptr + rows[i][:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
             Gi = tl.load(G_ptr + rows[i][:, None] * K + kc[None, :], mask=mki, other=0.0)

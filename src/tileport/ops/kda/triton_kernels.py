@@ -108,7 +108,7 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
         if i > 0:
             tr = bos + i * 16  # reference row r (row 0 of this sub-block)
             r_ok = tr < eos
-            Gr = tl.load(G_ptr + (tr * H + hh) * K + kc, mask=r_ok & (kc < K), other=0.0)
+            Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=r_ok & (kc < K), other=0.0)
             xq = qi * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
             before = valid & (r < i * 16) & r_ok
             mkb = before[:, None] & (kc < K)[None, :]
