@@ -56,7 +56,7 @@ if _GLUON_ERROR is None:
         head hh) into one set of buffers, all four on `bar`, armed with their bytes."""
         c = item // H
         hh = item % H
-        # the plan holds int64 token offsets; TMA coordinates are int32 (a descriptor's dims are too)
+        # TMA coordinates are int32 (a descriptor's dims are too); the plan may hold int64 offsets
         bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
         NBYTES: gl.constexpr = (q_desc.block_type.nbytes + k_desc.block_type.nbytes + vn_desc.block_type.nbytes
                                 + h_desc.block_type.nbytes)
@@ -260,7 +260,7 @@ def compile_cases():
         args = dict(q_desc=desc(Ntok, H * K, [BT, K]), k_desc=desc(Ntok, H * K, [BT, K]),
                     vn_desc=desc(Ntok, H * V, [BT, V]), h_desc=desc(NC * H * K, V, [K, V]),
                     G_ptr=TensorStandIn([Ntok, H], torch.float64), o_ptr=TensorStandIn([Ntok, H, V], bf),
-                    chunks_ptr=TensorStandIn([2 * NC], torch.int64),  # int64 (the CPU plan): the cast must be there
+                    chunks_ptr=TensorStandIn([2 * NC], torch.int64),  # int64 (wider than the GPU plan's int32): keeps the int32 cast of TMA coordinates tested
                     H=H, scale=0.1, eps=1e-6, K=K, V=V, L2NORM_Q=l2)
         tag = f"K{K}_V{V}{'_l2q' if l2 else ''}"
         expect = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"]
