@@ -1,7 +1,8 @@
 """A/B of the forms of GDN's forward stages on the H200, at S1 (B=8, T=4096, H=16, K=V=128, bf16):
 stage 3 (T, W, U), `_solve_wu_kernel` (16x16 block chain) against `_solve_wu_tile_kernel` (whole
-[64, 64] tiles); and stage 6 (the output), every Triton candidate (one-shot and persistent) and
-both Gluon kernels (one-shot and persistent, two TMA buffer sets).
+[64, 64] tiles); stage 6 (the output), every Triton candidate (one-shot and persistent) and
+both Gluon kernels (one-shot and persistent, two TMA buffer sets); and stages 5 + 6 split (the
+states kernel stores h and Vn, the output kernel reads them) against fused (STATES_FORM).
 
     python3 scripts/gdn_ab.py            (on the GPU; ~1-2 min, most of it compiling)
 
@@ -146,3 +147,26 @@ if dev == "cuda":
         except Exception as exc:
             print(f"gluon {form}: FAILED {type(exc).__name__}: {str(exc)[:150]}")
     gk.OUTPUT_FORM = "one-shot"
+
+
+# --------------------------------------------------------------------------------------------
+# stages 5 + 6: split against fused, autotuned as the forward runs them
+print("\n== states + output (stages 5 and 6): split vs fused")
+_Ai, w, u = tk.chunk_solve_wu(kn, v, beta, G, plan, compact=True)
+
+
+def split():
+    h_, vn_, _ = tk.chunk_states(kn, w, u, G, None, plan, False)
+    return tk.chunk_output(q_raw, kn, G, h_, vn_, scale, plan, torch.bfloat16, l2norm_q=True)
+
+
+def fused():
+    return tk.chunk_states(kn, w, u, G, None, plan, False, q=q_raw, scale=scale, out_dtype=torch.bfloat16,
+                           l2norm_q=True)[0]
+
+
+o_split = split()
+for name, fn in (("split", split), ("fused", fused)):
+    o = fn()
+    ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+    print(f"states+output {name}: {ms:.3f} ms, vs split {rel(o, o_split):.2e}", flush=True)

@@ -44,7 +44,14 @@ for pc, G in ((False, T([Ntok, H], f64)), (True, tok(K, f64))):
         w_ptr=tok(K), u_ptr=tok(V), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV, PER_CHANNEL=pc, STORE_T=False, EXACT_WU=False, **common), 8, NC * H)
     report(f"{tag} states BV32 4w", tk._states_kernel.fn, dict(k_ptr=tok(K), w_ptr=tok(K), u_ptr=tok(V), G_ptr=G, h0_ptr=T([N, H, K, V], f32),
         h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), ht_ptr=T([N, H, K, V], f32), cu_ptr=T([N + 1], idx), choff_ptr=T([N], idx), NH_BUCKET=128, V=V, BV=32,
-        HAS_H0=False, STORE_FINAL=False, PER_CHANNEL=pc, **common), 4, N * H * (V // 32), loop=NC // N)
+        q_ptr=tok(K), o_ptr=tok(V), scale=0.1, eps=1e-6, HAS_H0=False, STORE_FINAL=False, PER_CHANNEL=pc, FUSE_OUTPUT=False,
+        L2NORM_Q=False, **common), 4, N * H * (V // 32), loop=NC // N)
+    if not pc:
+        report("gdn states+output fused BV32 4w", tk._states_kernel.fn, dict(k_ptr=tok(K), w_ptr=tok(K), u_ptr=tok(V), G_ptr=G,
+            h0_ptr=T([N, H, K, V], f32), h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), ht_ptr=T([N, H, K, V], f32),
+            cu_ptr=T([N + 1], idx), choff_ptr=T([N], idx), NH_BUCKET=128, V=V, BV=32, q_ptr=tok(K), o_ptr=tok(V), scale=0.1,
+            eps=1e-6, HAS_H0=False, STORE_FINAL=False, PER_CHANNEL=False, FUSE_OUTPUT=True, L2NORM_Q=True, **common),
+            4, N * H * (V // 32), loop=NC // N)
 report("gdn solve_wu tile 8w", tk._solve_wu_tile_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(K),
         w_ptr=tok(K), u_ptr=tok(V), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV, PREC="tf32x3", STORE_T=False, EXACT_WU=False, **common), 8, NC * H)
 report("gdn output BV128 8w", tk._output_kernel.fn, dict(q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), o_ptr=tok(V),

@@ -60,3 +60,21 @@ def test_solve_form_choice():
             assert tk.solve_form(torch.bfloat16, True) == "blocks"  # KDA's per-channel gates
         finally:
             tk.SOLVE_FORM = saved
+
+
+# The whole frozen gate (every dtype, ragged T, varlen with empty and length-1 sequences, initial
+# and final states, gates near 0 and very negative) with the forward's stages 5 and 6 fused.
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_fused_states_output_form(case_id, device, seed, monkeypatch):
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "STATES_FORM", "fused")
+    _run_and_check("triton", case_id, device, seed)
+
+
+@pytest.mark.parametrize("index", range(len(tk.STATES_OPTIONS)))
+def test_fused_states_output_each_candidate(index, device, seed, monkeypatch):
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "STATES_FORM", "fused")
+    monkeypatch.setattr(tk._states_kernel, "configs", tk._configs([tk.STATES_OPTIONS[index]]))
+    monkeypatch.setattr(tk._states_kernel, "cache", {})
+    _run_and_check("triton", "varlen-bf16-l2", device, seed)

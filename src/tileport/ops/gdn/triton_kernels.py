@@ -604,21 +604,30 @@ def _state_or_zeros(ptr, n, hh, H, sblk, smask, K: tl.constexpr, V: tl.constexpr
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(STATES_OPTIONS), key=["K", "V", "H", "NH_BUCKET", "PER_CHANNEL"])
+@triton.autotune(configs=_tuned(STATES_OPTIONS), key=["K", "V", "H", "NH_BUCKET", "PER_CHANNEL", "FUSE_OUTPUT"])
 @triton.jit
 def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, choff_ptr, H, NH_BUCKET,
+                   q_ptr, o_ptr, scale, eps,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
-                   PER_CHANNEL: tl.constexpr):
+                   PER_CHANNEL: tl.constexpr, FUSE_OUTPUT: tl.constexpr, L2NORM_Q: tl.constexpr):
     """5: one program per (V block, sequence, head), sequential over the sequence's chunks.
     h [BK, BV] fp32 stays in registers; per chunk it is stored (the state entering the chunk, in
     h_ptr's dtype: bf16 for the forward of 16-bit inputs, where only the output kernel reads it),
     Vn = U - W h is formed and stored, and h <- exp(G_L) h + (diag(exp(G_L - G)) K)^T Vn.
-    PER_CHANNEL (KDA): h <- diag(exp(G_L)) h + (exp(G_L - G) * K)^T Vn, G_L in R^K."""
+    PER_CHANNEL (KDA): h <- diag(exp(G_L)) h + (exp(G_L - G) * K)^T Vn, G_L in R^K.
+
+    FUSE_OUTPUT (GDN's forward, 5 and 6 in one): instead of storing h and Vn, each chunk's output
+    O = scale (diag(exp(G)) Q h + lower(Q K^T * Gam) Vn) is formed right here from the h and Vn in
+    registers, rounded as the output kernel would see them after a bf16 round trip (`_op`), and
+    stored; q and o are [Ntok, H, K] / [Ntok, H, V], q raw when L2NORM_Q. Why: h and Vn are
+    0.8 GB written and read back at S1, the larger half of the forward's bytes (docs/perf/gdn.md,
+    "Path to issue 5's 0.46 ms"). Q K^T is formed once per V block."""
     n, hh, bos, eos, c0, nc, r, kc, vc, smask, sblk = _sequence_program(cu_ptr, choff_ptr, H, K, V, BK, BV, BT)
     h = _state_or_zeros(h0_ptr, n, hh, H, sblk, smask, K, V, BK, BV, HAS_H0)
     for i in range(0, nc):
-        tl.store(h_ptr + ((c0 + i).to(tl.int64) * H + hh) * (K * V) + sblk, _rounded_for(h, h_ptr, DA), mask=smask)
+        if not FUSE_OUTPUT:
+            tl.store(h_ptr + ((c0 + i).to(tl.int64) * H + hh) * (K * V) + sblk, _rounded_for(h, h_ptr, DA), mask=smask)
         tok = bos + i * BT + r
         valid = tok < eos
         row = tok.to(tl.int64) * H + hh
@@ -626,8 +635,8 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
         mv = valid[:, None] & (vc < V)[None, :]
         w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
         u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
-        vn = u - tl.dot(_op(w, DT, DA), _op(h, DT, DA), input_precision="ieee")
-        tl.store(vn_ptr + row[:, None] * V + vc[None, :], _rounded_for(vn, vn_ptr, DA), mask=mv)
+        hd = _op(h, DT, DA)
+        vn = u - tl.dot(_op(w, DT, DA), hd, input_precision="ieee")
         last = tl.minimum(bos + i * BT + BT, eos) - 1
         k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
         if PER_CHANNEL:
@@ -640,6 +649,22 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
             G = tl.load(G_ptr + row, mask=valid, other=0.0)
             kd = k * tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))[:, None]
             hdecay = tl.exp(GL.to(tl.float32))
+        vnd = _op(_rounded_for(vn, vn_ptr, DA), DT, DA)
+        if FUSE_OUTPUT:
+            q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+            if L2NORM_Q:
+                qf = q.to(tl.float32)
+                q = _rounded_as(qf * tl.rsqrt(tl.sum(qf * qf, 1) + eps)[:, None], q_ptr, DA)
+            q = _op(q, DT, DA)
+            m = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
+            gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
+            P = tl.where(m, tl.dot(q, tl.trans(_op(k, DT, DA)), input_precision="ieee") * gam, 0.0)
+            o = (tl.dot(q, _op(_rounded_for(h, h_ptr, DA), DT, DA), input_precision="ieee")
+                 * tl.exp(G.to(tl.float32))[:, None]
+                 + tl.dot(_op(P, DT, DA), vnd, input_precision="ieee"))
+            tl.store(o_ptr + row[:, None] * V + vc[None, :], (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
+        else:
+            tl.store(vn_ptr + row[:, None] * V + vc[None, :], _rounded_for(vn, vn_ptr, DA), mask=mv)
         h = h * hdecay + tl.dot(tl.trans(_op(kd, DT, DA)), _op(vn, DT, DA), input_precision="ieee")
     if STORE_FINAL:
         tl.store(ht_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, h, mask=smask)
@@ -1028,22 +1053,35 @@ def solve_form(dtype: torch.dtype, per_channel: bool) -> str:
     return "tile" if SOLVE_FORM == "tile" and not per_channel and dtype != torch.float32 else "blocks"
 
 
-def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool):
+def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool, q=None, scale: float = 1.0,
+                 out_dtype: torch.dtype | None = None, l2norm_q: bool = False):
     """5: h [NC, H, K, V] (state entering each chunk) and Vn [Ntok, H, V] in W's dtype (see
-    `_intermediate_dtype`); the final state [N, H, K, V] fp32, or None."""
+    `_intermediate_dtype`); the final state [N, H, K, V] fp32, or None. With q (GDN's forward):
+    5 and 6 fused, returning (o [Ntok, H, V] in out_dtype, None, final state)."""
     Ntok, H, K = k.shape
     V = u.shape[-1]
     BK = _blocks(K, V)[0]
-    h = new_empty((plan.NC, H, K, V), w.dtype, k.device)
-    vn = new_empty((Ntok, H, V), w.dtype, k.device)
+    fuse = q is not None
+    if fuse:
+        h = None
+        vn = new_empty((1,), w.dtype, k.device)  # a dtype carrier: Vn is rounded as if stored there
+        o = _out((Ntok, H, V), out_dtype, k.device)
+    else:
+        h = new_empty((plan.NC, H, K, V), w.dtype, k.device)
+        vn = new_empty((Ntok, H, V), w.dtype, k.device)
+        o = None
     ht = new_empty((plan.N, H, K, V), _F32, k.device) if output_final_state else None
     if plan.N:
         DT, DA = _dot_types(k.dtype)
+        any_buf = vn
         _states_kernel[lambda meta: (plan.N * H, triton.cdiv(V, meta["BV"]))](
-            k, w, u, G, h0 if h0 is not None else h, h, vn, ht if ht is not None else h, plan.cu, plan.chunk_offsets, H,
-            _programs_bucket(plan.N * H),
+            k, w, u, G, h0 if h0 is not None else any_buf, h if h is not None else vn, vn, ht if ht is not None else any_buf,
+            plan.cu, plan.chunk_offsets, H, _programs_bucket(plan.N * H),
+            q if fuse else any_buf, o if fuse else any_buf, scale, L2NORM_EPS,
             K=K, V=V, BK=BK, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, DT=DT, DA=DA,
-            PER_CHANNEL=G.dim() == 3)
+            PER_CHANNEL=G.dim() == 3, FUSE_OUTPUT=fuse, L2NORM_Q=l2norm_q)
+    if fuse:
+        return _done(o, out_dtype), None, ht
     return h, vn, ht
 
 
@@ -1168,10 +1206,23 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
+    if STATES_FORM == "fused":
+        kn = l2norm_fwd(kf) if use_qk_l2norm_in_kernel else kf
+        G = chunk_cumsum(gf, plan)
+        _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True)
+        o, _, ht = chunk_states(kn, w, u, G, h0, plan, output_final_state, q=qf, scale=scale, out_dtype=q.dtype,
+                                l2norm_q=use_qk_l2norm_in_kernel)
+        return o.view(B, T, H, V), ht
     q_raw, kn, G, _Ai, _w, _u, h, vn, ht = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan,
                                                       output_final_state, for_backward=False)
     o = chunk_output(q_raw, kn, G, h, vn, scale, plan, q.dtype, l2norm_q=use_qk_l2norm_in_kernel)
     return o.view(B, T, H, V), ht
+
+
+# The forward's stages 5 and 6: "split" (`_states_kernel` stores h and Vn, `_output_kernel` reads
+# them) or "fused" (`_states_kernel` with FUSE_OUTPUT: h and Vn never leave the chip). Read at
+# each call, so scripts/gdn_ab.py can time both; "fused" has not run on the H200 yet.
+STATES_FORM = "split"
 
 
 def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
