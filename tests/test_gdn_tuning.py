@@ -48,18 +48,15 @@ def test_tile_solve_form(case_id, device, seed, monkeypatch):
     _run_and_check("triton", case_id, device, seed)
 
 
-def test_solve_form_choice():
+def test_solve_form_choice(monkeypatch):
     import torch
 
     for form in ("blocks", "tile"):
-        tk.SOLVE_FORM, saved = form, tk.SOLVE_FORM
-        try:
-            assert tk.solve_form(torch.bfloat16, False) == form
-            assert tk.solve_form(torch.float16, False) == form
-            assert tk.solve_form(torch.float32, False) == "blocks"  # fp32: exact "ieee" products, block form
-            assert tk.solve_form(torch.bfloat16, True) == "blocks"  # KDA's per-channel gates
-        finally:
-            tk.SOLVE_FORM = saved
+        monkeypatch.setattr(tk, "SOLVE_FORM", form)
+        assert tk.solve_form(torch.bfloat16, False) == form
+        assert tk.solve_form(torch.float16, False) == form
+        assert tk.solve_form(torch.float32, False) == "blocks"  # fp32: exact "ieee" products, block form
+        assert tk.solve_form(torch.bfloat16, True) == "blocks"  # KDA's per-channel gates
 
 
 # The whole frozen gate (every dtype, ragged T, varlen with empty and length-1 sequences, initial

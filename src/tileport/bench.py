@@ -12,6 +12,7 @@ its times mean nothing.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib
 import json
@@ -44,13 +45,7 @@ def add_arguments(p) -> None:
     p.add_argument("--warm-workers", type=int, default=None,
                    help="GPU: compile every (op, system)'s kernels first in this many parallel processes "
                         "(default: half the CPU cores; 0: no warm-up)")
-    p.add_argument("--warm-only", action="store_true", help=argparse_suppress())
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS  # an internal flag: the warm-up's worker processes
+    p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # the warm-up's worker processes
 
 
 # ---------------------------------------------------------------------------------------------

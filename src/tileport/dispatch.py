@@ -261,6 +261,28 @@ def triton_available(module: str) -> Callable[[], str | None]:
     return available
 
 
+def gluon_available(module: str) -> Callable[[], str | None]:
+    """The availability check every Gluon (Hopper) backend shares: its module imports with Gluon
+    present (the module's `_GLUON_ERROR` says why not), and the device is an sm_90 GPU."""
+
+    def available() -> str | None:
+        import importlib
+
+        import torch
+
+        error = getattr(importlib.import_module(module), "_GLUON_ERROR", None)
+        if error is not None:
+            return error
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):
+            return f"the Gluon kernels are written for Hopper (sm_90); this device is sm_{cap[0]}{cap[1]}"
+        return None
+
+    return available
+
+
 def reference_backend(forward: Callable, backward: Callable) -> Backend:
     """The float64 reference: always available, accepts every call, on any device."""
     from types import SimpleNamespace

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.dispatch import Backend, OpDispatcher, gluon_available, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_copy
 from tileport.ops.attnres.reference import attnres_reference
 
@@ -148,17 +148,6 @@ def _triton_refusal(call: AttnResCall) -> str | None:
     return triton_refusal(call.L, call.D, call.dtype)
 
 
-def _gluon_available() -> str | None:
-    from tileport.ops.attnres import gluon_kernels  # noqa: F401
-
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    cap = torch.cuda.get_device_capability()
-    if cap != (9, 0):
-        return f"the Gluon kernels are written for Hopper (sm_90); this device is sm_{cap[0]}{cap[1]}"
-    return None
-
-
 def _gluon_refusal(call: AttnResCall) -> str | None:
     from tileport.ops.attnres.gluon_kernels import gluon_refusal
 
@@ -175,7 +164,7 @@ DISPATCHER = register(
     OpDispatcher(
         "attnres",
         [
-            Backend("gluon", _gluon_available, _gluon_refusal,
+            Backend("gluon", gluon_available("tileport.ops.attnres.gluon_kernels"), _gluon_refusal,
                     lazy_stages("tileport.ops.attnres.gluon_kernels", "attnres_forward_gluon", "attnres_backward_gluon")),
             Backend("triton", triton_available("tileport.ops.attnres.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.attnres.triton_kernels", "attnres_forward_triton", "attnres_backward_triton")),

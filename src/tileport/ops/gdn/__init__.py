@@ -39,7 +39,7 @@ import math
 import torch
 
 from tileport.delta_rule_ops import make_delta_rule_op, state_dtype
-from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.dispatch import Backend, OpDispatcher, gluon_available, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_copy
 from tileport.ops.gdn.reference import chunked_reference, gdn_reference, recurrent_backward
 
@@ -167,19 +167,6 @@ def _triton_refusal(call: GDNCall) -> str | None:
     return triton_refusal(call.K, call.V, call.dtype)
 
 
-def _gluon_available() -> str | None:
-    from tileport.ops.gdn.gluon_kernels import _GLUON_ERROR
-
-    if _GLUON_ERROR is not None:
-        return _GLUON_ERROR
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    cap = torch.cuda.get_device_capability()
-    if cap != (9, 0):
-        return f"the Gluon kernels are written for Hopper (sm_90); this device is sm_{cap[0]}{cap[1]}"
-    return None
-
-
 def _gluon_refusal(call: GDNCall) -> str | None:
     from tileport.ops.gdn.gluon_kernels import gluon_refusal
 
@@ -195,7 +182,7 @@ DISPATCHER = register(
     OpDispatcher(
         "gdn",
         [
-            Backend("gluon", _gluon_available, _gluon_refusal,
+            Backend("gluon", gluon_available("tileport.ops.gdn.gluon_kernels"), _gluon_refusal,
                     lazy_stages("tileport.ops.gdn.gluon_kernels", "gdn_forward_gluon", "gdn_backward_gluon")),
             Backend("triton", triton_available("tileport.ops.gdn.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.gdn.triton_kernels", "gdn_forward_triton", "gdn_backward_triton")),

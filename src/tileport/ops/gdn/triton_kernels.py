@@ -635,8 +635,7 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
         mv = valid[:, None] & (vc < V)[None, :]
         w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
         u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
-        hd = _op(h, DT, DA)
-        vn = u - tl.dot(_op(w, DT, DA), hd, input_precision="ieee")
+        vn = u - tl.dot(_op(w, DT, DA), _op(h, DT, DA), input_precision="ieee")
         last = tl.minimum(bos + i * BT + BT, eos) - 1
         k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
         if PER_CHANNEL:
@@ -649,8 +648,8 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
             G = tl.load(G_ptr + row, mask=valid, other=0.0)
             kd = k * tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))[:, None]
             hdecay = tl.exp(GL.to(tl.float32))
-        vnd = _op(_rounded_for(vn, vn_ptr, DA), DT, DA)
         if FUSE_OUTPUT:
+            vnd = _op(_rounded_for(vn, vn_ptr, DA), DT, DA)  # Vn as the output kernel would read it
             q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
             if L2NORM_Q:
                 qf = q.to(tl.float32)
@@ -1073,11 +1072,11 @@ def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool, q=No
     ht = new_empty((plan.N, H, K, V), _F32, k.device) if output_final_state else None
     if plan.N:
         DT, DA = _dot_types(k.dtype)
-        any_buf = vn
+        # vn stands in for the pointers a form does not use (h0, ht when absent; h, q, o when split/fused)
         _states_kernel[lambda meta: (plan.N * H, triton.cdiv(V, meta["BV"]))](
-            k, w, u, G, h0 if h0 is not None else any_buf, h if h is not None else vn, vn, ht if ht is not None else any_buf,
+            k, w, u, G, h0 if h0 is not None else vn, h if h is not None else vn, vn, ht if ht is not None else vn,
             plan.cu, plan.chunk_offsets, H, _programs_bucket(plan.N * H),
-            q if fuse else any_buf, o if fuse else any_buf, scale, L2NORM_EPS,
+            q if fuse else vn, o if fuse else vn, scale, L2NORM_EPS,
             K=K, V=V, BK=BK, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, DT=DT, DA=DA,
             PER_CHANNEL=G.dim() == 3, FUSE_OUTPUT=fuse, L2NORM_Q=l2norm_q)
     if fuse:
