@@ -22,6 +22,9 @@ KERNELS = {
     "dstates": (tk._dstates_kernel, tk.DSTATES_OPTIONS),
 }
 CANDIDATES = [(name, i) for name, (_, options) in KERNELS.items() for i in range(len(options))]
+# Kernels that only one form of a stage launches: (switch, form) that makes the forward use them.
+FORM_OF = {"solve_wu": ("SOLVE_FORM", "blocks"), "solve_wu_tile": ("SOLVE_FORM", "tile"),
+           "output": ("STATES_FORM", "split")}
 
 
 @pytest.mark.parametrize("case_id", ["varlen-bf16-l2", "K48-V80-fp32"])
@@ -31,20 +34,25 @@ def test_each_autotune_candidate(kernel, index, case_id, device, seed, monkeypat
     fn, options = KERNELS[kernel]
     monkeypatch.setattr(fn, "configs", tk._configs([options[index]]))
     monkeypatch.setattr(fn, "cache", {})
-    if kernel == "solve_wu_tile":
-        monkeypatch.setattr(tk, "SOLVE_FORM", "tile")  # (fp32 cases still take the block form)
+    # the form that launches this kernel (fp32 cases always take the block form of stage 3)
+    if kernel in FORM_OF:
+        monkeypatch.setattr(tk, *FORM_OF[kernel])
     _run_and_check("triton", case_id, device, seed)
 
 
-# The whole frozen gate's 16-bit cases (ragged T, varlen with empty and length-1 sequences, gates
-# near 0 and very negative, binary beta, K = 128) with stage 3 in the tile form.
-TILE_CASES = [c for c, spec in CASES.items() if spec[5] in ("bf16", "fp16")]
+# The whole frozen gate (tests/test_gdn_parity.py) runs the default forms of stages 3 and 5+6;
+# these run it again in the other form of each, so both stay correct and either can be chosen.
+OTHER_SOLVE_FORM = {"tile": "blocks", "blocks": "tile"}[tk.SOLVE_FORM]
+OTHER_STATES_FORM = {"fused": "split", "split": "fused"}[tk.STATES_FORM]
+# 16-bit cases only: fp32 takes the block form of stage 3 whatever the switch says (ragged T,
+# varlen with empty and length-1 sequences, gates near 0 and very negative, binary beta, K = 128)
+SIXTEEN_BIT_CASES = [c for c, spec in CASES.items() if spec[5] in ("bf16", "fp16")]
 
 
-@pytest.mark.parametrize("case_id", TILE_CASES)
-def test_tile_solve_form(case_id, device, seed, monkeypatch):
+@pytest.mark.parametrize("case_id", SIXTEEN_BIT_CASES)
+def test_other_solve_form(case_id, device, seed, monkeypatch):
     _backend_or_skip("triton", device)
-    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
+    monkeypatch.setattr(tk, "SOLVE_FORM", OTHER_SOLVE_FORM)
     _run_and_check("triton", case_id, device, seed)
 
 
@@ -60,11 +68,11 @@ def test_solve_form_choice(monkeypatch):
 
 
 # The whole frozen gate (every dtype, ragged T, varlen with empty and length-1 sequences, initial
-# and final states, gates near 0 and very negative) with the forward's stages 5 and 6 fused.
+# and final states, gates near 0 and very negative) with the forward's stages 5 and 6 in the other form.
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_fused_states_output_form(case_id, device, seed, monkeypatch):
+def test_other_states_form(case_id, device, seed, monkeypatch):
     _backend_or_skip("triton", device)
-    monkeypatch.setattr(tk, "STATES_FORM", "fused")
+    monkeypatch.setattr(tk, "STATES_FORM", OTHER_STATES_FORM)
     _run_and_check("triton", case_id, device, seed)
 
 

@@ -1044,8 +1044,11 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
 
 # Which kernel forms T, W and U: "blocks" (`_solve_wu_kernel`, a chain of 16x16 blocks; KDA's
 # per-channel gates and fp32 inputs always take it) or "tile" (`_solve_wu_tile_kernel`, whole
-# [64, 64] tiles). Read at each call, so a benchmark can set it to compare the two.
-SOLVE_FORM = "blocks"
+# [64, 64] tiles). Read at each call, so a benchmark can set it to compare the two. "tile" since
+# the H200 A/B at 31eb250 (scripts/gdn_ab.py, S1): forward 0.601 ms against 1.358, the backward's
+# recompute 1.451 against 2.239, W and U within 1e-7 of the block form; the 16-bit frozen gate
+# passed in this form there (tests/test_gdn_tuning.py::test_tile_solve_form).
+SOLVE_FORM = "tile"
 
 
 def solve_form(dtype: torch.dtype, per_channel: bool) -> str:
@@ -1220,8 +1223,11 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
 
 # The forward's stages 5 and 6: "split" (`_states_kernel` stores h and Vn, `_output_kernel` reads
 # them) or "fused" (`_states_kernel` with FUSE_OUTPUT: h and Vn never leave the chip). Read at
-# each call, so scripts/gdn_ab.py can time both; "fused" has not run on the H200 yet.
-STATES_FORM = "split"
+# each call, so scripts/gdn_ab.py can time both. "fused" since the H200 A/B at 31eb250: 0.516 ms
+# against 0.562 split at S1, and the whole frozen gate passed fused there
+# (tests/test_gdn_tuning.py::test_fused_states_output_form). The backward keeps the split states
+# kernel (it needs h).
+STATES_FORM = "fused"
 
 
 def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
