@@ -23,11 +23,12 @@ Status and TODO (2026-11-29):
   avoid that pattern (every transposed dot operand is a loaded tile or an elementwise function
   of one), and their H200 parity is the evidence that they are not hit.
 - "gluon" (bf16, K, V in {64, 128}, sm_90) runs Triton's stages 1-5 and backward with the Gluon
-  output kernel; it passed tests/test_gdn_gluon.py on the H200 at 909a64e and ran the S1 forward
-  in 1.484 ms against Triton's 1.501 in the same bench, so it comes first. Its next steps
-  (issue 5): the state recurrence and the solve in Gluon.
-- Speed (docs/perf/gdn.md): the S1 forward is 1.50 ms against FLA's 0.98; the fused solve + W/U
-  kernel is half of it (0.75 ms, 7x its memory floor).
+  output kernel; it passed tests/test_gdn_gluon.py on the H200 (31eb250). Since f7de67f it is the
+  second choice: Triton's forward fuses the state recurrence and the output (1.199 ms against
+  gluon's 1.335 at S1, one H200 bench). Its next steps (issue 5): the recurrence fused with the
+  output in Gluon, then the solve.
+- Speed (docs/perf/gdn.md): the S1 forward is 1.20 ms (CUDA graph 1.185) against FLA's 1.47
+  eager / 0.96 graph in the same run; stage 3 (tile form) is 0.60 ms of it, stages 5+6 fused 0.52.
 - Head dims above 128 are refused by the Triton backend and fall back to the reference.
 """
 
@@ -176,16 +177,18 @@ def _gluon_refusal(call: GDNCall) -> str | None:
     return _triton_refusal(call) or gluon_refusal(call.K, call.V, call.dtype)
 
 
-# Preference: gluon (Triton with the Gluon output kernel: passed the H200 gate at 909a64e, and
-# 1% faster there), then triton, then the float64 reference.
+# Preference: triton, then gluon, then the float64 reference. Gluon came first while its output
+# kernel was the faster stage 6 (909a64e: 1.484 ms against 1.501); since f7de67f Triton's forward
+# fuses stages 5 and 6 and is faster (one H200 bench: 1.199 ms against gluon's 1.335 at S1), so
+# gluon is forced with TILEPORT_GDN_BACKEND=gluon until its state recurrence is Gluon (issue 5).
 DISPATCHER = register(
     OpDispatcher(
         "gdn",
         [
-            Backend("gluon", gluon_available("tileport.ops.gdn.gluon_kernels"), _gluon_refusal,
-                    lazy_stages("tileport.ops.gdn.gluon_kernels", "gdn_forward_gluon", "gdn_backward_gluon")),
             Backend("triton", triton_available("tileport.ops.gdn.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.gdn.triton_kernels", "gdn_forward_triton", "gdn_backward_triton")),
+            Backend("gluon", gluon_available("tileport.ops.gdn.gluon_kernels"), _gluon_refusal,
+                    lazy_stages("tileport.ops.gdn.gluon_kernels", "gdn_forward_gluon", "gdn_backward_gluon")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
