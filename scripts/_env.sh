@@ -23,7 +23,7 @@ else
     echo "== setting up .venv (torch 2.13.0, triton 3.6.0, numpy<2.4, pytest)" >&2
     python3 -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    .venv/bin/python -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.4" "pytest>=8"
+    .venv/bin/python -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.4" "pytest>=8" "matplotlib>=3.8"
     .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
     PY=.venv/bin/python
 fi

@@ -21,6 +21,77 @@ def test_attnres_minimal_bytes():
     assert abs(attnres_perf.minimal_cost(shape, 2, "fwd")[0] / 4.25e12 * 1e3 - 0.1421) < 1e-3
 
 
+# Every op's minimal bytes and flops at its first standard (anchor) shape, derived here from the
+# list of tensors each mode must read and write once (bf16: 2 bytes; fp32 where the op keeps
+# fp32: gates, cos/sin) and the matmuls it must do, independently of the ops' perf.py formulas.
+def _numel(*shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _hand_costs():
+    e, f32 = 2, 4
+    M, D = 8192, 4096  # rms_norm, softmax, swiglu anchor
+    md = _numel(M, D)
+    rope_x, rope_cs = _numel(8, 4096, 32, 128), _numel(4096, 128)
+    G, Mg, Kg, Ng = 8, 2048, 4096, 4096
+    S = G * Mg
+    B, T, H, K, V, C = 8, 4096, 16, 128, 128, 64
+    tok = _numel(B, T, H)
+    gdn_fwd_bytes = tok * (K + K + V + V) * e + tok * 2 * f32  # q, k, v, o; g, beta
+    gdn_bwd_bytes = tok * (K + K + V + V) * e + tok * (K + K + V) * e + tok * 4 * f32  # + do; dq, dk, dv; dg, dbeta
+    per_chunk = (2 * C * C * K        # k k^T
+                 + 2 * C * C * K      # W = T (beta k)
+                 + 2 * C * C * V      # U = T (beta v)
+                 + 2 * C * K * V      # U - W h
+                 + 2 * K * C * V      # h update
+                 + 2 * C * K * V      # q h
+                 + 2 * C * C * K      # q k^T
+                 + 2 * C * C * V      # (q k^T) Vn
+                 + C ** 3 // 3)       # the triangular solve
+    gdn_fwd_flops = per_chunk * B * H * (T // C)
+    kda_gate = tok * (K - 1) * f32  # per-channel g (and dg) instead of one per head
+    return {
+        ("rms_norm", "fwd"): ((2 * md + D) * e, 4 * md),  # x, y, weight
+        ("rms_norm", "bwd"): ((3 * md + 2 * D) * e, 10 * md),  # x, dy, dx; weight, dweight
+        ("softmax", "fwd"): (2 * md * e, 5 * md),  # x, y
+        ("softmax", "bwd"): (3 * md * e, 4 * md),  # y, dy, dx
+        ("swiglu", "fwd"): (3 * md * e, 5 * md),  # a, b, y
+        ("swiglu", "bwd"): (5 * md * e, 10 * md),  # a, b, dy, da, db
+        ("rope", "fwd"): (2 * rope_x * e + 2 * rope_cs * f32, 3 * rope_x),  # x, y; cos, sin
+        ("rope", "fwdbwd"): (2 * (2 * rope_x * e + 2 * rope_cs * f32), 6 * rope_x),
+        ("grouped_gemm", "fwd"): ((S * Kg + G * Kg * Ng + S * Ng) * e, 2 * S * Kg * Ng),  # A, B, C
+        ("grouped_gemm", "bwd"): ((2 * S * Kg + 2 * G * Kg * Ng + S * Ng) * e, 4 * S * Kg * Ng),  # A, dA, B, dB, dC
+        ("gdn", "fwd"): (gdn_fwd_bytes, gdn_fwd_flops),
+        ("gdn", "fwdbwd"): (gdn_fwd_bytes + gdn_bwd_bytes, int(3.5 * gdn_fwd_flops)),
+        ("kda", "fwd"): (gdn_fwd_bytes + kda_gate, gdn_fwd_flops),
+        ("kda", "bwd"): (gdn_bwd_bytes + 2 * kda_gate, int(2.5 * gdn_fwd_flops)),
+    }
+
+
+HAND_COSTS = _hand_costs()
+
+
+@pytest.mark.parametrize("op,mode", list(HAND_COSTS), ids=[f"{o}-{m}" for o, m in HAND_COSTS])
+def test_floor_formulas_at_the_anchor(op, mode):
+    import importlib
+
+    perf = importlib.import_module(f"tileport.ops.{op}.perf")
+    assert perf.minimal_cost(perf.STANDARD[0], 2, mode) == HAND_COSTS[(op, mode)]
+
+
+def test_gdn_anchor_floor_matches_the_log():
+    """docs/perf/gdn.md's floor table: 541 MB and 95.21 GFLOP forward at S1, 0.136 ms (flops-bound)."""
+    from tileport.ops.gdn import perf as gdn_perf
+
+    nbytes, flops = gdn_perf.minimal_cost(gdn_perf.STANDARD[0], 2, "fwd")
+    assert round(nbytes / 1e6) == 541 and round(flops / 1e9, 2) == 95.21
+    floor_ms = max(nbytes / (bench.NOMINAL["copy_tbps"] * 1e12), flops / (bench.NOMINAL["matmul_tflops"] * 1e12)) * 1e3
+    assert round(floor_ms, 3) == 0.136
+
+
 def _fake_suite(systems):
     m = types.SimpleNamespace()
     m.SMALL = m.STANDARD = [dict(N=8, D=4)]
@@ -54,7 +125,11 @@ def test_refuses_fail_and_ok_rows(monkeypatch):
     assert by["wrong"][0]["status"].startswith("FAIL parity")  # never timed
     assert by["refuser"][0]["status"].startswith("refuses: RuntimeError: refusing on purpose")
     good = by["good"][0]
-    assert good["bytes"] == 2 * 8 * 4 * 4 and good["floor_ms"] > 0 and 0 < good["frac_floor"]
+    assert good["bytes"] == 2 * 8 * 4 * 4 and 0 < good["frac_floor"]
+    # the floor is max(bytes / copy bandwidth, flops / matmul rate), as a time
+    expect = max(good["bytes"] / 4.25e12, good["flops"] / 700e12) * 1e3
+    assert good["floor_ms"] == pytest.approx(expect, rel=1e-12)
+    assert good["frac_floor"] == pytest.approx(good["floor_ms"] / good["ms"], rel=1e-12)
 
 
 def test_backward_refusal_keeps_the_forward(monkeypatch):
@@ -175,3 +250,21 @@ def test_warm_up_runs_worker_processes_and_reports_failures(capsys, monkeypatch)
     assert "4 (op, system) pairs" in out and "2 processes at a time" in out and "compiled in" in out
     assert "not-an-op/torch (rc 2" in out and "not-an-op/triton (rc 2" in out
     assert "rms_norm/" not in out.split("compiled in")[1]
+
+
+def _row(system, ms, status="ok", mode="fwd"):
+    return dict(op="x", shape=dict(N=8), mode=mode, system=system, ms=ms, status=status, frac_floor=0.5)
+
+
+def test_plot_speedups_are_over_the_faster_baseline():
+    rows = [_row("fla", 2.0), _row("torch", 1.0), _row("triton", 0.5), _row("gluon", 4.0),
+            _row("fla", 1.0, status="refuses: no"), _row("triton", 1.0, mode="bwd"),  # bwd: no baseline ran
+            _row("torch", 3.0, mode="fwdbwd"), _row("triton", 1.0, mode="fwdbwd", status="FAIL parity")]
+    assert bench.speedups_over_baselines(rows) == {("x 8 fwd", "triton"): 2.0, ("x 8 fwd", "gluon"): 0.25}
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="the bench extra (matplotlib) is not installed")
+    out = tmp_path / "p.png"
+    bench.plot([_row("torch", 1.0), _row("triton", 0.5)], str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -427,27 +427,57 @@ def print_rows(rows: list[dict]) -> None:
               f"{r['tbps']:6.2f} {100 * r['frac_floor']:6.1f}%  {vs}")
 
 
+BASELINE_SYSTEMS = ("fla", "torch")  # what a user would otherwise run; every other system is tileport's
+
+
+def _row_label(r: dict) -> str:
+    return f"{r['op']} {','.join(str(v) for v in r['shape'].values())} {r['mode']}"
+
+
+def speedups_over_baselines(rows: list[dict]) -> dict[tuple[str, str], float]:
+    """{(row label, tileport system): the faster baseline's median ms / the system's} over the
+    rows that ran ("ok") where at least one baseline ran too."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    fastest: dict[str, float] = {}
+    for r in ok:
+        if r["system"] in BASELINE_SYSTEMS:
+            lab = _row_label(r)
+            fastest[lab] = min(fastest.get(lab, float("inf")), r["ms"])
+    return {(_row_label(r), r["system"]): fastest[_row_label(r)] / r["ms"]
+            for r in ok if r["system"] not in BASELINE_SYSTEMS and _row_label(r) in fastest}
+
+
 def plot(rows: list[dict], path: str) -> None:
+    """Two panels over every (op, shape, mode) timed: each system's fraction of the hardware floor,
+    and each tileport system's speedup over the faster baseline (FLA or torch) on the same inputs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r.get("status") == "ok"]
-    labels = sorted({f"{r['op']} {','.join(str(v) for v in r['shape'].values())} {r['mode']}" for r in ok})
+    labels = sorted({_row_label(r) for r in ok})
+    by = {(_row_label(r), r["system"]): r for r in ok}
     systems = sorted({r["system"] for r in ok})
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
+    ours = [s for s in systems if s not in BASELINE_SYSTEMS]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(max(6, 1.2 * len(labels)), 8), sharex=True)
     width = 0.8 / max(len(systems), 1)
     for i, s in enumerate(systems):
-        vals = []
-        for lab in labels:
-            match = [r for r in ok if r["system"] == s and f"{r['op']} {','.join(str(v) for v in r['shape'].values())} {r['mode']}" == lab]
-            vals.append(100 * match[0]["frac_floor"] if match else 0)
-        ax.bar([j + i * width for j in range(len(labels))], vals, width, label=s)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
-    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+        vals = [100 * by[(lab, s)]["frac_floor"] if (lab, s) in by else 0 for lab in labels]
+        ax.bar([j + i * width for j in range(len(labels))], vals, width, label=s, color=f"C{i}")
     ax.set_ylabel("% of hardware floor (higher is better)")
-    ax.legend()
+    ax.legend(fontsize=7)
+    width2 = 0.8 / max(len(ours), 1)
+    speedups = speedups_over_baselines(rows)
+    for i, s in enumerate(ours):
+        vals = [speedups.get((lab, s), float("nan")) for lab in labels]
+        ax2.bar([j + i * width2 for j in range(len(labels))], vals, width2, label=s, color=f"C{systems.index(s)}")
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("speedup over the faster of FLA, torch\n(eager medians; > 1: tileport faster)")
+    ax2.legend(fontsize=7)
+    ax2.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
+    ax2.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -492,7 +522,7 @@ def compare_with_base(rows: list[dict], base_rows: list[dict], base_sha: str) ->
     print(f"\nbefore ({base_sha}) / after (this tree), median ms:")
     print(f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<13} {'before':>8} {'after':>8} {'change':>8}")
     for r in rows:
-        if r.get("status") != "ok" or r["system"] in ("fla", "torch"):
+        if r.get("status") != "ok" or r["system"] in BASELINE_SYSTEMS:
             continue
         b = base.get(key(r))
         shape = ",".join(f"{k}{v}" for k, v in r["shape"].items())
