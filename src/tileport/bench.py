@@ -182,7 +182,7 @@ def _verify(out_and_grads, ref_and_grads, dtype, kinds) -> tuple[bool, float]:
     return True, worst
 
 
-DEFAULT_SYSTEMS = ["gluon", "triton", "fla", "torch"]
+DEFAULT_SYSTEMS = ["gluon", "triton", "cutile", "fla", "torch"]
 
 
 def _forcing(op: str, system: str, suite=None):

@@ -86,6 +86,9 @@ def _not_meant_for(backend: str, device_type: str) -> str:
                 "in the interpreter; slow, for testing)")
     if backend == "gluon":
         return f"the Gluon kernels need an NVIDIA Hopper GPU (sm_90: TMA, WGMMA); this call is on {device_type}"
+    if backend == "cutile":
+        return (f"the cuTile kernels need a CUDA GPU of sm_90 or newer; this call is on {device_type} (here they are "
+                "only compiled: tests/test_cutile_compile.py)")
     return f"not meant for {device_type}"
 
 

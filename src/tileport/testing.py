@@ -77,6 +77,8 @@ def poisoned():
 def backend_skip_reason(op: str, name: str, device_type: str) -> str | None:
     """Why `name` can't run on this machine for `op` (None if it can): used to skip with a reason."""
     disp = REGISTRY[op]
+    if name not in disp._by_name:
+        return f"{op} has no {name} backend"
     b = disp._by_name[name]
     if not disp._applies(b, device_type):
         if name == "triton" and device_type == "cpu":

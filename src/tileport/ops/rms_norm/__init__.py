@@ -8,6 +8,8 @@ weight's dtype. The call is validated here, then runs through the torch.library 
 autograd.Function in eager mode), whose bodies ask the dispatcher for a backend:
 
     triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
+    cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
+               the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -18,6 +20,7 @@ import dataclasses
 import torch
 
 from tileport.validation import check_eps, check_float_tensor
+from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
 from tileport.ops.rms_norm.reference import rms_norm_reference
@@ -90,12 +93,26 @@ def _triton_refusal(call: RMSNormCall) -> str | None:
     return triton_refusal(call.D, call.dtype, call.weight_dtype)
 
 
+def _cutile_refusal(call: RMSNormCall) -> str | None:
+    """Triton's dtype rules (the kernels take the same dtypes), on sm_90 or newer."""
+    from tileport.ops.rms_norm.triton_kernels import triton_refusal
+
+    reason = capability_refusal(call.device_type, call.capability, (9, 0)) or triton_refusal(call.D, call.dtype, call.weight_dtype)
+    if reason:
+        return reason
+    from tileport.ops.rms_norm.cutile_kernels import cutile_refusal
+
+    return cutile_refusal(call.D)
+
+
 DISPATCHER = register(
     OpDispatcher(
         "rms_norm",
         [
             Backend("triton", triton_available("tileport.ops.rms_norm.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.rms_norm.triton_kernels", "rms_norm_forward_triton", "rms_norm_backward_triton")),
+            Backend("cutile", cutile_available("tileport.ops.rms_norm.cutile_kernels"), _cutile_refusal,
+                    lazy_stages("tileport.ops.rms_norm.cutile_kernels", "rms_norm_forward_cutile", "rms_norm_backward_cutile")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

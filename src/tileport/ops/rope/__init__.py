@@ -9,6 +9,8 @@ dtype. Runs through the torch.library custom ops `tileport::rope_forward` / `til
 under torch.compile (an autograd.Function in eager mode); backends:
 
     triton     one kernel for both directions (tensor descriptors on sm_90), triton_kernels.py
+    cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
+               the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -18,6 +20,7 @@ import dataclasses
 
 import torch
 
+from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
 from tileport.validation import check_float_tensor
@@ -76,12 +79,24 @@ def _triton_refusal(call: RopeCall) -> str | None:
     return triton_refusal(call.D, call.dtype, call.cos_dtype)
 
 
+def _cutile_refusal(call: RopeCall) -> str | None:
+    """Triton's dtype rules (the kernels take the same dtypes), on sm_90 or newer."""
+    from tileport.ops.rope.triton_kernels import triton_refusal
+
+    reason = capability_refusal(call.device_type, call.capability, (9, 0)) or triton_refusal(call.D, call.dtype, call.cos_dtype)
+    if reason:
+        return reason
+    return None
+
+
 DISPATCHER = register(
     OpDispatcher(
         "rope",
         [
             Backend("triton", triton_available("tileport.ops.rope.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.rope.triton_kernels", "rope_forward_triton", "rope_backward_triton")),
+            Backend("cutile", cutile_available("tileport.ops.rope.cutile_kernels"), _cutile_refusal,
+                    lazy_stages("tileport.ops.rope.cutile_kernels", "rope_forward_cutile", "rope_backward_cutile")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

@@ -59,5 +59,5 @@ def systems(torch):
 
     torch_compiled = compiled_system(torch, lambda x, c, s: _torch_rope(torch, x, c, s),
                                      lambda inp: (inp["x"], inp["cos"], inp["sin"]))
-    return {"triton": ours("triton"), "reference": ours("reference"),
+    return {"triton": ours("triton"), "cutile": ours("cutile"), "reference": ours("reference"),
             "torch": lambda inp: _torch_rope(torch, inp["x"], inp["cos"], inp["sin"]), "torch_compile": torch_compiled}

@@ -9,6 +9,8 @@ gradients their precision on peaked rows). Math in fp32 (float64 on the referenc
 autograd.Function in eager mode), whose bodies ask the dispatcher for a backend:
 
     triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
+    cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
+               the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -18,6 +20,7 @@ import dataclasses
 
 import torch
 
+from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
 from tileport.validation import check_float_tensor
@@ -71,12 +74,24 @@ def _triton_refusal(call: SoftmaxCall) -> str | None:
     return triton_refusal(call.D, call.dtype)
 
 
+def _cutile_refusal(call: SoftmaxCall) -> str | None:
+    """Triton's dtype rules (the kernels take the same dtypes), on sm_90 or newer."""
+    from tileport.ops.softmax.triton_kernels import triton_refusal
+
+    reason = capability_refusal(call.device_type, call.capability, (9, 0)) or triton_refusal(call.D, call.dtype)
+    if reason:
+        return reason
+    return None
+
+
 DISPATCHER = register(
     OpDispatcher(
         "softmax",
         [
             Backend("triton", triton_available("tileport.ops.softmax.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.softmax.triton_kernels", "softmax_forward_triton", "softmax_backward_triton")),
+            Backend("cutile", cutile_available("tileport.ops.softmax.cutile_kernels"), _cutile_refusal,
+                    lazy_stages("tileport.ops.softmax.cutile_kernels", "softmax_forward_cutile", "softmax_backward_cutile")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

@@ -8,6 +8,8 @@ Runs through the torch.library custom ops `tileport::swiglu_forward` / `tileport
 under torch.compile (an autograd.Function in eager mode); backends:
 
     triton     flat elementwise kernels, triton_kernels.py
+    cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
+               the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -17,6 +19,7 @@ import dataclasses
 
 import torch
 
+from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
 from tileport.validation import check_float_tensor
@@ -64,12 +67,24 @@ def _triton_refusal(call: SwiGLUCall) -> str | None:
     return triton_refusal(call.dtype)
 
 
+def _cutile_refusal(call: SwiGLUCall) -> str | None:
+    """Triton's dtype rules (the kernels take the same dtypes), on sm_90 or newer."""
+    from tileport.ops.swiglu.triton_kernels import triton_refusal
+
+    reason = capability_refusal(call.device_type, call.capability, (9, 0)) or triton_refusal(call.dtype)
+    if reason:
+        return reason
+    return None
+
+
 DISPATCHER = register(
     OpDispatcher(
         "swiglu",
         [
             Backend("triton", triton_available("tileport.ops.swiglu.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.swiglu.triton_kernels", "swiglu_forward_triton", "swiglu_backward_triton")),
+            Backend("cutile", cutile_available("tileport.ops.swiglu.cutile_kernels"), _cutile_refusal,
+                    lazy_stages("tileport.ops.swiglu.cutile_kernels", "swiglu_forward_cutile", "swiglu_backward_cutile")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

@@ -50,4 +50,4 @@ def systems(torch):
         return torch.nn.functional.silu(inp["x"]) * inp["y"]
 
     torch_compiled = compiled_system(torch, lambda x, y: torch.nn.functional.silu(x) * y, lambda inp: (inp["x"], inp["y"]))
-    return {"triton": ours("triton"), "reference": ours("reference"), "torch": torch_eager, "torch_compile": torch_compiled}
+    return {"triton": ours("triton"), "cutile": ours("cutile"), "reference": ours("reference"), "torch": torch_eager, "torch_compile": torch_compiled}
