@@ -1,0 +1,36 @@
+"""Small GDN calls on the Gluon output kernels (both forms) for compute-sanitizer memcheck and
+racecheck (issue 5 asks for racecheck clean: triton 3.6's WGMMA race, issue 11047).
+
+    python3 scripts/sanitize_gdn.py [quick]
+
+A dense batch with a ragged T (a partial last chunk) and a varlen batch with a length-1 and an
+empty sequence, forward and backward, K = V = 64 and 128; each OUTPUT_FORM of the gluon backend.
+"""
+
+import sys
+
+import torch
+
+import tileport
+from tileport.dispatch import use_backend
+from tileport.ops.gdn import gluon_kernels
+
+torch.manual_seed(0)
+quick = "quick" in sys.argv[1:]
+cases = [dict(B=2, T=130, H=2, K=64, cu=None), dict(B=1, T=200, H=2, K=128, cu=[0, 1, 70, 70, 200])]
+if not quick:
+    cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
+for form in ("one-shot", "persistent"):
+    gluon_kernels.OUTPUT_FORM = form
+    for c in cases:
+        B, T, H, K = c["B"], c["T"], c["H"], c["K"]
+        dev, bf = "cuda", torch.bfloat16
+        q, k, v = (torch.randn(B, T, H, K, device=dev, dtype=bf, requires_grad=True) for _ in range(3))
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev)).requires_grad_()
+        beta = torch.rand(B, T, H, device=dev, dtype=bf, requires_grad=True)
+        cu = torch.tensor(c["cu"], device=dev, dtype=torch.int32) if c["cu"] else None
+        with use_backend("gluon", op="gdn"):
+            o, _ = tileport.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+            o.backward(torch.randn_like(o))
+        torch.cuda.synchronize()
+        print(f"gluon {form} B={B} T={T} H={H} K={K} varlen={cu is not None}: ok")
