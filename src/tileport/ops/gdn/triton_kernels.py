@@ -1018,7 +1018,7 @@ def _intermediate_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
 
 
 def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compact: bool = False,
-                   exact_wu: bool = False):
+                   exact_wu: bool = False, keys_normalised: bool = False):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W."""
@@ -1034,6 +1034,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     DT, DA = _dot_types(k.dtype)
     if solve_form(k.dtype, G.dim() == 3) == "tile":
         prec = "ieee" if k.dtype == torch.float32 else "tf32x3"
+        if prec == "tf32x3" and keys_normalised and compact and not store_T:
+            prec = NORMALISED_KEYS_PREC
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
                                             NV, BT, DT, DA, prec, store_T, exact_wu)
     else:
@@ -1049,6 +1051,15 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
 # recompute 1.451 against 2.239, W and U within 1e-7 of the block form; the 16-bit frozen gate
 # passed in this form there (tests/test_gdn_tuning.py::test_tile_solve_form).
 SOLVE_FORM = "tile"
+
+
+# The tile form's [64, 64] fp32 products in the forward when the keys are l2-normalised (so
+# |A_ij| = beta_i |k_i . k_j| exp(G_i - G_j) <= 1) and W, U are stored in bf16: "tf32x3" (three
+# tf32 passes, the default) or "tf32" (one). scripts/gdn_ab.py at 31eb250 (S1, normalised keys):
+# W from one-pass tf32 within 4e-8 (normwise) of the exact block form after the bf16 rounding,
+# the same as tf32x3's (raw N(0, 1) keys: 6e-3, which is why raw keys never take it). "tf32" is
+# not the default until the H200 has run the frozen gate with it and timed it (4 warps).
+NORMALISED_KEYS_PREC = "tf32x3"
 
 
 def solve_form(dtype: torch.dtype, per_channel: bool) -> str:
@@ -1196,7 +1207,7 @@ def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, o
             q = l2norm_fwd(q)
     G = chunk_cumsum(g, plan)
     Ai, w, u = chunk_solve_wu(k, v, beta, G, plan, store_T=for_backward, compact=not for_backward,
-                              exact_wu=for_backward)
+                              exact_wu=for_backward, keys_normalised=use_qk_l2norm_in_kernel)
     h, vn, ht = chunk_states(k, w, u, G, initial_state, plan, output_final_state)
     return q, k, G, Ai, w, u, h, vn, ht
 
@@ -1211,7 +1222,7 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     if STATES_FORM == "fused":
         kn = l2norm_fwd(kf) if use_qk_l2norm_in_kernel else kf
         G = chunk_cumsum(gf, plan)
-        _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True)
+        _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=use_qk_l2norm_in_kernel)
         o, _, ht = chunk_states(kn, w, u, G, h0, plan, output_final_state, q=qf, scale=scale, out_dtype=q.dtype,
                                 l2norm_q=use_qk_l2norm_in_kernel)
         return o.view(B, T, H, V), ht
