@@ -9,6 +9,8 @@ custom ops `tileport::grouped_gemm_forward` / `tileport::grouped_gemm_backward` 
 torch.compile (an autograd.Function in eager mode); backends:
 
     triton     one grouped launch per direction (tensor descriptors on sm_90), triton_kernels.py
+    cutile     cuda.tile kernels (16-bit inputs), one launch per direction over slices of the
+               stacked operands; compiled for sm_90 in CI, run on the H200, cutile_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
 from tileport.ops.grouped_gemm.reference import grouped_gemm_reference
@@ -107,6 +110,12 @@ def _triton_refusal(call: GroupedGemmCall) -> str | None:
     return triton_refusal(call.dtype, call.b_dtype)
 
 
+def _cutile_refusal(call: GroupedGemmCall) -> str | None:
+    from tileport.ops.grouped_gemm.cutile_kernels import cutile_refusal
+
+    return capability_refusal(call.device_type, call.capability, (9, 0)) or cutile_refusal(call.dtype, call.b_dtype)
+
+
 DISPATCHER = register(
     OpDispatcher(
         "grouped_gemm",
@@ -114,6 +123,9 @@ DISPATCHER = register(
             Backend("triton", triton_available("tileport.ops.grouped_gemm.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.grouped_gemm.triton_kernels", "grouped_gemm_forward_triton",
                           "grouped_gemm_backward_triton")),
+            Backend("cutile", cutile_available("tileport.ops.grouped_gemm.cutile_kernels"), _cutile_refusal,
+                    lazy_stages("tileport.ops.grouped_gemm.cutile_kernels", "grouped_gemm_forward_cutile",
+                                "grouped_gemm_backward_cutile")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
