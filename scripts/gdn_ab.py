@@ -171,3 +171,32 @@ for name, fn in (("split", split), ("fused", fused)):
     o = fn()
     ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
     print(f"states+output {name}: {ms:.3f} ms, vs split {rel(o, o_split):.2e}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# the whole forward (fused stages 5+6, as tileport's default runs it) with the switches still off:
+# one-pass tf32 in stage 3 for normalised keys, and keys normalised on load instead of stage 1;
+# at S1 and at B=1 T=32768 (16 sequential programs per V block in the fused states kernel)
+print("\n== whole forward (SOLVE_FORM tile): STATES_FORM, NORMALISED_KEYS_PREC, L2NORM_K_FORM")
+tk.SOLVE_FORM = "tile"
+for b_, t_ in ((B, T), (1, B * T)):
+    qf = torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16)
+    kf = torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16)
+    vf = torch.randn(b_, t_, H, V, device=dev, dtype=torch.bfloat16)
+    gf = torch.nn.functional.logsigmoid(torch.randn(b_, t_, H, device=dev))
+    bf_ = torch.sigmoid(torch.randn(b_, t_, H, device=dev)).to(torch.bfloat16)
+    base = None
+    for states, prec, l2form in (("split", "tf32x3", "stage-1"), ("fused", "tf32x3", "stage-1"),
+                                 ("fused", "tf32", "stage-1"), ("fused", "tf32x3", "in-kernel"),
+                                 ("fused", "tf32", "in-kernel")):
+        tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = states, prec, l2form
+
+        def fwd():
+            return tk.gdn_forward_triton(qf, kf, vf, gf, bf_, K ** -0.5, None, False, True, None)[0]
+
+        o = fwd()
+        base = o if base is None else base
+        ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+        print(f"forward B={b_} T={t_} states {states} prec={prec:6} l2norm k {l2form:9}: {ms:.3f} ms, "
+              f"vs the first {rel(o, base):.2e}", flush=True)
+tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = "fused", "tf32x3", "stage-1"

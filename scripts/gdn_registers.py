@@ -42,12 +42,15 @@ def cases():
                 w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV,
                 PREC="ieee" if dt == torch.float32 else "tf32x3", STORE_T=store_T, EXACT_WU=store_T, **common)
     for o in tk.STATES_OPTIONS:
-        for w_t, fuse in ((fwd_inter, False), (inter, False), (fwd_inter, True)):
-            yield f"states inter={w_t}{' fused with output' if fuse else ''} {o}", tk._states_kernel.fn, o, dict(
+        for w_t, fuse, l2k in ((fwd_inter, False, False), (inter, False, False), (fwd_inter, True, False),
+                               (fwd_inter, True, True)):
+            tag = (" fused with output" if fuse else "") + (", keys normalised on load" if l2k else "")
+            yield f"states inter={w_t}{tag} {o}", tk._states_kernel.fn, o, dict(
                 k_ptr=tok(K), w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), G_ptr=T([Ntok, H], f64), h0_ptr=T([N, H, K, V], f32),
                 h_ptr=T([NC, H, K, V], w_t), vn_ptr=tok(V, w_t), ht_ptr=T([N, H, K, V], f32), cu_ptr=T([N + 1], idx),
                 choff_ptr=T([N], idx), NH_BUCKET=128, q_ptr=tok(K), o_ptr=tok(V), scale=0.1, eps=1e-6, V=V, BV=o["BV"],
-                HAS_H0=True, STORE_FINAL=True, PER_CHANNEL=False, FUSE_OUTPUT=fuse, L2NORM_Q=fuse, **common)
+                HAS_H0=True, STORE_FINAL=True, PER_CHANNEL=False, FUSE_OUTPUT=fuse, L2NORM_Q=fuse, L2NORM_K=l2k,
+                **common)
     for o in tk.OUTPUT_OPTIONS:
         yield f"output {o}", tk._output_kernel.fn, o, dict(
             q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], fwd_inter), vn_ptr=tok(V, fwd_inter),

@@ -97,3 +97,17 @@ def test_one_pass_tf32_solve_with_normalised_keys(case_id, device, seed, monkeyp
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
     monkeypatch.setattr(tk, "NORMALISED_KEYS_PREC", "tf32")
     _run_and_check("triton", case_id, device, seed)
+
+
+# The frozen gate's l2-normalised cases with the fused forward normalising k inside stage 3 and
+# the states kernel (L2NORM_K_FORM; fp32 cases keep stage 1: their stage 3 is the block form).
+L2_CASES = [c for c, spec in CASES.items() if spec[8]]
+
+
+@pytest.mark.parametrize("case_id", L2_CASES)
+def test_keys_normalised_in_kernel(case_id, device, seed, monkeypatch):
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "STATES_FORM", "fused")
+    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
+    monkeypatch.setattr(tk, "L2NORM_K_FORM", "in-kernel")
+    _run_and_check("triton", case_id, device, seed)

@@ -41,6 +41,10 @@ def _args(backward: bool) -> dict:
 FORMS = [
     ("blocks", tk._solve_wu_kernel.fn, dict(PER_CHANNEL=False), 8, 0),
     ("tile", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32x3"), 8, 0),
+    # the forward's candidates behind switches still off: one-pass tf32 with normalised keys
+    # (NORMALISED_KEYS_PREC) and keys normalised on load (L2NORM_K_FORM). 8 warps: at 4 (the
+    # autotuner's pick on the H200, 0.601 ms) every tile variant spills, 260-444 B (sm_90a, 2026-11-29)
+    ("tile-tf32-l2k", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32", eps=1e-6, L2NORM_K=True), 8, 0),
 ]
 
 

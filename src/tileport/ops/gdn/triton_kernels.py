@@ -322,6 +322,17 @@ def _rounded_as(x, ptr, DA: tl.constexpr):
 
 
 @triton.jit
+def _load_keys(k_ptr, offs, mask, eps, L2NORM: tl.constexpr, DA: tl.constexpr):
+    """A [rows, BK] tile of keys in fp32 (BK covers K: whole rows). L2NORM: x * rsqrt(sum x^2 +
+    eps) rounded to k's dtype, the value stage 1 (`_l2norm_fwd_kernel`) would have stored, so a
+    kernel that normalises its own keys computes what it would from stage 1's output."""
+    k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if L2NORM:
+        k = _rounded_as(k * tl.rsqrt(tl.sum(k * k, 1) + eps)[:, None], k_ptr, DA)
+    return k
+
+
+@triton.jit
 def _rounded_for(x, ptr, DA: tl.constexpr):
     """x as stored into ptr: rounded to bf16 by `_op` when ptr holds bf16 (the interpreter's own
     fp32 -> bf16 cast truncates), unchanged otherwise."""
@@ -484,12 +495,12 @@ SOLVE_WU_TILE_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU"])
+@triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K"])
 @triton.jit
 def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                           BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr,
-                          STORE_T: tl.constexpr, EXACT_WU: tl.constexpr):
+                          STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, eps=1e-6, L2NORM_K: tl.constexpr = False):
     """3, the same T, W and U as `_solve_wu_kernel` (scalar gates only), in whole [64, 64] tiles
     rather than a chain of 16x16 blocks; grid (NC, H).
 
@@ -508,13 +519,14 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     blocks (their inverse must be exact, and 16^3 per block is cheap on FMA units); PREC, the
     precision of the fp32 [64, 64] products: "tf32x3" (three tf32 tensor-core passes, error near
     fp32's) for 16-bit inputs, "ieee" for fp32 inputs. EXACT_WU and STORE_T as in
-    `_solve_wu_kernel`."""
+    `_solve_wu_kernel`. L2NORM_K: k is raw and each load normalises it (`_load_keys`), so stage 1
+    need not write the normalised keys (the forward's FUSED_L2NORM_K)."""
     c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, tl.program_id(0))
     NB: tl.constexpr = BT // 16
     tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
     b = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(G_ptr + row, mask=valid, other=0.0)
-    kd = _op(tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32), DT, DA)
+    kd = _op(_load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA), DT, DA)
     kk = tl.dot(kd, tl.trans(kd), input_precision="ieee")
     strict = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
     A = kk * b[:, None] * tl.exp(tl.where(strict, (g[:, None] - g[None, :]).to(tl.float32), float("-inf")))
@@ -534,7 +546,7 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     WA: tl.constexpr = tl.float32 if EXACT_WU else DA
     Top = _op(Tm, WT, WA)
     # k loaded again (an L1/L2 hit) rather than held through the solve: registers
-    kt = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    kt = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
     w = tl.dot(Top, _op(kt * (b * tl.exp(g.to(tl.float32)))[:, None], WT, WA), input_precision=PREC)
     tl.store(w_ptr + row[:, None] * K + kc[None, :], _rounded_for(w, w_ptr, DA), mask=mk)
     for jv in tl.static_range(NV):
@@ -604,13 +616,15 @@ def _state_or_zeros(ptr, n, hh, H, sblk, smask, K: tl.constexpr, V: tl.constexpr
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(STATES_OPTIONS), key=["K", "V", "H", "NH_BUCKET", "PER_CHANNEL", "FUSE_OUTPUT"])
+@triton.autotune(configs=_tuned(STATES_OPTIONS), key=["K", "V", "H", "NH_BUCKET", "PER_CHANNEL", "FUSE_OUTPUT",
+                                                     "L2NORM_K"])
 @triton.jit
 def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu_ptr, choff_ptr, H, NH_BUCKET,
                    q_ptr, o_ptr, scale, eps,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
-                   PER_CHANNEL: tl.constexpr, FUSE_OUTPUT: tl.constexpr, L2NORM_Q: tl.constexpr):
+                   PER_CHANNEL: tl.constexpr, FUSE_OUTPUT: tl.constexpr, L2NORM_Q: tl.constexpr,
+                   L2NORM_K: tl.constexpr = False):
     """5: one program per (V block, sequence, head), sequential over the sequence's chunks.
     h [BK, BV] fp32 stays in registers; per chunk it is stored (the state entering the chunk, in
     h_ptr's dtype: bf16 for the forward of 16-bit inputs, where only the output kernel reads it),
@@ -622,7 +636,8 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
     registers, rounded as the output kernel would see them after a bf16 round trip (`_op`), and
     stored; q and o are [Ntok, H, K] / [Ntok, H, V], q raw when L2NORM_Q. Why: h and Vn are
     0.8 GB written and read back at S1, the larger half of the forward's bytes (docs/perf/gdn.md,
-    "Path to issue 5's 0.46 ms"). Q K^T is formed once per V block."""
+    "Path to issue 5's 0.46 ms"). Q K^T is formed once per V block. L2NORM_K: k is raw and
+    normalised on load (`_load_keys`), as in `_solve_wu_tile_kernel`."""
     n, hh, bos, eos, c0, nc, r, kc, vc, smask, sblk = _sequence_program(cu_ptr, choff_ptr, H, K, V, BK, BV, BT)
     h = _state_or_zeros(h0_ptr, n, hh, H, sblk, smask, K, V, BK, BV, HAS_H0)
     for i in range(0, nc):
@@ -637,7 +652,7 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
         u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
         vn = u - tl.dot(_op(w, DT, DA), _op(h, DT, DA), input_precision="ieee")
         last = tl.minimum(bos + i * BT + BT, eos) - 1
-        k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+        k = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
         if PER_CHANNEL:
             GL = tl.load(G_ptr + (last.to(tl.int64) * H + hh) * K + kc, mask=kc < K, other=0.0)
             G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
@@ -1018,10 +1033,11 @@ def _intermediate_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
 
 
 def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compact: bool = False,
-                   exact_wu: bool = False, keys_normalised: bool = False):
+                   exact_wu: bool = False, keys_normalised: bool = False, l2norm_k: bool = False):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. G [Ntok, H, K] (from
-    per-channel gates) selects the KDA form of A and W."""
+    per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
+    normalises it (the tile form only; keys_normalised is then implied)."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1032,12 +1048,15 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     if not plan.NC:
         return Ai, w, u
     DT, DA = _dot_types(k.dtype)
-    if solve_form(k.dtype, G.dim() == 3) == "tile":
+    form = solve_form(k.dtype, G.dim() == 3)
+    if l2norm_k and form != "tile":
+        raise ValueError("l2norm_k needs the tile form of stage 3 (16-bit inputs, SOLVE_FORM = 'tile')")
+    if form == "tile":
         prec = "ieee" if k.dtype == torch.float32 else "tf32x3"
-        if prec == "tf32x3" and keys_normalised and compact and not store_T:
+        if prec == "tf32x3" and (keys_normalised or l2norm_k) and compact and not store_T:
             prec = NORMALISED_KEYS_PREC
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
-                                            NV, BT, DT, DA, prec, store_T, exact_wu)
+                                            NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k)
     else:
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
                                        DT, DA, G.dim() == 3, store_T, exact_wu)
@@ -1067,10 +1086,11 @@ def solve_form(dtype: torch.dtype, per_channel: bool) -> str:
 
 
 def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool, q=None, scale: float = 1.0,
-                 out_dtype: torch.dtype | None = None, l2norm_q: bool = False):
+                 out_dtype: torch.dtype | None = None, l2norm_q: bool = False, l2norm_k: bool = False):
     """5: h [NC, H, K, V] (state entering each chunk) and Vn [Ntok, H, V] in W's dtype (see
     `_intermediate_dtype`); the final state [N, H, K, V] fp32, or None. With q (GDN's forward):
-    5 and 6 fused, returning (o [Ntok, H, V] in out_dtype, None, final state)."""
+    5 and 6 fused, returning (o [Ntok, H, V] in out_dtype, None, final state). l2norm_k: k is
+    raw and the kernel normalises it."""
     Ntok, H, K = k.shape
     V = u.shape[-1]
     BK = _blocks(K, V)[0]
@@ -1092,7 +1112,7 @@ def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool, q=No
             plan.cu, plan.chunk_offsets, H, _programs_bucket(plan.N * H),
             q if fuse else vn, o if fuse else vn, scale, L2NORM_EPS,
             K=K, V=V, BK=BK, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, DT=DT, DA=DA,
-            PER_CHANNEL=G.dim() == 3, FUSE_OUTPUT=fuse, L2NORM_Q=l2norm_q)
+            PER_CHANNEL=G.dim() == 3, FUSE_OUTPUT=fuse, L2NORM_Q=l2norm_q, L2NORM_K=l2norm_k)
     if fuse:
         return _done(o, out_dtype), None, ht
     return h, vn, ht
@@ -1220,11 +1240,15 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
     if STATES_FORM == "fused":
-        kn = l2norm_fwd(kf) if use_qk_l2norm_in_kernel else kf
+        # stage 1 for k only when the kernels can't normalise it on load (L2NORM_K_FORM)
+        in_kernel = (use_qk_l2norm_in_kernel and L2NORM_K_FORM == "in-kernel"
+                     and solve_form(q.dtype, False) == "tile")
+        kn = l2norm_fwd(kf) if use_qk_l2norm_in_kernel and not in_kernel else kf
         G = chunk_cumsum(gf, plan)
-        _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=use_qk_l2norm_in_kernel)
+        _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=use_qk_l2norm_in_kernel,
+                                   l2norm_k=in_kernel)
         o, _, ht = chunk_states(kn, w, u, G, h0, plan, output_final_state, q=qf, scale=scale, out_dtype=q.dtype,
-                                l2norm_q=use_qk_l2norm_in_kernel)
+                                l2norm_q=use_qk_l2norm_in_kernel, l2norm_k=in_kernel)
         return o.view(B, T, H, V), ht
     q_raw, kn, G, _Ai, _w, _u, h, vn, ht = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan,
                                                       output_final_state, for_backward=False)
@@ -1239,6 +1263,12 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
 # (tests/test_gdn_tuning.py::test_fused_states_output_form). The backward keeps the split states
 # kernel (it needs h).
 STATES_FORM = "fused"
+
+# Where the fused forward normalises k (use_qk_l2norm_in_kernel): "stage-1" (`l2norm_fwd` writes
+# the normalised keys, 0.062 ms at S1 on the H200, 5031cf0, and the two kernels read them) or
+# "in-kernel" (stage 3's tile kernel and the fused states kernel normalise the raw keys as they
+# load them: 268 MB less traffic at S1, ~0.06 ms predicted). Off until timed on the H200.
+L2NORM_K_FORM = "stage-1"
 
 
 def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
