@@ -56,8 +56,10 @@ report("gdn solve_wu tile 8w", tk._solve_wu_tile_kernel.fn, dict(k_ptr=tok(K), v
         w_ptr=tok(K), u_ptr=tok(V), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV, PREC="tf32x3", STORE_T=False, EXACT_WU=False, **common), 8, NC * H)
 report("gdn output BV128 8w", tk._output_kernel.fn, dict(q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), o_ptr=tok(V),
         chunks_ptr=T([2 * NC], idx), NC=NC, scale=0.1, eps=1e-6, V=V, BV=128, L2NORM_Q=True, PER_SM=0, **common), 8, NC * H)
-report("kda output 4w", kk._kda_output_kernel, dict(q_ptr=tok(K), k_ptr=tok(K), G_ptr=tok(K, f64), h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), o_ptr=tok(V),
-    chunks_ptr=T([2 * NC], idx), scale=0.1, V=V, BV=BV, NV=NV, **common), 4, NC * H * NV)
+for factored in (False, True):  # factored: both branches are in the PTX, so its count is an upper bound
+    report(f"kda output{' factored diag' if factored else ''} 4w", kk._kda_output_kernel, dict(q_ptr=tok(K), k_ptr=tok(K),
+        G_ptr=tok(K, f64), h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), o_ptr=tok(V), chunks_ptr=T([2 * NC], idx), scale=0.1,
+        V=V, BV=BV, NV=NV, FACTORED_DIAGONAL=factored, **common), 4, NC * H * NV)
 
 # backward (the recompute's intermediates in fp32), GDN only
 L = tk._LAUNCH

@@ -53,15 +53,28 @@ from tileport.ops.gdn.triton_kernels import (
 __all__ = ["kda_forward_triton", "chunk_output_kda", "triton_refusal"]
 
 _LAUNCH_OUTPUT = dict(num_warps=4)
+# How the output kernel forms each 16-row sub-block's diagonal block: "exact" (pairwise
+# exponents, always) or "factored" (reference-row factors when the sub-block's gates span at most
+# SPAN_MAX, the exact form otherwise). Off until the H200 has run the gate and timed it.
+OUTPUT_DIAGONAL = "exact"
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, scale,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                       BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+                       BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                       FACTORED_DIAGONAL: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0):
     """6: O = scale ((exp(G) * Q) h_c + lower[sum_c q_tc k_sc exp(G_tc - G_sc)] Vn), in o's dtype,
-    one 16-row sub-block of the chunk at a time (see the module docstring for the exponents)."""
+    one 16-row sub-block of the chunk at a time (see the module docstring for the exponents);
+    grid (NC * V/BV, H).
+
+    FACTORED_DIAGONAL: a sub-block whose gates span at most SPAN_MAX (max |G_s - G_r| over its
+    rows and channels, checked at run time) forms its diagonal block like the earlier ones, from
+    the reference-row factors, so the whole row block is one tensor-core dot; steeper sub-blocks
+    keep the exact pairwise [16, 16, K] form. Why: that form's reduction over key channels is a
+    shuffle tree across lanes (5120 shfl per thread, sm_90a PTX) and set the kernel's issue floor
+    at 1.47 ms at S1 (docs/perf/kda.md); exp(SPAN_MAX) = 2.4e17 keeps every factor finite in bf16."""
     c = tl.program_id(0) // NV
     j = tl.program_id(0) % NV
     hh = tl.program_id(1)
@@ -89,34 +102,48 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
         mvi = vi[:, None] & (vc < V)[None, :]
         qi = tl.load(q_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
         Gi = tl.load(G_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0)
-        vni = _op(tl.load(vn_ptr + rowi[:, None] * V + vc[None, :], mask=mvi, other=0.0), DT, DA)
         oi = tl.dot(_op(qi * tl.exp(Gi.to(tl.float32)), DT, DA), h, input_precision="ieee")
-        # diagonal sub-block: exact pairwise exponents, [16, 16, CB] over CB key channels at a
-        # time (the whole [16, 16, K] product, beside the chunk's [64, K] k and fp64 G tiles held
-        # through the loop, spilled 6.9 KB per thread on sm_90a; those tiles are now loaded where used)
-        Pd = tl.full([16, 16], 0.0, tl.float32)
-        for cb in tl.static_range(0, BK, CB):
-            cc = cb + tl.arange(0, CB)
-            mkc = vi[:, None] & (cc < K)[None, :]
-            qc = tl.load(q_ptr + rowi[:, None] * K + cc[None, :], mask=mkc, other=0.0).to(tl.float32)
-            kcc = tl.load(k_ptr + rowi[:, None] * K + cc[None, :], mask=mkc, other=0.0).to(tl.float32)
-            Gcc = tl.load(G_ptr + rowi[:, None] * K + cc[None, :], mask=mkc, other=0.0)
-            keep = (incl & vi[:, None] & vi[None, :])[:, :, None] & (cc < K)[None, None, :]
-            e3 = tl.exp(tl.where(keep, (Gcc[:, None, :] - Gcc[None, :, :]).to(tl.float32), float("-inf")))
-            Pd += tl.sum(qc[:, None, :] * kcc[None, :, :] * e3, 2)
-        oi += tl.dot(_op(Pd, DT, DA), vni, input_precision="ieee")
-        if i > 0:
-            tr = bos + i * 16  # reference row r (row 0 of this sub-block)
-            r_ok = tr < eos
-            Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=r_ok & (kc < K), other=0.0)
-            xq = qi * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
-            before = valid & (r < i * 16) & r_ok
-            mkb = before[:, None] & (kc < K)[None, :]
-            k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mkb, other=0.0).to(tl.float32)
-            G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mkb, other=0.0)
-            kt = k * tl.exp(tl.where(mkb, (Gr[None, :] - G).to(tl.float32), float("-inf")))
-            P = tl.dot(_op(xq, DT, DA), tl.trans(_op(kt, DT, DA)), input_precision="ieee")  # [16, 64], 0 where s >= r
-            oi += tl.dot(_op(P, DT, DA), vn, input_precision="ieee")
+        tr = bos + i * 16  # reference row r (row 0 of this sub-block)
+        r_ok = tr < eos
+        Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=r_ok & (kc < K), other=0.0)
+        xq = qi * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
+        # the largest |G_s - G_r| over this sub-block's rows and channels: below SPAN_MAX, the
+        # diagonal block takes the factored form too (its exp(G_r - G_s) >= 1 factors stay below
+        # exp(SPAN_MAX)), and the whole row block is one [16, K] x [K, 64] dot
+        span = tl.max(tl.max(tl.where(mki, tl.abs(Gi - Gr[None, :]), 0.0), 1), 0)
+        if FACTORED_DIAGONAL and span <= SPAN_MAX:
+            upto = valid & (r < (i + 1) * 16) & r_ok
+            mku = upto[:, None] & (kc < K)[None, :]
+            k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mku, other=0.0).to(tl.float32)
+            G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mku, other=0.0)
+            kt = k * tl.exp(tl.where(mku, (Gr[None, :] - G).to(tl.float32), float("-inf")))
+            P = tl.dot(_op(xq, DT, DA), tl.trans(_op(kt, DT, DA)), input_precision="ieee")  # [16, 64]
+            keep = (r[None, :] <= (i * 16 + r16)[:, None]) & upto[None, :] & vi[:, None]
+            oi += tl.dot(_op(tl.where(keep, P, 0.0), DT, DA), vn, input_precision="ieee")
+        else:
+            # diagonal sub-block: exact pairwise exponents, [16, 16, CB] over CB key channels at a
+            # time (the whole [16, 16, K] product, beside the chunk's [64, K] k and fp64 G tiles held
+            # through the loop, spilled 6.9 KB per thread on sm_90a; those tiles are now loaded where used)
+            vni = _op(tl.load(vn_ptr + rowi[:, None] * V + vc[None, :], mask=mvi, other=0.0), DT, DA)
+            Pd = tl.full([16, 16], 0.0, tl.float32)
+            for cb in tl.static_range(0, BK, CB):
+                cc = cb + tl.arange(0, CB)
+                mkc = vi[:, None] & (cc < K)[None, :]
+                qc = tl.load(q_ptr + rowi[:, None] * K + cc[None, :], mask=mkc, other=0.0).to(tl.float32)
+                kcc = tl.load(k_ptr + rowi[:, None] * K + cc[None, :], mask=mkc, other=0.0).to(tl.float32)
+                Gcc = tl.load(G_ptr + rowi[:, None] * K + cc[None, :], mask=mkc, other=0.0)
+                keep3 = (incl & vi[:, None] & vi[None, :])[:, :, None] & (cc < K)[None, None, :]
+                e3 = tl.exp(tl.where(keep3, (Gcc[:, None, :] - Gcc[None, :, :]).to(tl.float32), float("-inf")))
+                Pd += tl.sum(qc[:, None, :] * kcc[None, :, :] * e3, 2)
+            oi += tl.dot(_op(Pd, DT, DA), vni, input_precision="ieee")
+            if i > 0:
+                before = valid & (r < i * 16) & r_ok
+                mkb = before[:, None] & (kc < K)[None, :]
+                k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mkb, other=0.0).to(tl.float32)
+                G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mkb, other=0.0)
+                kt = k * tl.exp(tl.where(mkb, (Gr[None, :] - G).to(tl.float32), float("-inf")))
+                P = tl.dot(_op(xq, DT, DA), tl.trans(_op(kt, DT, DA)), input_precision="ieee")  # 0 where s >= r
+                oi += tl.dot(_op(P, DT, DA), vn, input_precision="ieee")
         tl.store(o_ptr + rowi[:, None] * V + vc[None, :], (oi * scale).to(o_ptr.dtype.element_ty), mask=mvi)
 
 
@@ -128,7 +155,8 @@ def chunk_output_kda(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype)
     o = _out((Ntok, H, V), out_dtype, q.device)
     if plan.NC:
         _kda_output_kernel[(plan.NC * NV, H)](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
-                                             *_dot_types(q.dtype), **_LAUNCH_OUTPUT)
+                                             *_dot_types(q.dtype), OUTPUT_DIAGONAL == "factored",
+                                             **_LAUNCH_OUTPUT)
     return _done(o, out_dtype)
 
 

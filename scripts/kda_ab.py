@@ -1,0 +1,37 @@
+"""A/B of the KDA Triton forward's output-kernel forms on the H200, at S1 (B=8, T=4096, H=16,
+K=V=128, bf16): OUTPUT_DIAGONAL "exact" (pairwise exponents in every diagonal sub-block) against
+"factored" (reference-row factors where a sub-block's gates span at most SPAN_MAX), with
+logsigmoid(N(0, 1)) gates (the bench's: the factored branch everywhere) and with steep gates
+(every entry at -20..-30: the exact branch everywhere, so the cost of the run-time check).
+
+    python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
+"""
+
+import torch
+import triton.testing
+
+from tileport.ops.kda import triton_kernels as kk
+
+B, T, H, K, V, dev = 8, 4096, 16, 128, 128, "cuda"
+if not torch.cuda.is_available():
+    B, T, H, K, V, dev = 1, 130, 2, 32, 32, "cpu"
+torch.manual_seed(0)
+q, k = (torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16) for _ in range(2))
+v = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
+gates = {"logsigmoid": torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev)),
+         "steep": -20.0 - 10.0 * torch.rand(B, T, H, K, device=dev)}
+for name, g in gates.items():
+    base = None
+    for form in ("exact", "factored"):
+        kk.OUTPUT_DIAGONAL = form
+
+        def fwd():
+            return kk.kda_forward_triton(q, k, v, g, beta, K ** -0.5, None, False, True, None)[0]
+
+        o = fwd().float()
+        base = o if base is None else base
+        err = ((o - base).norm() / base.norm().clamp_min(1e-30)).item()
+        ms = triton.testing.do_bench(fwd, warmup=5, rep=40, return_mode="median") if dev == "cuda" else float("nan")
+        print(f"kda forward gates={name:10} output diagonal {form:8}: {ms:.3f} ms, vs exact {err:.2e}", flush=True)
+kk.OUTPUT_DIAGONAL = "exact"
