@@ -40,8 +40,11 @@ def report(name, fn, args, warps, programs, stages=1, loop=1):
     print(f"{name:38s} regs={r.n_regs} spills={r.n_spills} ptx_instr={n:6d} warps={warps} programs={programs:6d} x{loop}: issue floor ~{t:.3f} ms", flush=True)
 for pc, G in ((False, T([Ntok, H], f64)), (True, tok(K, f64))):
     tag = "kda" if pc else "gdn"
-    report(f"{tag} solve_wu blocks 8w", tk._solve_wu_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=G, Ai_ptr=tok(K),
-        w_ptr=tok(K), u_ptr=tok(V), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV, PER_CHANNEL=pc, STORE_T=False, EXACT_WU=False, **common), 8, NC * H)
+    for factored in ((False, True) if pc else (False,)):  # factored: both branches in the PTX (an upper bound)
+        report(f"{tag} solve_wu blocks{' factored diag' if factored else ''} 8w", tk._solve_wu_kernel.fn, dict(
+            k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=G, Ai_ptr=tok(K), w_ptr=tok(K), u_ptr=tok(V),
+            chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV, PER_CHANNEL=pc, STORE_T=False, EXACT_WU=False,
+            FACTORED_DIAGONAL=factored, **common), 8, NC * H)
     report(f"{tag} states BV32 4w", tk._states_kernel.fn, dict(k_ptr=tok(K), w_ptr=tok(K), u_ptr=tok(V), G_ptr=G, h0_ptr=T([N, H, K, V], f32),
         h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), ht_ptr=T([N, H, K, V], f32), cu_ptr=T([N + 1], idx), choff_ptr=T([N], idx), NH_BUCKET=128, V=V, BV=32,
         q_ptr=tok(K), o_ptr=tok(V), scale=0.1, eps=1e-6, HAS_H0=False, STORE_FINAL=False, PER_CHANNEL=pc, FUSE_OUTPUT=False,

@@ -1,5 +1,5 @@
-"""A/B of the KDA Triton forward's output-kernel forms on the H200, at S1 (B=8, T=4096, H=16,
-K=V=128, bf16): OUTPUT_DIAGONAL "exact" (pairwise exponents in every diagonal sub-block) against
+"""A/B of the KDA Triton forward's DIAGONAL_FORM (stage 3 and the output kernel) on the H200, at
+S1 (B=8, T=4096, H=16, K=V=128, bf16): "exact" (pairwise exponents in every diagonal sub-block) against
 "factored" (reference-row factors where a sub-block's gates span at most SPAN_MAX), with
 logsigmoid(N(0, 1)) gates (the bench's: the factored branch everywhere) and with steep gates
 (every entry at -20..-30: the exact branch everywhere, so the cost of the run-time check).
@@ -24,7 +24,7 @@ gates = {"logsigmoid": torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, de
 for name, g in gates.items():
     base = None
     for form in ("exact", "factored"):
-        kk.OUTPUT_DIAGONAL = form
+        kk.DIAGONAL_FORM = form
 
         def fwd():
             return kk.kda_forward_triton(q, k, v, g, beta, K ** -0.5, None, False, True, None)[0]
@@ -33,5 +33,5 @@ for name, g in gates.items():
         base = o if base is None else base
         err = ((o - base).norm() / base.norm().clamp_min(1e-30)).item()
         ms = triton.testing.do_bench(fwd, warmup=5, rep=40, return_mode="median") if dev == "cuda" else float("nan")
-        print(f"kda forward gates={name:10} output diagonal {form:8}: {ms:.3f} ms, vs exact {err:.2e}", flush=True)
-kk.OUTPUT_DIAGONAL = "exact"
+        print(f"kda forward gates={name:10} diagonal {form:8}: {ms:.3f} ms, vs exact {err:.2e}", flush=True)
+kk.DIAGONAL_FORM = "exact"

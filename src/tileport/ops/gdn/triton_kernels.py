@@ -344,12 +344,14 @@ def _rounded_for(x, ptr, DA: tl.constexpr):
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(SOLVE_WU_OPTIONS), key=["K", "V", "H", "PER_CHANNEL", "STORE_T", "EXACT_WU"])
+@triton.autotune(configs=_tuned(SOLVE_WU_OPTIONS), key=["K", "V", "H", "PER_CHANNEL", "STORE_T", "EXACT_WU",
+                                                       "FACTORED_DIAGONAL"])
 @triton.jit
 def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                     STORE_T: tl.constexpr, EXACT_WU: tl.constexpr):
+                     STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, FACTORED_DIAGONAL: tl.constexpr = False,
+                     SPAN_MAX: tl.constexpr = 40.0):
     """3: T = (I + A)^-1, A = strict_lower(diag(beta) (K K^T * Gam)), then W = T diag(beta exp(G)) K
     and U = T diag(beta) V, for one chunk and head; grid (NC, H). T never leaves registers unless
     STORE_T (the backward reads it): the forward saves T's round trip through HBM and the
@@ -371,7 +373,9 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
     (k_t exp(G_t - G_r)) . (k_s exp(G_r - G_s)), both exponents <= 0 for g <= 0; a diagonal block
     uses the exact pairwise differences as a [16, 16, BK] fp32 product (no factor can overflow for
     any gate magnitude; kda.reference.gated_products is the same scheme in float64);
-    W = T diag(beta) (exp(G) * K)."""
+    W = T diag(beta) (exp(G) * K). FACTORED_DIAGONAL: a diagonal block whose gates span at most
+    SPAN_MAX (max abs(G_s - G_r) over its rows and channels, checked at run time) is one dot of the
+    same reference-row factors instead (KDA's DIAGONAL_FORM; kda/triton_kernels.py says why)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     bos = tl.load(chunks_ptr + 2 * c)
@@ -412,18 +416,23 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
                 msk = msk & strict
             if PER_CHANNEL:
                 if m == i:
-                    # [16, 16, CB] products over CB key channels at a time: the whole [16, 16, K]
-                    # fp32 tile (and the four [16, K] fp64 gate tiles it was held beside) spilled
-                    # 2.6-6.4 KB per thread on sm_90a (ptxas, 2026-11-29)
-                    kk = tl.full([16, 16], 0.0, tl.float32)
-                    for cb in tl.static_range(0, BK, CB):
-                        cc = cb + tl.arange(0, CB)
-                        mkc = vs[i][:, None] & (cc < K)[None, :]
-                        kci = tl.load(k_ptr + rows[i][:, None] * K + cc[None, :], mask=mkc, other=0.0).to(tl.float32)
-                        Gci = tl.load(G_ptr + rows[i][:, None] * K + cc[None, :], mask=mkc, other=0.0)
-                        keep = (msk[:, :, None]) & (cc < K)[None, None, :]
-                        e3 = tl.exp(tl.where(keep, (Gci[:, None, :] - Gci[None, :, :]).to(tl.float32), float("-inf")))
-                        kk += tl.sum(kci[:, None, :] * kci[None, :, :] * e3, 2)
+                    span = tl.max(tl.max(tl.where(mki, tl.abs(Gi - Gr[None, :]), 0.0), 1), 0)
+                    if FACTORED_DIAGONAL and span <= SPAN_MAX:
+                        ek = tl.where(vs[i][:, None] & r_ok, (Gr[None, :] - Gi).to(tl.float32), float("-inf"))
+                        kk = tl.dot(xi, tl.trans(_op(ki * tl.exp(ek), DT, DA)), input_precision="ieee")
+                    else:
+                        # [16, 16, CB] products over CB key channels at a time: the whole [16, 16, K]
+                        # fp32 tile (and the four [16, K] fp64 gate tiles it was held beside) spilled
+                        # 2.6-6.4 KB per thread on sm_90a (ptxas, 2026-11-29)
+                        kk = tl.full([16, 16], 0.0, tl.float32)
+                        for cb in tl.static_range(0, BK, CB):
+                            cc = cb + tl.arange(0, CB)
+                            mkc = vs[i][:, None] & (cc < K)[None, :]
+                            kci = tl.load(k_ptr + rows[i][:, None] * K + cc[None, :], mask=mkc, other=0.0).to(tl.float32)
+                            Gci = tl.load(G_ptr + rows[i][:, None] * K + cc[None, :], mask=mkc, other=0.0)
+                            keep = (msk[:, :, None]) & (cc < K)[None, None, :]
+                            e3 = tl.exp(tl.where(keep, (Gci[:, None, :] - Gci[None, :, :]).to(tl.float32), float("-inf")))
+                            kk += tl.sum(kci[:, None, :] * kci[None, :, :] * e3, 2)
                 else:
                     mkm = vs[m][:, None] & (kc < K)[None, :]
                     km = tl.load(k_ptr + rows[m][:, None] * K + kc[None, :], mask=mkm, other=0.0).to(tl.float32)
@@ -1033,11 +1042,13 @@ def _intermediate_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
 
 
 def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compact: bool = False,
-                   exact_wu: bool = False, keys_normalised: bool = False, l2norm_k: bool = False):
+                   exact_wu: bool = False, keys_normalised: bool = False, l2norm_k: bool = False,
+                   factored_diagonal: bool = False):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
-    normalises it (the tile form only; keys_normalised is then implied)."""
+    normalises it (the tile form only; keys_normalised is then implied). factored_diagonal (KDA):
+    the kernel's FACTORED_DIAGONAL."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1059,7 +1070,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
                                             NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k)
     else:
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
-                                       DT, DA, G.dim() == 3, store_T, exact_wu)
+                                       DT, DA, G.dim() == 3, store_T, exact_wu, factored_diagonal and G.dim() == 3)
     return Ai, w, u
 
 

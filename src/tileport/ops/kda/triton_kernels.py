@@ -53,10 +53,11 @@ from tileport.ops.gdn.triton_kernels import (
 __all__ = ["kda_forward_triton", "chunk_output_kda", "triton_refusal"]
 
 _LAUNCH_OUTPUT = dict(num_warps=4)
-# How the output kernel forms each 16-row sub-block's diagonal block: "exact" (pairwise
-# exponents, always) or "factored" (reference-row factors when the sub-block's gates span at most
-# SPAN_MAX, the exact form otherwise). Off until the H200 has run the gate and timed it.
-OUTPUT_DIAGONAL = "exact"
+# How stage 3 (GDN's solve kernel, PER_CHANNEL) and the output kernel form each 16-row
+# sub-block's diagonal block: "exact" (pairwise exponents, always) or "factored" (reference-row
+# factors when the sub-block's gates span at most SPAN_MAX, the exact form otherwise). Off until
+# the H200 has run the gate and timed it (scripts/kda_ab.py).
+DIAGONAL_FORM = "exact"
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
@@ -155,7 +156,7 @@ def chunk_output_kda(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype)
     o = _out((Ntok, H, V), out_dtype, q.device)
     if plan.NC:
         _kda_output_kernel[(plan.NC * NV, H)](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
-                                             *_dot_types(q.dtype), OUTPUT_DIAGONAL == "factored",
+                                             *_dot_types(q.dtype), DIAGONAL_FORM == "factored",
                                              **_LAUNCH_OUTPUT)
     return _done(o, out_dtype)
 
@@ -170,7 +171,7 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     if use_qk_l2norm_in_kernel:
         qf, kf = l2norm_fwd(qf), l2norm_fwd(kf)
     G = chunk_cumsum(gf, plan)  # [Ntok, H, K] fp64
-    _, w, u = chunk_solve_wu(kf, vf, bf, G, plan, compact=True)
+    _, w, u = chunk_solve_wu(kf, vf, bf, G, plan, compact=True, factored_diagonal=DIAGONAL_FORM == "factored")
     h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
     o = chunk_output_kda(qf, kf, G, h, vn, scale, plan, q.dtype)
     return o.view(B, T, H, V), ht
