@@ -27,6 +27,8 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tileport.shapes import next_pow2
+
 __all__ = ["MIN_TILEIRAS", "toolchain_refusal", "cutile_available", "launch", "CutileCompileCase",
            "array_spec", "scalar_spec", "export_cubin", "all_compile_cases", "row_tiles", "rows2d", "next_pow2"]
 
@@ -176,10 +178,6 @@ def all_compile_cases() -> list[CutileCompileCase]:
 # row-wise ops: tile shapes shared by the cuTile kernels of rms_norm, softmax, swiglu, rope
 # --------------------------------------------------------------------------------------------
 ROW_TILE_ELEMS = 8192  # elements of one program's [BM, BD] tile: 32 KB of fp32 per tile
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def row_tiles(M: int, D: int, max_bd: int) -> tuple[int, int]:

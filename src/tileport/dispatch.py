@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from tileport.envvars import getenv
 
 class BackendRefused(RuntimeError):
     """Raised when a forced backend refuses a call, or when strict mode forbids a fallback."""
@@ -76,7 +76,7 @@ def use_backend(name: str, op: str | None = None):
 
 
 def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return getenv("TRITON_INTERPRET", "0") == "1"
 
 
 def _not_meant_for(backend: str, device_type: str) -> str:
@@ -104,16 +104,17 @@ class OpDispatcher:
         self._cache: dict[Hashable, Backend] = {}
         self._available: dict[str, str | None] = {}
         self._settings_cache: dict[tuple, tuple[str | None, frozenset[str], bool]] = {}
+        self._op_env = f"TILEPORT_{op.upper()}_BACKEND"
 
     # -- settings --------------------------------------------------------------------------
     def _settings(self) -> tuple[str | None, frozenset[str], bool]:
-        env = os.environ
+        forced = _forced_override()
         raw = (
-            tuple(sorted(_forced_override().items())),
-            env.get(f"TILEPORT_{self.op.upper()}_BACKEND"),
-            env.get("TILEPORT_BACKEND"),
-            env.get("TILEPORT_DISABLE", ""),
-            env.get("TILEPORT_STRICT", "0"),
+            tuple(sorted(forced.items())) if forced else (),
+            getenv(self._op_env),
+            getenv("TILEPORT_BACKEND"),
+            getenv("TILEPORT_DISABLE", ""),
+            getenv("TILEPORT_STRICT", "0"),
         )
         hit = self._settings_cache.get(raw)
         if hit is None:

@@ -8,18 +8,18 @@ a kernel forgets to write then fails the parity check instead of passing on stal
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
 
-_state = threading.local()
+from tileport.envvars import getenv
 
+_state = threading.local()
 
 def poisoning_enabled() -> bool:
     flag = getattr(_state, "poison", None)
     if flag is None:
-        return os.environ.get("TILEPORT_POISON", "0") == "1"
+        return getenv("TILEPORT_POISON", "0") == "1"
     return flag
 
 

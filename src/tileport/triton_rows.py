@@ -8,11 +8,12 @@ allocator that device-side descriptors need.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from tileport.envvars import getenv
+from tileport.shapes import next_pow2
 
 # Tuning knobs (module constants so that a GPU sweep, or a test, can patch them).
 _CHUNK_D = 4096  # chunk width for wider rows (capped by _MAX_TILE_D)
@@ -29,7 +30,7 @@ _INTERPRETER_PROGRAMS = 2
 
 
 def _interpreting(device: torch.device) -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type == "cpu"
+    return getenv("TRITON_INTERPRET", "0") == "1" or device.type == "cpu"
 
 
 def _scratch_allocator(size: int, alignment: int, stream):
@@ -72,13 +73,13 @@ def descriptors_fit(tensors, device: torch.device) -> bool:
 
 def row_config(M: int, D: int, device: torch.device, max_tile_d: int) -> dict:
     """BLOCK_M, BLOCK_D, ONE_TILE and num_warps for M rows of width D."""
-    full = max(16, triton.next_power_of_2(D))
+    full = max(16, next_pow2(D))
     if full <= max_tile_d:
         block_d, one_tile = full, True
     else:
         block_d, one_tile = max(16, min(_CHUNK_D, max_tile_d)), False  # max_tile_d: a power of two
     tile = _INTERPRETER_TILE_ELEMS if _interpreting(device) else _GPU_TILE_ELEMS
-    block_m = max(1, min(tile // block_d, triton.next_power_of_2(max(M, 1)), _MAX_BLOCK_M))
+    block_m = max(1, min(tile // block_d, next_pow2(max(M, 1)), _MAX_BLOCK_M))
     elems = block_m * block_d
     num_warps = 4 if elems <= 2048 else (8 if elems <= 8192 else 16)
     return dict(BLOCK_M=block_m, BLOCK_D=block_d, ONE_TILE=one_tile, num_warps=num_warps)

@@ -35,12 +35,12 @@ Design (bandwidth bound; the floor is (L+1)*N*D elements forward, (2L+1)*N*D bac
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from tileport.envvars import getenv
+from tileport.shapes import cdiv, next_pow2
 from tileport.memory import new_empty
 
 from .common import finish_parameter_grads
@@ -79,15 +79,15 @@ def _launch_config(N: int, D: int, L: int, backward: bool) -> dict:
 
     Returns BLOCK_N, BLOCK_D, LP, GATHER (constexprs) and launch options num_warps, maxnreg.
     """
-    block_d = max(16, triton.next_power_of_2(D))
-    lp = triton.next_power_of_2(L)
+    block_d = max(16, next_pow2(D))
+    lp = next_pow2(L)
     num_warps = _BWD_WARPS if backward else _FWD_WARPS
     if num_warps is None:
         num_warps = 4 if block_d <= 1024 else (8 if block_d <= 2048 else 16)
     maxnreg = _BWD_MAXNREG if backward else _FWD_MAXNREG
     threads = 32 * num_warps
     budget = _BWD_GATHER_ELEMS if backward else _FWD_GATHER_ELEMS
-    stream_n = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(N)))
+    stream_n = max(1, min(_TILE_ELEMENTS // block_d, next_pow2(N)))
     gather_n = min(stream_n, (budget * threads) // (lp * block_d))
     cfg = dict(BLOCK_D=block_d, LP=lp, num_warps=num_warps, maxnreg=maxnreg)
     if gather_n >= 1:
@@ -103,7 +103,7 @@ def _launch_options(cfg: dict) -> dict:
 
 
 def _interpreting(device: torch.device) -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type == "cpu"
+    return getenv("TRITON_INTERPRET", "0") == "1" or device.type == "cpu"
 
 
 def _fused_reductions(device: torch.device) -> bool:
@@ -503,7 +503,7 @@ def _forward_stage(query, residuals, rms_weight, output_rms_weight, eps, scale, 
     o = new_empty((N, D), residuals[0].dtype, device)
     p = new_empty((L, N), torch.float32, device) if return_weights else None
     has_ow = output_rms_weight is not None
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
+    grid = (cdiv(N, cfg["BLOCK_N"]),)
     _attnres_fwd_kernel[grid](
         tuple(residuals), query, rms_weight, output_rms_weight if has_ow else query, o,
         p if return_weights else o,
@@ -526,7 +526,7 @@ def _backward_stage(grad_o, query, residuals, rms_weight, output_rms_weight, eps
     assert grad_o.shape == (N, D) and grad_o.is_contiguous()
     device = residuals[0].device
     cfg = _launch_config(N, D, L, backward=True)
-    num_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    num_tiles = cdiv(N, cfg["BLOCK_N"])
     programs = _persistent_programs(num_tiles, device)
     has_ow = output_rms_weight is not None
     grads = [new_empty((N, D), residuals[0].dtype, device) for _ in range(L)]

@@ -73,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tileport.shapes import cdiv, next_pow2
 from tileport.dispatch import interpreter_enabled
 from tileport.memory import new_empty
 
@@ -142,9 +143,9 @@ def make_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.dev
 
 def _blocks(K: int, V: int) -> tuple[int, int, int]:
     """(BK, BV, NV): K is held whole (padded to a power of two >= 16), V in NV blocks of BV."""
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
-    return BK, BV, triton.cdiv(V, BV)
+    BK = max(16, next_pow2(K))
+    BV = min(64, max(16, next_pow2(V)))
+    return BK, BV, cdiv(V, BV)
 
 
 def _dot_types(dtype: torch.dtype) -> tuple:
@@ -194,7 +195,7 @@ def _programs_bucket(n: int) -> int:
     (sequence, head) pairs, rounded up to a power of two. The best block of V depends on how many
     programs fill the card (S1: 128 pairs; B=1 T=32768: 16, where only small blocks of V give the
     132 SMs work), and the bucket keeps varlen batches from re-tuning at every new count."""
-    return triton.next_power_of_2(max(1, n))
+    return next_pow2(max(1, n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -996,7 +997,7 @@ def _done(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _l2norm_rows(D: int) -> tuple[int, int]:
-    BD = max(16, triton.next_power_of_2(D))
+    BD = max(16, next_pow2(D))
     return BD, max(16, 4096 // BD)
 
 
@@ -1007,7 +1008,7 @@ def l2norm_fwd(x: torch.Tensor) -> torch.Tensor:
     n_rows = x.numel() // D
     BD, BR = _l2norm_rows(D)
     if n_rows:
-        _l2norm_fwd_kernel[(triton.cdiv(n_rows, BR),)](x, y, n_rows, L2NORM_EPS, D, BD, BR)
+        _l2norm_fwd_kernel[(cdiv(n_rows, BR),)](x, y, n_rows, L2NORM_EPS, D, BD, BR)
     return _done(y, x.dtype)
 
 
@@ -1018,7 +1019,7 @@ def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) -> tor
     n_rows = x.numel() // D
     BD, BR = _l2norm_rows(D)
     if n_rows:
-        _l2norm_bwd_kernel[(triton.cdiv(n_rows, BR),)](x, dy, dx, n_rows, L2NORM_EPS, D, BD, BR)
+        _l2norm_bwd_kernel[(cdiv(n_rows, BR),)](x, dy, dx, n_rows, L2NORM_EPS, D, BD, BR)
     return _done(dx, out_dtype)
 
 
@@ -1118,7 +1119,7 @@ def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool, q=No
     if plan.N:
         DT, DA = _dot_types(k.dtype)
         # vn stands in for the pointers a form does not use (h0, ht when absent; h, q, o when split/fused)
-        _states_kernel[lambda meta: (plan.N * H, triton.cdiv(V, meta["BV"]))](
+        _states_kernel[lambda meta: (plan.N * H, cdiv(V, meta["BV"]))](
             k, w, u, G, h0 if h0 is not None else vn, h if h is not None else vn, vn, ht if ht is not None else vn,
             plan.cu, plan.chunk_offsets, H, _programs_bucket(plan.N * H),
             q if fuse else vn, o if fuse else vn, scale, L2NORM_EPS,
@@ -1138,7 +1139,7 @@ def chunk_output(q, k, G, h, vn, scale: float, plan: ChunkPlan, out_dtype: torch
     if plan.NC:
         DT, DA = _dot_types(q.dtype)
         def grid(meta):
-            n_items = plan.NC * triton.cdiv(V, meta["BV"])
+            n_items = plan.NC * cdiv(V, meta["BV"])
             if meta["PER_SM"]:  # persistent: PER_SM programs per SM over all heads
                 return (max(1, min(n_items, meta["PER_SM"] * _sm_count(q.device) // H)), H)
             return (n_items, H)
@@ -1171,7 +1172,7 @@ def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_
     dh0 = new_empty((plan.N, H, K, V), _F32, q.device) if want_dh0 else None
     if plan.N:
         DT, DA = _dot_types(q.dtype)
-        _dstates_kernel[lambda meta: (plan.N * H, triton.cdiv(V, meta["BV"]))](
+        _dstates_kernel[lambda meta: (plan.N * H, cdiv(V, meta["BV"]))](
             q, k, w, G, do, dvl, dht if dht is not None else dh, dh, dvn, dh0 if dh0 is not None else dh,
             plan.cu, plan.chunk_offsets, H, _programs_bucket(plan.N * H), scale, K=K, V=V, BK=BK, BT=BT,
             HAS_DHT=dht is not None,
@@ -1183,7 +1184,7 @@ def _key_split(K: int) -> tuple[int, int]:
     """(BKS, NK): 9 works on blocks of BKS key columns, NK of them (see `_dqkwg_kernel`)."""
     BK = _blocks(K, 1)[0]
     BKS = min(BK, 64)
-    return BKS, triton.cdiv(K, BKS)
+    return BKS, cdiv(K, BKS)
 
 
 def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_dtype: torch.dtype):

@@ -21,11 +21,11 @@ first: its bf16 tl.dot is wrong in triton 3.6, and its fp32 -> bf16 cast truncat
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
+from tileport.shapes import cdiv
 from tileport.memory import new_empty
 from tileport.triton_rows import _interpreting, ensure_descriptor_allocator
 
@@ -125,14 +125,14 @@ def _launch(a_addrs, b_addrs, c_addrs, Ms, Ks, Np, strides, like: torch.Tensor, 
     G = len(Ms)
     table = torch.tensor([[a_addrs[g], b_addrs[g], c_addrs[g], Ms[g], Ks[g]] for g in range(G)],
                          dtype=torch.int64).to(device)
-    tiles = [(g, t) for g in range(G) for t in range(triton.cdiv(Ms[g], BM))]
+    tiles = [(g, t) for g in range(G) for t in range(cdiv(Ms[g], BM))]
     if not tiles or Np == 0:
         return
     tiles_t = torch.tensor(tiles, dtype=torch.int32).to(device)
     if use_desc:
         ensure_descriptor_allocator()
     sam, sak, sbk, sbn, scm = strides
-    _grouped_gemm_kernel[(len(tiles), triton.cdiv(Np, cfg["BN"]))](
+    _grouped_gemm_kernel[(len(tiles), cdiv(Np, cfg["BN"]))](
         table, tiles_t, like, Np, sam, sak, sbk, sbn, scm,
         BM=BM, BN=cfg["BN"], BK=cfg["BK"], USE_DESC=use_desc, IEEE=like.dtype == torch.float32,
         UPCAST=like.dtype == torch.bfloat16 and _interpreting(device), A_T=a_t, B_T=b_t,

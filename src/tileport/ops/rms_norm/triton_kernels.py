@@ -22,11 +22,11 @@ allocator) lives in `tileport/triton_rows.py`, shared with softmax, rope and gro
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
+from tileport.shapes import cdiv
 from tileport.memory import new_empty
 from tileport.triton_rows import (  # the row-tile machinery shared by the row-wise ops
     _load_rows,
@@ -175,7 +175,7 @@ def rms_norm_forward_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: f
     if use_desc:
         ensure_descriptor_allocator()
     w = weight.contiguous() if weight is not None else x2
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]),)
+    grid = (cdiv(M, cfg["BLOCK_M"]),)
     _rms_norm_fwd_kernel[grid](
         x2, w, y, M, D, x2.stride(0), y.stride(0), eps,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], ONE_TILE=cfg["ONE_TILE"],
@@ -193,7 +193,7 @@ def rms_norm_backward_triton(grad_y: torch.Tensor, x: torch.Tensor, weight: torc
     M = x2.shape[0]
     dx = new_empty((M, D), x.dtype, x.device)
     cfg = row_config(M, D, x.device, min(_MAX_TILE_D, _MAX_TILE_D_BWD))
-    num_tiles = triton.cdiv(M, cfg["BLOCK_M"])
+    num_tiles = cdiv(M, cfg["BLOCK_M"])
     P = persistent_programs(num_tiles, x.device)
     want_dw = want_dw and weight is not None
     partials = new_empty((P, D), torch.float32, x.device) if want_dw else dx

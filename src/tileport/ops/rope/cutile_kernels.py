@@ -15,7 +15,8 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from tileport.cutile_support import CutileCompileCase, array_spec, launch, next_pow2, scalar_spec
+from tileport.shapes import next_pow2
+from tileport.cutile_support import CutileCompileCase, array_spec, launch, scalar_spec
 from tileport.memory import new_empty
 
 TILE_ELEMS = 4096  # BT * BH * BHALF for one half

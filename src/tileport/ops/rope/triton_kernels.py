@@ -21,11 +21,11 @@ the batch-free tile of heads):
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
+from tileport.shapes import cdiv, next_pow2
 from tileport.memory import new_empty
 from tileport.triton_rows import _interpreting, ensure_descriptor_allocator
 
@@ -43,10 +43,10 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def rope_config(T: int, H: int, D: int, device: torch.device) -> dict:
-    half = max(16, triton.next_power_of_2(D // 2))
+    half = max(16, next_pow2(D // 2))
     tile = _INTERPRETER_TILE_ELEMS if _interpreting(device) else _GPU_TILE_ELEMS
-    block_h = max(1, min(triton.next_power_of_2(H), tile // half, _MAX_BOX))
-    block_t = max(1, min(tile // (block_h * half), triton.next_power_of_2(T), _MAX_BOX))
+    block_h = max(1, min(next_pow2(H), tile // half, _MAX_BOX))
+    block_t = max(1, min(tile // (block_h * half), next_pow2(T), _MAX_BOX))
     elems = block_t * block_h * half
     num_warps = 4 if elems <= 2048 else (8 if elems <= 8192 else 16)
     return dict(BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=half, num_warps=num_warps)
@@ -170,7 +170,7 @@ def _launch(a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     else:
         sa, so = list(a.stride()[:3]), list(out.stride()[:3])
         sc, ss = cos.stride(0), sin.stride(0)
-    grid = (B * triton.cdiv(T, cfg["BLOCK_T"]) * triton.cdiv(H, cfg["BLOCK_H"]),)
+    grid = (B * cdiv(T, cfg["BLOCK_T"]) * cdiv(H, cfg["BLOCK_H"]),)
     _rope_kernel[grid](
         a, cos, sin, out, B, T, H, D // 2, *sa, sc, ss, *so,
         BLOCK_T=cfg["BLOCK_T"], BLOCK_H=cfg["BLOCK_H"], BLOCK_HALF=cfg["BLOCK_HALF"],

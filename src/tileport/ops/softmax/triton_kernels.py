@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tileport.shapes import cdiv
 from tileport.memory import new_empty
 from tileport.triton_rows import (
     _load_rows,
@@ -127,7 +128,7 @@ def softmax_forward_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     use_desc = descriptors_fit([x2, y], x.device)
     if use_desc:
         ensure_descriptor_allocator()
-    _softmax_fwd_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
+    _softmax_fwd_kernel[(cdiv(M, cfg["BLOCK_M"]),)](
         x2, y, stats, M, D, x2.stride(0), y.stride(0),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], ONE_TILE=cfg["ONE_TILE"], USE_DESC=use_desc,
         num_warps=cfg["num_warps"],
@@ -146,7 +147,7 @@ def softmax_backward_triton(grad_y: torch.Tensor, x: torch.Tensor, stats: torch.
     use_desc = descriptors_fit([x2, dy2, dx], x.device)
     if use_desc:
         ensure_descriptor_allocator()
-    _softmax_bwd_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
+    _softmax_bwd_kernel[(cdiv(M, cfg["BLOCK_M"]),)](
         x2, stats, dy2, dx, M, D, x2.stride(0), dy2.stride(0), dx.stride(0),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], ONE_TILE=cfg["ONE_TILE"], USE_DESC=use_desc,
         num_warps=cfg["num_warps"],

@@ -11,11 +11,11 @@ Non-contiguous inputs are copied to contiguous first.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
+from tileport.shapes import cdiv, next_pow2
 from tileport.memory import new_empty
 from tileport.triton_rows import _interpreting
 
@@ -27,7 +27,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def block_config(n: int, device: torch.device) -> dict:
     if _interpreting(device):
-        return dict(BLOCK=max(16, min(_INTERPRETER_BLOCK, triton.next_power_of_2(n))), num_warps=4)
+        return dict(BLOCK=max(16, min(_INTERPRETER_BLOCK, next_pow2(n))), num_warps=4)
     return dict(BLOCK=_GPU_BLOCK, num_warps=_GPU_WARPS)
 
 
@@ -74,7 +74,7 @@ def swiglu_forward_triton(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     out = new_empty(x.shape, x.dtype, x.device)
     cfg = block_config(n, x.device)
-    _swiglu_fwd_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
+    _swiglu_fwd_kernel[(cdiv(n, cfg["BLOCK"]),)](
         _flat(x), _flat(y), out, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return out
 
@@ -84,6 +84,6 @@ def swiglu_backward_triton(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Ten
     dx = new_empty(x.shape, x.dtype, x.device)
     dy = new_empty(y.shape, y.dtype, y.device)
     cfg = block_config(n, x.device)
-    _swiglu_bwd_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
+    _swiglu_bwd_kernel[(cdiv(n, cfg["BLOCK"]),)](
         _flat(x), _flat(y), _flat(grad_out), dx, dy, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return dx, dy
