@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tileport.devices import capability, sm_count
 from tileport.envvars import getenv
 from tileport.shapes import next_pow2
 
@@ -61,7 +62,7 @@ def descriptors_fit(tensors, device: torch.device) -> bool:
     if not _PREFER_DESCRIPTORS:
         return False
     if not _interpreting(device):
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        if device.type != "cuda" or capability(device) < (9, 0):
             return False
     for t in tensors:
         if t.stride(-1) != 1 or t.data_ptr() % 16:
@@ -89,7 +90,7 @@ def persistent_programs(num_tiles: int, device: torch.device) -> int:
     if _interpreting(device):
         cap = _INTERPRETER_PROGRAMS
     else:
-        cap = _GPU_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        cap = _GPU_PROGRAMS_PER_SM * sm_count(device)
     return max(1, min(num_tiles, cap))
 
 

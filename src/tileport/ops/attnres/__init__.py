@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tileport.devices import capability
 from tileport.dispatch import Backend, OpDispatcher, gluon_available, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_copy
 from tileport.ops.attnres.reference import attnres_reference
@@ -99,7 +100,7 @@ class AttnResCall:
 
 def _describe(query, residuals) -> AttnResCall:
     r0 = residuals[0]
-    cap = torch.cuda.get_device_capability(r0.device) if r0.device.type == "cuda" else None
+    cap = capability(r0.device)
     aligned = all(r.data_ptr() % 16 == 0 for r in residuals)
     return AttnResCall(len(residuals), r0.shape[-1], r0.dtype, r0.device.type, cap, aligned)
 

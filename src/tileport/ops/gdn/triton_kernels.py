@@ -73,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tileport.devices import sm_count
 from tileport.shapes import cdiv, next_pow2
 from tileport.dispatch import interpreter_enabled
 from tileport.memory import new_empty
@@ -204,7 +205,7 @@ def _sm_count(device) -> int:
     the interpreter runs the persistent form's loop over several items per program."""
     if torch.device(device).type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device)
 
 
 SOLVE_WU_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1))

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
@@ -86,7 +87,7 @@ class GroupedGemmCall:
 
 def _describe(a, b) -> GroupedGemmCall:
     x = a[0]
-    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    cap = capability(x.device)
     return GroupedGemmCall(x.shape[1], b[0].shape[1], x.dtype, b[0].dtype, x.device.type, cap)
 
 

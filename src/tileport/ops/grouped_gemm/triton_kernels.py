@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tileport.devices import capability
 from tileport.shapes import cdiv
 from tileport.memory import new_empty
 from tileport.triton_rows import _interpreting, ensure_descriptor_allocator
@@ -144,7 +145,7 @@ def _descriptors_fit(tensors, row_elems: list[int], device: torch.device) -> boo
     if not _PREFER_DESCRIPTORS:
         return False
     if not _interpreting(device):
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        if device.type != "cuda" or capability(device) < (9, 0):
             return False
     e = tensors[0].element_size()
     return all(t.data_ptr() % 16 == 0 for t in tensors) and all((n * e) % 16 == 0 for n in row_elems)

@@ -30,6 +30,7 @@ import dataclasses
 
 import torch
 
+from tileport.devices import capability
 from tileport.delta_rule_ops import make_delta_rule_op, state_dtype
 from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_copy
@@ -52,7 +53,7 @@ class KDACall:
 
 
 def _describe(q: torch.Tensor, v: torch.Tensor) -> KDACall:
-    cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    cap = capability(q.device)
     return KDACall(q.shape[-1], v.shape[-1], q.dtype, q.device.type, cap)
 
 

@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from tileport.devices import capability
 from tileport.validation import check_eps, check_float_tensor
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
@@ -61,7 +62,7 @@ class RMSNormCall:
 
 
 def _describe(x, weight) -> RMSNormCall:
-    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    cap = capability(x.device)
     return RMSNormCall(x.shape[-1], x.dtype, None if weight is None else weight.dtype, x.device.type, cap)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
+from tileport.devices import sm_count
 from tileport.cutile_support import CutileCompileCase, array_spec, launch, row_tiles, rows2d, scalar_spec
 from tileport.memory import new_empty
 
@@ -88,7 +89,7 @@ def rms_norm_backward_cutile(grad_y, x, weight, eps: float, want_dw: bool):
     dx = new_empty((M, D), x.dtype, x.device)
     BM, BD = row_tiles(M, D, MAX_D)
     num_tiles = -(-M // BM)
-    P = max(1, min(num_tiles, 2 * torch.cuda.get_device_properties(x.device).multi_processor_count))
+    P = max(1, min(num_tiles, 2 * sm_count(x.device)))
     want_dw = want_dw and weight is not None
     partials = new_empty((P, D), torch.float32, x.device) if want_dw else dx
     w = weight.contiguous() if weight is not None else x2[0]

@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
@@ -53,7 +54,7 @@ class RopeCall:
 
 
 def _describe(x, cos) -> RopeCall:
-    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    cap = capability(x.device)
     return RopeCall(x.shape[-1], x.dtype, cos.dtype, x.device.type, cap)
 
 

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tileport.devices import capability
 from tileport.shapes import cdiv, next_pow2
 from tileport.memory import new_empty
 from tileport.triton_rows import _interpreting, ensure_descriptor_allocator
@@ -142,7 +143,7 @@ def _use_descriptors(a, cs, sn, out, device) -> bool:
     if not _PREFER_DESCRIPTORS:
         return False
     if not _interpreting(device):
-        if not _DESCRIPTORS_ON_GPU or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        if not _DESCRIPTORS_ON_GPU or device.type != "cuda" or capability(device) < (9, 0):
             return False
     half = a.shape[-1] // 2
     for t in (a, cs, sn, out):

@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
@@ -48,7 +49,7 @@ class SoftmaxCall:
 
 
 def _describe(x) -> SoftmaxCall:
-    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    cap = capability(x.device)
     return SoftmaxCall(x.shape[-1], x.dtype, x.device.type, cap)
 
 

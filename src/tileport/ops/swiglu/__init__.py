@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
@@ -43,7 +44,7 @@ class SwiGLUCall:
 
 
 def _describe(x) -> SwiGLUCall:
-    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    cap = capability(x.device)
     return SwiGLUCall(x.dtype, x.device.type, cap)
 
 
