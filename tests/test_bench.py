@@ -268,3 +268,12 @@ def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "p.png"
     bench.plot([_row("torch", 1.0), _row("triton", 0.5)], str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_extra_baselines_are_timed_by_default_and_count_as_baselines():
+    """grouped GEMM's bar includes torch._grouped_mm: it is in the default systems, and the speedup
+    panel treats every torch system (and FLA) as a baseline, never as tileport's."""
+    _, _, _, _, _, systems, wanted = bench._op_plan("grouped_gemm", _args(op="grouped_gemm", backends=None), gpu=False)
+    assert "torch_grouped_mm" in wanted and "torch_grouped_mm" in systems
+    assert all(bench.is_baseline(s) for s in ("fla", "torch", "torch_grouped_mm", "torch_compile"))
+    assert not any(bench.is_baseline(s) for s in ("triton", "gluon", "cutile", "gluon-devdesc"))

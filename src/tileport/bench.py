@@ -215,7 +215,7 @@ def _op_plan(op: str, args, gpu: bool):
     if args.backends:
         wanted = [s.strip() for s in args.backends.split(",") if s.strip()]
     else:
-        wanted = DEFAULT_SYSTEMS + list(getattr(suite, "VARIANTS", {}))
+        wanted = DEFAULT_SYSTEMS + list(getattr(suite, "VARIANTS", {})) + list(getattr(suite, "EXTRA_BASELINES", ()))
     return suite, device, dtype, shapes, modes, suite.systems(torch), wanted
 
 
@@ -430,6 +430,11 @@ def print_rows(rows: list[dict]) -> None:
 BASELINE_SYSTEMS = ("fla", "torch")  # what a user would otherwise run; every other system is tileport's
 
 
+def is_baseline(system: str) -> bool:
+    """FLA, or anything of torch's (torch, torch_grouped_mm, torch_compile)."""
+    return system in BASELINE_SYSTEMS or system.startswith("torch")
+
+
 def _row_label(r: dict) -> str:
     return f"{r['op']} {','.join(str(v) for v in r['shape'].values())} {r['mode']}"
 
@@ -440,11 +445,11 @@ def speedups_over_baselines(rows: list[dict]) -> dict[tuple[str, str], float]:
     ok = [r for r in rows if r.get("status") == "ok"]
     fastest: dict[str, float] = {}
     for r in ok:
-        if r["system"] in BASELINE_SYSTEMS:
+        if is_baseline(r["system"]):
             lab = _row_label(r)
             fastest[lab] = min(fastest.get(lab, float("inf")), r["ms"])
     return {(_row_label(r), r["system"]): fastest[_row_label(r)] / r["ms"]
-            for r in ok if r["system"] not in BASELINE_SYSTEMS and _row_label(r) in fastest}
+            for r in ok if not is_baseline(r["system"]) and _row_label(r) in fastest}
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -459,7 +464,7 @@ def plot(rows: list[dict], path: str) -> None:
     labels = sorted({_row_label(r) for r in ok})
     by = {(_row_label(r), r["system"]): r for r in ok}
     systems = sorted({r["system"] for r in ok})
-    ours = [s for s in systems if s not in BASELINE_SYSTEMS]
+    ours = [s for s in systems if not is_baseline(s)]
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(max(6, 1.2 * len(labels)), 8), sharex=True)
     width = 0.8 / max(len(systems), 1)
     for i, s in enumerate(systems):
@@ -522,7 +527,7 @@ def compare_with_base(rows: list[dict], base_rows: list[dict], base_sha: str) ->
     print(f"\nbefore ({base_sha}) / after (this tree), median ms:")
     print(f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<13} {'before':>8} {'after':>8} {'change':>8}")
     for r in rows:
-        if r.get("status") != "ok" or r["system"] in BASELINE_SYSTEMS:
+        if r.get("status") != "ok" or is_baseline(r["system"]):
             continue
         b = base.get(key(r))
         shape = ",".join(f"{k}{v}" for k, v in r["shape"].items())
