@@ -30,7 +30,7 @@ from typing import Any, Callable
 from tileport.shapes import next_pow2
 
 __all__ = ["MIN_TILEIRAS", "toolchain_refusal", "cutile_available", "launch", "CutileCompileCase",
-           "array_spec", "scalar_spec", "export_cubin", "all_compile_cases", "row_tiles", "rows2d", "next_pow2"]
+           "array_spec", "list_spec", "scalar_spec", "export_cubin", "all_compile_cases", "row_tiles", "rows2d", "next_pow2"]
 
 MIN_TILEIRAS = (13, 3)  # the first tileiras that targets sm_90
 
@@ -123,6 +123,16 @@ def array_spec(dtype: str, ndim: int) -> _ArraySpec:
 
 
 @dataclass(frozen=True)
+class _ListSpec:
+    element: _ArraySpec
+
+
+def list_spec(element: _ArraySpec) -> _ListSpec:
+    """A list-of-arrays argument (each element like `element`; they do not alias one another)."""
+    return _ListSpec(element)
+
+
+@dataclass(frozen=True)
 class _ScalarSpec:
     dtype: str
 
@@ -141,6 +151,10 @@ def _constraint(p):
         from cuda.tile.compilation import ScalarConstraint
 
         return ScalarConstraint(getattr(ct, p.dtype))
+    if isinstance(p, _ListSpec):
+        from cuda.tile.compilation import ListConstraint
+
+        return ListConstraint(_constraint(p.element), alias_groups=(), elements_may_alias=False)
     if isinstance(p, _ArraySpec):
         return ArrayConstraint(getattr(ct, p.dtype), p.ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
                                alias_groups=(), may_alias_internally=False,

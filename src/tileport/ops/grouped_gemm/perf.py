@@ -77,14 +77,12 @@ def systems(torch):
     def grouped_mm(inp):
         # torch's own grouped GEMM (CUTLASS on sm_90, bf16): A stacked [sum M_i, K], B [G, K, N],
         # offs = the groups' row ends; the stacking copies are part of its time, as for a caller
-        # holding separate a_i (the cutile backend pays the same copy)
+        # holding separate a_i and b_i (tileport's backends take the lists as they are)
         a, b = inp["a"], inp["b"]
         ends = torch.tensor([x.shape[0] for x in a], device=a[0].device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return torch._grouped_mm(torch.cat(a), torch.stack(b), offs=ends)
 
     torch_compiled = compiled_system(torch, loop, lambda inp: (inp["a"], inp["b"]))
-    # (the inputs are separate a_i tensors: the cutile backend stacks them, a copy of a per call,
-    # where a MoE layer's a_i are views of one buffer and need none)
     return {"triton": ours("triton"), "cutile": ours("cutile"), "reference": ours("reference"),
             "torch": lambda inp: loop(inp["a"], inp["b"]), "torch_grouped_mm": grouped_mm,
             "torch_compile": torch_compiled}
