@@ -59,3 +59,31 @@ def test_gdn_solve_wu_compiles_for_sm90a(form, backward):
     assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
     if not backward and report.n_spills is not None:
         assert report.n_spills <= max_spills, f"{report.n_spills} bytes of spills ({report.n_regs} registers)"
+
+
+# KDA's per-channel kernels in both diagonal forms (DIAGONAL_FORM): the factored path's run-time
+# branch must lower for sm_90a (the interpreter does not check that a name is bound the same way
+# in both branches; the JIT does, and a loop variable shadowing the V-block index once failed it)
+def _kda_output_args(factored: bool) -> dict:
+    from tileport.ops.kda import triton_kernels as kk  # noqa: F401 (imported for its kernel below)
+
+    BK, BV, NV = tk._blocks(K, V)
+    return dict(q_ptr=T([Ntok, H, K], bf), k_ptr=T([Ntok, H, K], bf), G_ptr=T([Ntok, H, K], f64),
+                h_ptr=T([NC, H, K, V], bf), vn_ptr=T([Ntok, H, V], bf), o_ptr=T([Ntok, H, V], bf),
+                chunks_ptr=T([2 * NC], idx), H=H, scale=0.1, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
+                DT=tl.bfloat16, DA=tl.bfloat16, FACTORED_DIAGONAL=factored)
+
+
+@pytest.mark.parametrize("factored", [False, True], ids=["exact", "factored"])
+def test_kda_kernels_compile_for_sm90a(factored):
+    from tileport.ops.kda import triton_kernels as kk
+
+    out = compile_case(CompileCase(f"kda output {'factored' if factored else 'exact'}", kk._kda_output_kernel,
+                                   _kda_output_args(factored), num_warps=4, options={"num_stages": 1}))
+    solve_args = dict(_args(False), G_ptr=T([Ntok, H, K], f64), PER_CHANNEL=True, FACTORED_DIAGONAL=factored)
+    solve = compile_case(CompileCase(f"kda solve_wu {'factored' if factored else 'exact'}", tk._solve_wu_kernel.fn,
+                                     solve_args, num_warps=8, options={"num_stages": 1}))
+    for report in (out, solve):
+        print(f"\n{report.summary()}")
+        assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+        assert "mma" in report.ptx, "no tensor-core instruction in the PTX"

@@ -113,14 +113,23 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
         # exp(SPAN_MAX)), and the whole row block is one [16, K] x [K, 64] dot
         span = tl.max(tl.max(tl.where(mki, tl.abs(Gi - Gr[None, :]), 0.0), 1), 0)
         if FACTORED_DIAGONAL and span <= SPAN_MAX:
-            upto = valid & (r < (i + 1) * 16) & r_ok
-            mku = upto[:, None] & (kc < K)[None, :]
-            k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mku, other=0.0).to(tl.float32)
-            G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mku, other=0.0)
-            kt = k * tl.exp(tl.where(mku, (Gr[None, :] - G).to(tl.float32), float("-inf")))
-            P = tl.dot(_op(xq, DT, DA), tl.trans(_op(kt, DT, DA)), input_precision="ieee")  # [16, 64]
-            keep = (r[None, :] <= (i * 16 + r16)[:, None]) & upto[None, :] & vi[:, None]
-            oi += tl.dot(_op(tl.where(keep, P, 0.0), DT, DA), vn, input_precision="ieee")
+            # column blocks jb <= i one [16, K] tile at a time (the whole [64, K] k and fp64 G
+            # tiles at once spilled 376 B per thread, sm_90a)
+            xqo = _op(xq, DT, DA)
+            for jb in tl.static_range(i + 1):
+                tj = bos + jb * 16 + r16
+                vj = (tj < eos) & r_ok
+                rowj = tj.to(tl.int64) * H + hh
+                mkj = vj[:, None] & (kc < K)[None, :]
+                kj = tl.load(k_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0).to(tl.float32)
+                Gj = tl.load(G_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0)
+                ktj = kj * tl.exp(tl.where(mkj, (Gr[None, :] - Gj).to(tl.float32), float("-inf")))
+                Pj = tl.dot(xqo, tl.trans(_op(ktj, DT, DA)), input_precision="ieee")  # [16, 16]
+                if jb == i:
+                    Pj = tl.where(incl & vi[:, None] & vj[None, :], Pj, 0.0)
+                vnj = _op(tl.load(vn_ptr + rowj[:, None] * V + vc[None, :], mask=vj[:, None] & (vc < V)[None, :],
+                                  other=0.0), DT, DA)
+                oi += tl.dot(_op(Pj, DT, DA), vnj, input_precision="ieee")
         else:
             # diagonal sub-block: exact pairwise exponents, [16, 16, CB] over CB key channels at a
             # time (the whole [16, 16, K] product, beside the chunk's [64, K] k and fp64 G tiles held
