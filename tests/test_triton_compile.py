@@ -1,4 +1,4 @@
-"""GDN's Triton stage-3 kernels compile for sm_90a on a CPU-only machine, in the launch forms
+"""GDN's and KDA's Triton kernels on the forward's hot path compile for sm_90a on a CPU-only machine, in the launch forms
 the forward uses, within a spill budget.
 
 The interpreter runs the parity gate but never compiles: a kernel it accepts can still fail to
@@ -87,3 +87,23 @@ def test_kda_kernels_compile_for_sm90a(factored):
         print(f"\n{report.summary()}")
         assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
         assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
+
+
+@pytest.mark.parametrize("l2norm_k", [False, True], ids=["keys-stage-1", "keys-in-kernel"])
+def test_gdn_fused_states_output_compiles_for_sm90a(l2norm_k):
+    """The forward's default stages 5+6 (FUSE_OUTPUT), and with keys normalised on load
+    (L2NORM_K_FORM), at the first states candidate."""
+    BK, BV, NV = tk._blocks(K, V)
+    N = 8
+    o = tk.STATES_OPTIONS[0]
+    args = dict(k_ptr=T([Ntok, H, K], bf), w_ptr=T([Ntok, H, K], bf), u_ptr=T([Ntok, H, V], bf),
+                G_ptr=T([Ntok, H], f64), h0_ptr=T([N, H, K, V], f32), h_ptr=T([NC, H, K, V], bf),
+                vn_ptr=T([Ntok, H, V], bf), ht_ptr=T([N, H, K, V], f32), cu_ptr=T([N + 1], idx), choff_ptr=T([N], idx),
+                H=H, NH_BUCKET=128, q_ptr=T([Ntok, H, K], bf), o_ptr=T([Ntok, H, V], bf), scale=0.1, eps=1e-6,
+                K=K, V=V, BK=BK, BV=o["BV"], BT=64, HAS_H0=True, STORE_FINAL=True, DT=tl.bfloat16, DA=tl.bfloat16,
+                PER_CHANNEL=False, FUSE_OUTPUT=True, L2NORM_Q=True, L2NORM_K=l2norm_k)
+    report = compile_case(CompileCase(f"gdn states+output fused l2norm_k={l2norm_k}", tk._states_kernel.fn, args,
+                                      num_warps=o["num_warps"], options={"num_stages": o["num_stages"]}))
+    print(f"\n{report.summary()}")
+    assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+    assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
