@@ -1,0 +1,45 @@
+"""One measured call of an op's system at its first standard shape, inside an NVTX range named
+"measure", for Nsight Compute (issue 5 asks an ncu summary of the final kernels):
+
+    ncu --nvtx --nvtx-include "measure/" --set basic --csv --page details \\
+        python3 scripts/ncu_op.py gdn triton [--mode fwd|fwdbwd]
+
+Warm-up calls (compiling and autotuning, which launch every candidate) run before the range, so
+ncu profiles only the kernels of the measured call. `scripts/gpu-check ncu` runs it for GDN.
+"""
+
+import argparse
+import importlib
+
+import torch
+
+from tileport.bench import OPS, _forcing
+
+ap = argparse.ArgumentParser()
+ap.add_argument("op", choices=sorted(OPS))
+ap.add_argument("system", nargs="?", default="triton")
+ap.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
+args = ap.parse_args()
+suite = importlib.import_module(OPS[args.op])
+inputs = suite.make_inputs(suite.STANDARD[0], torch.bfloat16, "cuda", torch)
+leaves = suite.differentiable(inputs)
+for t in leaves:
+    t.requires_grad_(True)
+fn, forced = suite.systems(torch)[args.system], _forcing(args.op, args.system, suite)
+
+
+def step():
+    with forced():
+        o = fn(inputs)
+        if args.mode == "fwdbwd":
+            torch.autograd.grad(o, leaves, torch.ones_like(o), allow_unused=True)
+
+
+for _ in range(2):
+    step()
+torch.cuda.synchronize()
+torch.cuda.nvtx.range_push("measure")
+step()
+torch.cuda.synchronize()
+torch.cuda.nvtx.range_pop()
+print(f"{args.op} {args.system} {args.mode}: measured call done")
