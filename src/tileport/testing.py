@@ -81,9 +81,9 @@ def backend_skip_reason(op: str, name: str, device_type: str) -> str | None:
         return f"{op} has no {name} backend"
     b = disp._by_name[name]
     if not disp._applies(b, device_type):
-        if name == "triton" and device_type == "cpu":
-            return "Triton runs on the CPU only under TRITON_INTERPRET=1"
-        return f"{name} does not run on {device_type}"
+        from tileport.dispatch import _not_meant_for
+
+        return _not_meant_for(name, device_type)
     return disp.availability(b)
 
 
