@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import pkgutil
 import re
 import subprocess
@@ -30,7 +31,7 @@ from typing import Any, Callable
 from tileport.shapes import next_pow2
 
 __all__ = ["MIN_TILEIRAS", "toolchain_refusal", "cutile_available", "launch", "CutileCompileCase",
-           "array_spec", "list_spec", "scalar_spec", "export_cubin", "all_compile_cases", "row_tiles", "rows2d", "next_pow2"]
+           "array_spec", "list_spec", "scalar_spec", "export_cubin", "all_compile_cases", "row_tiles", "rows2d"]
 
 MIN_TILEIRAS = (13, 3)  # the first tileiras that targets sm_90
 
@@ -189,7 +190,7 @@ def all_compile_cases() -> list[CutileCompileCase]:
 
 
 # --------------------------------------------------------------------------------------------
-# row-wise ops: tile shapes shared by the cuTile kernels of rms_norm, softmax, swiglu, rope
+# row-wise ops: tile shapes shared by the cuTile kernels of rms_norm and softmax
 # --------------------------------------------------------------------------------------------
 ROW_TILE_ELEMS = 8192  # elements of one program's [BM, BD] tile: 32 KB of fp32 per tile
 
