@@ -65,8 +65,6 @@ def test_gdn_solve_wu_compiles_for_sm90a(form, backward):
 # branch must lower for sm_90a (the interpreter does not check that a name is bound the same way
 # in both branches; the JIT does, and a loop variable shadowing the V-block index once failed it)
 def _kda_output_args(factored: bool) -> dict:
-    from tileport.ops.kda import triton_kernels as kk  # noqa: F401 (imported for its kernel below)
-
     BK, BV, NV = tk._blocks(K, V)
     return dict(q_ptr=T([Ntok, H, K], bf), k_ptr=T([Ntok, H, K], bf), G_ptr=T([Ntok, H, K], f64),
                 h_ptr=T([NC, H, K, V], bf), vn_ptr=T([Ntok, H, V], bf), o_ptr=T([Ntok, H, V], bf),

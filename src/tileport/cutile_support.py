@@ -31,7 +31,7 @@ from typing import Any, Callable
 from tileport.shapes import next_pow2
 
 __all__ = ["MIN_TILEIRAS", "toolchain_refusal", "cutile_available", "launch", "CutileCompileCase",
-           "array_spec", "list_spec", "scalar_spec", "export_cubin", "all_compile_cases", "row_tiles", "rows2d"]
+           "array_spec", "list_spec", "scalar_spec", "export_cubin", "all_compile_cases", "row_tiles"]
 
 MIN_TILEIRAS = (13, 3)  # the first tileiras that targets sm_90
 
@@ -203,8 +203,3 @@ def row_tiles(M: int, D: int, max_bd: int) -> tuple[int, int]:
     bd = min(bd, max_bd)
     bm = max(1, min(ROW_TILE_ELEMS // bd, next_pow2(max(M, 1)), 64))
     return bm, bd
-
-
-def rows2d(t):
-    """t [..., D] as a contiguous [M, D] (a view when it already is one)."""
-    return t.reshape(-1, t.shape[-1]).contiguous()

@@ -52,3 +52,15 @@ def new_empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
 def new_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A new (poisonable) buffer holding t in `dtype`: never an alias of t (op outputs must not be)."""
     return new_empty(t.shape, dtype, t.device).copy_(t)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., D] as [M, D] with unit last stride: a view, copied only when the last stride is not 1
+    (the row kernels take any row stride)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def as_flat(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous 1-D tensor (a view when it already is contiguous)."""
+    return t.contiguous().view(-1)

@@ -141,8 +141,3 @@ def _load_vec(ptr, col0, D, BLOCK_D: tl.constexpr):
 
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[M, D] view with unit last stride (a copy only when the last stride is not 1)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-

@@ -23,6 +23,7 @@ import torch
 
 from tileport.cutile_support import CutileCompileCase, array_spec, launch, list_spec, scalar_spec
 from tileport.memory import new_empty
+from tileport.shapes import cdiv
 
 BM, BN, BK = 128, 128, 64
 ZERO = ct.PaddingMode.ZERO
@@ -73,12 +74,8 @@ def _grouped_gemm_kernel(xs, ws, outs, items, n_red: int, BM: ct.Constant[int], 
 def _items(rows_per_group: list[int], device) -> tuple[torch.Tensor, int]:
     """[n, 2] int32 (group, row tile of its output, BM rows each) on the device (a placeholder
     row when n = 0), and n."""
-    items = [(g, t) for g, r in enumerate(rows_per_group) for t in range(-(-r // BM))]
+    items = [(g, t) for g, r in enumerate(rows_per_group) for t in range(cdiv(r, BM))]
     return torch.tensor(items or [(0, 0)], dtype=torch.int32).to(device), len(items)
-
-
-def _row_views(t: torch.Tensor, Ms: list[int]) -> list[torch.Tensor]:
-    return list(t.split(Ms))
 
 
 def grouped_gemm_forward_cutile(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
@@ -88,7 +85,7 @@ def grouped_gemm_forward_cutile(a: list[torch.Tensor], b: list[torch.Tensor]) ->
     c = new_empty((sum(Ms), N), a[0].dtype, a[0].device)
     items, n = _items(Ms, c.device)
     if n:
-        launch(_grouped_gemm_kernel, (n, -(-N // BN)), (list(a), list(b), _row_views(c, Ms), items, K, BM, BN, BK, 0))
+        launch(_grouped_gemm_kernel, (n, cdiv(N, BN)), (list(a), list(b), list(c.split(Ms)), items, K, BM, BN, BK, 0))
     return c
 
 
@@ -98,17 +95,17 @@ def grouped_gemm_backward_cutile(grad_c: torch.Tensor, a: list[torch.Tensor], b:
     K, N = b[0].shape
     Ms = [x.shape[0] for x in a]
     G = len(a)
-    dcs = _row_views(grad_c.contiguous(), Ms)
+    dcs = list(grad_c.contiguous().split(Ms))
     da = db = None
     if want_da:
         da = new_empty((sum(Ms), K), grad_c.dtype, grad_c.device)
         items, n = _items(Ms, da.device)
         if n:
-            launch(_grouped_gemm_kernel, (n, -(-K // BN)), (dcs, list(b), _row_views(da, Ms), items, N, BM, BN, BK, 1))
+            launch(_grouped_gemm_kernel, (n, cdiv(K, BN)), (dcs, list(b), list(da.split(Ms)), items, N, BM, BN, BK, 1))
     if want_db:
         db = new_empty((G, K, N), grad_c.dtype, grad_c.device)
         items, n = _items([K] * G, db.device)
-        launch(_grouped_gemm_kernel, (n, -(-N // BN)), (list(a), dcs, list(db.unbind(0)), items, 0, BM, BN, BK, 2))
+        launch(_grouped_gemm_kernel, (n, cdiv(N, BN)), (list(a), dcs, list(db.unbind(0)), items, 0, BM, BN, BK, 2))
     return da, db
 
 

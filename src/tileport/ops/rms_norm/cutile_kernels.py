@@ -18,8 +18,9 @@ import cuda.tile as ct
 import torch
 
 from tileport.devices import sm_count
-from tileport.cutile_support import CutileCompileCase, array_spec, launch, row_tiles, rows2d, scalar_spec
-from tileport.memory import new_empty
+from tileport.cutile_support import CutileCompileCase, array_spec, launch, row_tiles, scalar_spec
+from tileport.memory import as_rows, new_empty
+from tileport.shapes import cdiv
 
 MAX_D = 8192  # widest row held as one tile (forward and backward)
 ZERO = ct.PaddingMode.ZERO
@@ -73,22 +74,22 @@ def _rms_norm_bwd_kernel(x, w, dy, dx, partials, num_tiles: int, D: ct.Constant[
 # ----------------------------------------------------------------------------------------
 def rms_norm_forward_cutile(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     D = x.shape[-1]
-    x2 = rows2d(x)
+    x2 = as_rows(x)
     M = x2.shape[0]
     y = new_empty((M, D), x.dtype, x.device)
     BM, BD = row_tiles(M, D, MAX_D)
     w = weight.contiguous() if weight is not None else x2[0]
-    launch(_rms_norm_fwd_kernel, (-(-M // BM),), (x2, w, y, D, float(eps), BM, BD, weight is not None))
+    launch(_rms_norm_fwd_kernel, (cdiv(M, BM),), (x2, w, y, D, float(eps), BM, BD, weight is not None))
     return y.view(x.shape)
 
 
 def rms_norm_backward_cutile(grad_y, x, weight, eps: float, want_dw: bool):
     D = x.shape[-1]
-    x2, dy2 = rows2d(x), rows2d(grad_y.to(x.dtype))
+    x2, dy2 = as_rows(x), as_rows(grad_y.to(x.dtype))
     M = x2.shape[0]
     dx = new_empty((M, D), x.dtype, x.device)
     BM, BD = row_tiles(M, D, MAX_D)
-    num_tiles = -(-M // BM)
+    num_tiles = cdiv(M, BM)
     P = max(1, min(num_tiles, 2 * sm_count(x.device)))
     want_dw = want_dw and weight is not None
     partials = new_empty((P, D), torch.float32, x.device) if want_dw else dx

@@ -27,12 +27,11 @@ import triton
 import triton.language as tl
 
 from tileport.shapes import cdiv
-from tileport.memory import new_empty
+from tileport.memory import as_rows, new_empty
 from tileport.triton_rows import (  # the row-tile machinery shared by the row-wise ops
     _load_rows,
     _load_vec,
     _make_rows_desc,
-    _rows,
     _store_rows,
     descriptors_fit,
     ensure_descriptor_allocator,
@@ -167,7 +166,7 @@ def _rms_norm_bwd_kernel(
 def rms_norm_forward_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """y with x's shape and dtype. x [..., D], weight [D] or None."""
     D = x.shape[-1]
-    x2 = _rows(x)
+    x2 = as_rows(x)
     M = x2.shape[0]
     y = new_empty((M, D), x.dtype, x.device)
     cfg = row_config(M, D, x.device, _MAX_TILE_D)
@@ -188,8 +187,8 @@ def rms_norm_backward_triton(grad_y: torch.Tensor, x: torch.Tensor, weight: torc
                              want_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx with x's shape and dtype, d weight in weight's dtype or None)."""
     D = x.shape[-1]
-    x2 = _rows(x)
-    dy2 = _rows(grad_y)
+    x2 = as_rows(x)
+    dy2 = as_rows(grad_y)
     M = x2.shape[0]
     dx = new_empty((M, D), x.dtype, x.device)
     cfg = row_config(M, D, x.device, min(_MAX_TILE_D, _MAX_TILE_D_BWD))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from tileport.shapes import next_pow2
+from tileport.shapes import cdiv, next_pow2
 from tileport.cutile_support import CutileCompileCase, array_spec, launch, scalar_spec
 from tileport.memory import new_empty
 
@@ -64,8 +64,8 @@ def _launch(a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     cs, sn = cs.contiguous().view(T, 2, half), sn.contiguous().view(T, 2, half)
     out = new_empty((B, T, H, D), a.dtype, a.device)
     BT, BH, BHALF = rope_tiles(T, H, D)
-    nt = -(-T // BT)
-    launch(_rope_kernel, (B * nt, -(-H // BH)), (a5, cs, sn, out.view(B, T, H, 2, half), nt, BT, BH, BHALF, backward))
+    nt = cdiv(T, BT)
+    launch(_rope_kernel, (B * nt, cdiv(H, BH)), (a5, cs, sn, out.view(B, T, H, 2, half), nt, BT, BH, BHALF, backward))
     return out
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from tileport.cutile_support import CutileCompileCase, array_spec, launch, row_tiles, rows2d, scalar_spec
-from tileport.memory import new_empty
+from tileport.cutile_support import CutileCompileCase, array_spec, launch, row_tiles, scalar_spec
+from tileport.memory import as_rows, new_empty
+from tileport.shapes import cdiv
 
 MAX_TILE_D = 16384
 NEG_INF = ct.PaddingMode.NEG_INF
@@ -79,28 +80,28 @@ def _softmax_bwd_kernel(x, stats, dy, dx, n_chunks: int, BM: ct.Constant[int], B
 # ----------------------------------------------------------------------------------------
 def _config(M: int, D: int) -> tuple[int, int, int, bool]:
     BM, BD = row_tiles(M, D, MAX_TILE_D)
-    return BM, BD, -(-D // BD), BD >= D
+    return BM, BD, cdiv(D, BD), BD >= D
 
 
 def softmax_forward_cutile(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(y with x's shape and dtype, row statistics (max, 1/sum) [M, 2] fp32 for the backward)."""
     D = x.shape[-1]
-    x2 = rows2d(x)
+    x2 = as_rows(x)
     M = x2.shape[0]
     y = new_empty((M, D), x.dtype, x.device)
     stats = new_empty((M, 2), torch.float32, x.device)
     BM, BD, n_chunks, one_tile = _config(M, D)
-    launch(_softmax_fwd_kernel, (-(-M // BM),), (x2, y, stats, n_chunks, BM, BD, one_tile))
+    launch(_softmax_fwd_kernel, (cdiv(M, BM),), (x2, y, stats, n_chunks, BM, BD, one_tile))
     return y.view(x.shape), stats
 
 
 def softmax_backward_cutile(grad_y: torch.Tensor, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     D = x.shape[-1]
-    x2, dy2 = rows2d(x), rows2d(grad_y.to(x.dtype))
+    x2, dy2 = as_rows(x), as_rows(grad_y.to(x.dtype))
     M = x2.shape[0]
     dx = new_empty((M, D), x.dtype, x.device)
     BM, BD, n_chunks, one_tile = _config(M, D)
-    launch(_softmax_bwd_kernel, (-(-M // BM),), (x2, stats, dy2, dx, n_chunks, BM, BD, one_tile))
+    launch(_softmax_bwd_kernel, (cdiv(M, BM),), (x2, stats, dy2, dx, n_chunks, BM, BD, one_tile))
     return dx.view(x.shape)
 
 

@@ -27,11 +27,10 @@ import triton
 import triton.language as tl
 
 from tileport.shapes import cdiv
-from tileport.memory import new_empty
+from tileport.memory import as_rows, new_empty
 from tileport.triton_rows import (
     _load_rows,
     _make_rows_desc,
-    _rows,
     _store_rows,
     descriptors_fit,
     ensure_descriptor_allocator,
@@ -120,7 +119,7 @@ def _softmax_bwd_kernel(
 def softmax_forward_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(y with x's shape and dtype, row statistics (max, 1/sum) [M, 2] fp32 for the backward)."""
     D = x.shape[-1]
-    x2 = _rows(x)
+    x2 = as_rows(x)
     M = x2.shape[0]
     y = new_empty((M, D), x.dtype, x.device)
     stats = new_empty((M, 2), torch.float32, x.device)
@@ -139,8 +138,8 @@ def softmax_forward_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def softmax_backward_triton(grad_y: torch.Tensor, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     """dx with x's shape and dtype, from x and the forward's row statistics."""
     D = x.shape[-1]
-    x2 = _rows(x)
-    dy2 = _rows(grad_y)
+    x2 = as_rows(x)
+    dy2 = as_rows(grad_y)
     M = x2.shape[0]
     dx = new_empty((M, D), x.dtype, x.device)
     cfg = row_config(M, D, x.device, _MAX_TILE_D)

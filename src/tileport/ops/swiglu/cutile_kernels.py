@@ -12,7 +12,8 @@ import cuda.tile as ct
 import torch
 
 from tileport.cutile_support import CutileCompileCase, array_spec, launch
-from tileport.memory import new_empty
+from tileport.memory import as_flat, new_empty
+from tileport.shapes import cdiv
 
 BLOCK = 4096
 ZERO = ct.PaddingMode.ZERO
@@ -40,14 +41,10 @@ def _swiglu_bwd_kernel(g, x, y, dx, dy, BLOCK: ct.Constant[int]):
     ct.store(dy, index=(i,), tile=(gt * xt * s).astype(dy.dtype))
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1)
-
-
 def swiglu_forward_cutile(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     out = new_empty(x.shape, x.dtype, x.device)
     n = x.numel()
-    launch(_swiglu_fwd_kernel, (-(-n // BLOCK),), (_flat(x), _flat(y.to(x.dtype)), out.view(-1), BLOCK))
+    launch(_swiglu_fwd_kernel, (cdiv(n, BLOCK),), (as_flat(x), as_flat(y.to(x.dtype)), out.view(-1), BLOCK))
     return out
 
 
@@ -55,8 +52,8 @@ def swiglu_backward_cutile(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Ten
     dx = new_empty(x.shape, x.dtype, x.device)
     dy = new_empty(y.shape, y.dtype, y.device)
     n = x.numel()
-    launch(_swiglu_bwd_kernel, (-(-n // BLOCK),),
-           (_flat(grad_out.to(x.dtype)), _flat(x), _flat(y), dx.view(-1), dy.view(-1), BLOCK))
+    launch(_swiglu_bwd_kernel, (cdiv(n, BLOCK),),
+           (as_flat(grad_out.to(x.dtype)), as_flat(x), as_flat(y), dx.view(-1), dy.view(-1), BLOCK))
     return dx, dy
 
 

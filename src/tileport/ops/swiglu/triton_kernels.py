@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tileport.shapes import cdiv, next_pow2
-from tileport.memory import new_empty
+from tileport.memory import as_flat, new_empty
 from tileport.triton_rows import _interpreting
 
 _GPU_BLOCK = 4096  # elements per program on a GPU (8 warps: 16 per thread)
@@ -66,16 +66,13 @@ def _swiglu_bwd_kernel(x_ptr, y_ptr, dout_ptr, dx_ptr, dy_ptr, n, BLOCK: tl.cons
     tl.store(dy_ptr + offs, (g * xs).to(dy_ptr.dtype.element_ty), mask=mask)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
-
 
 def swiglu_forward_triton(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     out = new_empty(x.shape, x.dtype, x.device)
     cfg = block_config(n, x.device)
     _swiglu_fwd_kernel[(cdiv(n, cfg["BLOCK"]),)](
-        _flat(x), _flat(y), out, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+        as_flat(x), as_flat(y), out, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return out
 
 
@@ -85,5 +82,5 @@ def swiglu_backward_triton(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Ten
     dy = new_empty(y.shape, y.dtype, y.device)
     cfg = block_config(n, x.device)
     _swiglu_bwd_kernel[(cdiv(n, cfg["BLOCK"]),)](
-        _flat(x), _flat(y), _flat(grad_out), dx, dy, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+        as_flat(x), as_flat(y), as_flat(grad_out), dx, dy, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return dx, dy
