@@ -84,10 +84,7 @@ def _cutile_refusal(call: RopeCall) -> str | None:
     """Triton's dtype rules (the kernels take the same dtypes), on sm_90 or newer."""
     from tileport.ops.rope.triton_kernels import triton_refusal
 
-    reason = capability_refusal(call.device_type, call.capability, (9, 0)) or triton_refusal(call.D, call.dtype, call.cos_dtype)
-    if reason:
-        return reason
-    return None
+    return capability_refusal(call.device_type, call.capability, (9, 0)) or triton_refusal(call.D, call.dtype, call.cos_dtype)
 
 
 DISPATCHER = register(

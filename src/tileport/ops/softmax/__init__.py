@@ -79,10 +79,7 @@ def _cutile_refusal(call: SoftmaxCall) -> str | None:
     """Triton's dtype rules (the kernels take the same dtypes), on sm_90 or newer."""
     from tileport.ops.softmax.triton_kernels import triton_refusal
 
-    reason = capability_refusal(call.device_type, call.capability, (9, 0)) or triton_refusal(call.D, call.dtype)
-    if reason:
-        return reason
-    return None
+    return capability_refusal(call.device_type, call.capability, (9, 0)) or triton_refusal(call.D, call.dtype)
 
 
 DISPATCHER = register(
