@@ -2,7 +2,8 @@
 stage 3 (T, W, U), `_solve_wu_kernel` (16x16 block chain) against `_solve_wu_tile_kernel` (whole
 [64, 64] tiles); stage 6 (the output), every Triton candidate (one-shot and persistent) and
 both Gluon kernels (one-shot and persistent, two TMA buffer sets); and stages 5 + 6 split (the
-states kernel stores h and Vn, the output kernel reads them) against fused (STATES_FORM).
+states kernel stores h and Vn, the output kernel reads them) against fused (STATES_FORM); the
+whole forward with its switches; the whole backward in both BACKWARD_PRODUCTS.
 
     python3 scripts/gdn_ab.py            (on the GPU; ~1-2 min, most of it compiling)
 
@@ -200,3 +201,28 @@ for b_, t_ in ((B, T), (1, B * T)):
         print(f"forward B={b_} T={t_} states {states} prec={prec:6} l2norm k {l2form:9}: {ms:.3f} ms, "
               f"vs the first {rel(o, base):.2e}", flush=True)
 tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = "fused", "tf32x3", "stage-1"
+
+# --------------------------------------------------------------------------------------------
+# the backward's products (BACKWARD_PRODUCTS): "bf16x3" (the default since the fifth session: dg
+# and dbeta held to their bound) against "bf16" (rounded operands, the form the bench timed at
+# f7de67f: 8.14 ms at S1), the whole backward of the bench's inputs, once each, same inputs
+print("\n== whole backward: BACKWARD_PRODUCTS")
+qf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+kf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+vf = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+gf = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev))
+bf_ = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
+do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+grads = {}
+for products in ("bf16", "bf16x3"):
+    tk.BACKWARD_PRODUCTS = products
+
+    def bwd():
+        return tk.gdn_backward_triton(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
+
+    grads[products] = bwd()
+    ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median") if dev == "cuda" else float("nan")
+    diff = "" if products == "bf16" else ", vs bf16: " + " ".join(
+        f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[products], grads["bf16"]))
+    print(f"backward S1 products={products:6}: {ms:.3f} ms{diff}", flush=True)
+tk.BACKWARD_PRODUCTS = "bf16x3"

@@ -26,6 +26,8 @@ inter = f32  # the backward's recompute; the forward stores bf16 for 16-bit inpu
 fwd_inter = tk._intermediate_dtype(dt, compact=True)
 tok = lambda d, t=None: T([Ntok, H, d], t or dt)  # noqa: E731
 common = dict(H=H, K=K, BK=BK, BT=64, DT=DT, DA=DT)
+# the backward's kernels (and its recompute of stage 5) multiply at `_products(dt, True)`'s PREC
+bwd = dict(common, PREC=tk._products(dt, for_backward=True)[2])
 
 
 def cases():
@@ -50,7 +52,7 @@ def cases():
                 h_ptr=T([NC, H, K, V], w_t), vn_ptr=tok(V, w_t), ht_ptr=T([N, H, K, V], f32), cu_ptr=T([N + 1], idx),
                 choff_ptr=T([N], idx), NH_BUCKET=128, q_ptr=tok(K), o_ptr=tok(V), scale=0.1, eps=1e-6, V=V, BV=o["BV"],
                 HAS_H0=True, STORE_FINAL=True, PER_CHANNEL=False, FUSE_OUTPUT=fuse, L2NORM_Q=fuse, L2NORM_K=l2k,
-                **common)
+                **(bwd if w_t == inter else common))
     for o in tk.OUTPUT_OPTIONS:
         yield f"output {o}", tk._output_kernel.fn, o, dict(
             q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], fwd_inter), vn_ptr=tok(V, fwd_inter),
@@ -59,23 +61,23 @@ def cases():
     L = tk._LAUNCH
     yield "dv_local", tk._dv_local_kernel, L["dv_local"], dict(
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32), chunks_ptr=T([2 * NC], idx),
-        scale=0.1, V=V, BV=BV, NV=NV, **common)
+        scale=0.1, V=V, BV=BV, NV=NV, **bwd)
     for o in tk.DSTATES_OPTIONS:
         yield f"dstates {o}", tk._dstates_kernel.fn, o, dict(
         q_ptr=tok(K), k_ptr=tok(K), w_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32),
             dht_ptr=T([N, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32), dvn_ptr=tok(V, f32), dh0_ptr=T([N, H, K, V], f32),
             cu_ptr=T([N + 1], idx), choff_ptr=T([N], idx), NH_BUCKET=128, scale=0.1, V=V, BV=o["BV"], HAS_DHT=True, STORE_DH0=True,
-            **common)
+            **bwd)
     yield "dqkwg", tk._dqkwg_kernel, L["dqkwg"], dict(
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
         vn_ptr=tok(V, f32), dvn_ptr=tok(V, f32), do_ptr=tok(V), dq_ptr=tok(K), dk_ptr=tok(K, f32), dw_ptr=tok(K, f32),
         dG_ptr=T([2, Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1, dG_stride=Ntok * H, V=V, BV=BV, NV=NV,
-        BKS=tk._key_split(K)[0], **{k: v for k, v in common.items() if k != "BK"})
+        BKS=tk._key_split(K)[0], **{k: v for k, v in bwd.items() if k != "BK"})
     yield "wy_bwd", tk._wy_bwd_kernel, L["wy_bwd"], dict(
         k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], dt), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
         w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
         dGp_ptr=T([2, Ntok, H], f32), dk_ptr=tok(K), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], dt), dg_ptr=T([Ntok, H], f32),
-        chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=tk._key_split(K)[1], **common)
+        chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=tk._key_split(K)[1], **bwd)
 
 
 for name, fn, launch, args in cases():

@@ -1,5 +1,5 @@
 """GDN's and KDA's Triton kernels on the forward's hot path compile for sm_90a on a CPU-only machine, in the launch forms
-the forward uses, within a spill budget.
+the forward uses, within a spill budget; GDN's backward kernels compile in their bf16x3 form.
 
 The interpreter runs the parity gate but never compiles: a kernel it accepts can still fail to
 lower on the GPU (the Gluon output kernel's int64 TMA coordinates did, 2026-11-29), and 3D dots
@@ -105,3 +105,56 @@ def test_gdn_fused_states_output_compiles_for_sm90a(l2norm_k):
     print(f"\n{report.summary()}")
     assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
     assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
+
+
+def _backward_cases():
+    """GDN's backward kernels as the backward of bf16 inputs launches them: the products dg and
+    dbeta read at `_products(bf16, True)`'s precision ("bf16x3" on fp32 operands, which triton
+    lowers to three bf16 tensor-core products)."""
+    BK, BV, NV = tk._blocks(K, V)
+    BKS, NK = tk._key_split(K)
+    N = 8
+    DT, DA, PREC = tk._products(bf, for_backward=True)
+    tok = lambda d, t=bf: T([Ntok, H, d], t)  # noqa: E731
+    common = dict(H=H, K=K, BT=64, DT=DT, DA=DA, PREC=PREC)
+    seq = dict(cu_ptr=T([N + 1], idx), choff_ptr=T([N], idx), NH_BUCKET=128)
+    d = tk.DSTATES_OPTIONS[0]
+    s = tk.STATES_OPTIONS[0]
+    yield "states (recompute)", tk._states_kernel.fn, s, dict(
+        k_ptr=tok(K, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), G_ptr=T([Ntok, H], f64), h0_ptr=T([N, H, K, V], f32),
+        h_ptr=T([NC, H, K, V], f32), vn_ptr=tok(V, f32), ht_ptr=T([N, H, K, V], f32), q_ptr=tok(V, f32), o_ptr=tok(V, f32),
+        scale=0.1, eps=1e-6, V=V, BK=BK, BV=s["BV"], HAS_H0=True, STORE_FINAL=False, PER_CHANNEL=False,
+        FUSE_OUTPUT=False, L2NORM_Q=False, **seq, **common)
+    yield "dv_local", tk._dv_local_kernel, dict(tk._LAUNCH["dv_local"], num_stages=1), dict(
+        q_ptr=tok(K, f32), k_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32),
+        chunks_ptr=T([2 * NC], idx), scale=0.1, V=V, BK=BK, BV=BV, NV=NV, **common)
+    yield "dstates", tk._dstates_kernel.fn, d, dict(
+        q_ptr=tok(K, f32), k_ptr=tok(K, f32), w_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32),
+        dht_ptr=T([N, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32), dvn_ptr=tok(V, f32), dh0_ptr=T([N, H, K, V], f32),
+        scale=0.1, V=V, BK=BK, BV=d["BV"], HAS_DHT=True, STORE_DH0=True, **seq, **common)
+    yield "dqkwg", tk._dqkwg_kernel, dict(tk._LAUNCH["dqkwg"], num_stages=1), dict(
+        q_ptr=tok(K, f32), k_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32),
+        dh_ptr=T([NC, H, K, V], f32), vn_ptr=tok(V, f32), dvn_ptr=tok(V, f32), do_ptr=tok(V), dq_ptr=tok(K, f32),
+        dk_ptr=tok(K, f32), dw_ptr=tok(K, f32), dG_ptr=T([NK, Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1,
+        dG_stride=Ntok * H, V=V, BKS=BKS, BV=BV, NV=NV, **common)
+    yield "wy_bwd", tk._wy_bwd_kernel, dict(tk._LAUNCH["wy_bwd"], num_stages=1), dict(
+        k_ptr=tok(K, f32), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
+        w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
+        dGp_ptr=T([NK, Ntok, H], f32), dk_ptr=tok(K, f32), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], bf),
+        dg_ptr=T([Ntok, H], f32), chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BK=BK, BV=BV, NV=NV, NKP=NK,
+        **common)
+
+
+BACKWARD_CASES = list(_backward_cases())
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=[c[0] for c in BACKWARD_CASES])
+def test_gdn_backward_compiles_for_sm90a(case):
+    name, fn, launch, args = case
+    assert args["PREC"] == "bf16x3", "the backward of bf16 inputs should multiply at bf16x3 (BACKWARD_PRODUCTS)"
+    report = compile_case(CompileCase(f"gdn {name}", fn, args, num_warps=launch["num_warps"],
+                                      options={"num_stages": launch["num_stages"]}))
+    print(f"\n{report.summary()}")
+    assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+    # bf16x3 lowers to bf16 tensor-core products: an fp32 product on FMA units would have none
+    assert any("bf16" in line for line in report.ptx.splitlines() if "mma" in line), "no bf16 tensor-core product"

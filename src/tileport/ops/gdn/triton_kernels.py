@@ -16,6 +16,7 @@ then runs 7-11; stage 4, W and U, is fused into 3). Tokens of all sequences are 
 sequence) and each sequence's first chunk index are computed on the host (`ChunkPlan`).
 
      1 l2norm_fwd     (optional) q, k <- x * rsqrt(sum x^2 + 1e-6), stored in the input dtype
+                      (fp32 for the backward of 16-bit inputs)
                       (the forward normalises q inside stage 6 instead)
      2 chunk_cumsum   G = in-chunk cumsum of g (fp64)                          grid (NC, H)
      3 chunk_solve_wu T = (I + A)^-1 by 16x16 diagonal blocks (inverted by doubling in registers),
@@ -39,10 +40,15 @@ and `chunk_states` take g / G as [Ntok, H, K] and then launch their kernels with
 PER_CHANNEL constexpr on (kda/triton_kernels.py documents the gate-exponent scheme). With it off
 (every GDN call) the kernels compile to exactly the GDN code.
 
-Precision: every matmul accumulates in fp32. Operands are rounded to bf16 for bf16 and fp16
-inputs (tensor cores; bf16 rather than fp16 because gate products like exp(G) Q underflow fp16's
-range with very negative gates), and stay fp32 with input_precision="ieee" for fp32 inputs
-(no tf32). The 16x16 triangular inverses and their block merge are always fp32 "ieee". The gate
+Precision: every matmul accumulates in fp32. In the forward, operands are rounded to bf16 for
+bf16 and fp16 inputs (tensor cores; bf16 rather than fp16 because gate products like exp(G) Q
+underflow fp16's range with very negative gates), and stay fp32 with input_precision="ieee" for
+fp32 inputs (no tf32). The backward of 16-bit inputs (its recompute of stages 1-5 included) keeps
+its operands in fp32 and multiplies them as three bf16 products (`_mm`, "bf16x3", error ~2^-16
+instead of bf16's 2^-9), and keeps the l2-normalised q and k in fp32: dg and dbeta are small
+differences of large sums (at a chunk's end dg holds exp(G_L) sum(h * dh) over K*V entries), and
+bf16 operands there put dg and dbeta past their 3e-2 bound on ~1 in 130 draws of the gate's
+K = 128 case (`BACKWARD_PRODUCTS`; docs/perf/gdn.md). The 16x16 triangular inverses and their block merge are always fp32 "ieee". The gate
 cumsum G is kept in fp64 and every exponent is formed as an fp64 difference (G_t - G_s, G_L - G)
 before it is rounded to fp32: after a few steps of -20, G is in the hundreds, where an fp32 G
 carries an absolute error of ~1e-5 into every exp(G_t - G_s). Measured with 30% of the gates at
@@ -161,6 +167,27 @@ def _dot_types(dtype: torch.dtype) -> tuple:
     return DT, DA
 
 
+# The backward's products for 16-bit inputs: "bf16x3" (fp32 operands, three bf16 tensor-core
+# products each; the recompute's solve keeps its tf32x3) or "bf16" (the forward's: operands rounded
+# to bf16). "bf16x3" since 2026-11-29: with "bf16", dbeta and dg of the frozen gate's
+# K128-bf16-l2 case exceeded their 3e-2 bound on ~1 in 130 fresh draws (3.2e-2, 4.1e-2, 3.0e-2
+# seen, CI included); with every product and the normalised keys exact they are ~1e-6, and the
+# stages that mattered were states (h), dqkwg, dstates, wy_bwd and stage 1's bf16 keys
+# (docs/perf/gdn.md, "The backward's precision"). Read at each call, so a benchmark can time both.
+BACKWARD_PRODUCTS = "bf16x3"
+
+
+def _products(dtype: torch.dtype, for_backward: bool = False) -> tuple:
+    """(DT, DA, PREC) for a kernel's matmuls on inputs of `dtype`: `_dot_types` (the rounding of
+    every plain tl.dot's operands) and the precision PREC of the products that go through `_mm`:
+    "ieee" (rounded like the rest) in the forward and for fp32 inputs; "bf16x3" in the backward of
+    16-bit inputs with BACKWARD_PRODUCTS = "bf16x3" ("bf16x3-emulated" under the interpreter,
+    whose tl.dot ignores input_precision and would multiply fp32 operands exactly)."""
+    if for_backward and dtype != torch.float32 and BACKWARD_PRODUCTS == "bf16x3":
+        return (*_dot_types(dtype), "bf16x3-emulated" if interpreter_enabled() else "bf16x3")
+    return (*_dot_types(dtype), "ieee")
+
+
 # ----------------------------------------------------------------------------------------
 # kernels
 #
@@ -170,8 +197,9 @@ def _dot_types(dtype: torch.dtype) -> tuple:
 # tl.where, tl.full, ...), index with plain offset arithmetic, and call tl.sum outside loops. The
 # one helper is `_op`, which every matmul operand goes through: rounded to DT, the input dtype
 # (what the tensor cores see), and handed to tl.dot as DA (= DT, except bf16 under the
-# interpreter: fp32, rounded by bits). input_precision="ieee" only matters when the operands are
-# fp32: no tf32 anywhere.
+# interpreter: fp32, rounded by bits). The backward multiplies through `_mm`, whose precision
+# PREC is "ieee" (the operands' exact products) or, for the backward of 16-bit inputs, "bf16x3"
+# on fp32 operands (`_products`).
 # Row offsets into [Ntok, H, D] tensors are int64 (`row` = token * H + head).
 # ----------------------------------------------------------------------------------------
 
@@ -236,6 +264,36 @@ def _op(x, DT: tl.constexpr, DA: tl.constexpr):
     else:
         c = x.to(tl.float32) * 65537.0
         r = c - (c - x.to(tl.float32))
+    return r
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """a @ b for fp32 a and b, fp32 accumulate, at precision PREC: "ieee" (the operands rounded
+    to DT by `_op`, then multiplied exactly: what every other tl.dot here does), "bf16x3" (a and b
+    kept fp32, each split as x = hi + lo, hi = bf16(x), lo = bf16(x - hi), and multiplied as
+    lo.hi + hi.lo + hi.hi on bf16 tensor cores: triton's own decomposition; relative error ~2^-16
+    per product against bf16 operands' 2^-9, for 3x the tensor-core work and the registers of
+    fp32 operands), or "bf16x3-emulated": the same three products formed explicitly under the
+    interpreter (the splits rounded to nearest as `_op` does). The backward calls it for the
+    products that dg and dbeta depend on (`_products`)."""
+    if PREC == "bf16x3-emulated":
+        ca = a * 65537.0
+        ah = ca - (ca - a)
+        al = a - ah
+        ca = al * 65537.0
+        al = ca - (ca - al)
+        cb = b * 65537.0
+        bh = cb - (cb - b)
+        bl = b - bh
+        cb = bl * 65537.0
+        bl = cb - (cb - bl)
+        r = tl.dot(al, bh, input_precision="ieee") + tl.dot(ah, bl, input_precision="ieee")
+        r = tl.dot(ah, bh, r, input_precision="ieee")
+    elif PREC == "bf16x3":
+        r = tl.dot(a, b, input_precision="bf16x3")
+    else:
+        r = tl.dot(_op(a, DT, DA), _op(b, DT, DA), input_precision=PREC)
     return r
 
 
@@ -635,7 +693,7 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                    PER_CHANNEL: tl.constexpr, FUSE_OUTPUT: tl.constexpr, L2NORM_Q: tl.constexpr,
-                   L2NORM_K: tl.constexpr = False):
+                   L2NORM_K: tl.constexpr = False, PREC: tl.constexpr = "ieee"):
     """5: one program per (V block, sequence, head), sequential over the sequence's chunks.
     h [BK, BV] fp32 stays in registers; per chunk it is stored (the state entering the chunk, in
     h_ptr's dtype: bf16 for the forward of 16-bit inputs, where only the output kernel reads it),
@@ -648,7 +706,8 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
     stored; q and o are [Ntok, H, K] / [Ntok, H, V], q raw when L2NORM_Q. Why: h and Vn are
     0.8 GB written and read back at S1, the larger half of the forward's bytes (docs/perf/gdn.md,
     "Path to issue 5's 0.46 ms"). Q K^T is formed once per V block. L2NORM_K: k is raw and
-    normalised on load (`_load_keys`), as in `_solve_wu_tile_kernel`."""
+    normalised on load (`_load_keys`), as in `_solve_wu_tile_kernel`. PREC: `_mm`'s precision for
+    the recurrence's two products (the backward's recompute: "bf16x3" on fp32 operands)."""
     n, hh, bos, eos, c0, nc, r, kc, vc, smask, sblk = _sequence_program(cu_ptr, choff_ptr, H, K, V, BK, BV, BT)
     h = _state_or_zeros(h0_ptr, n, hh, H, sblk, smask, K, V, BK, BV, HAS_H0)
     for i in range(0, nc):
@@ -661,7 +720,7 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
         mv = valid[:, None] & (vc < V)[None, :]
         w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
         u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
-        vn = u - tl.dot(_op(w, DT, DA), _op(h, DT, DA), input_precision="ieee")
+        vn = u - _mm(w.to(tl.float32), h, PREC, DT, DA)
         last = tl.minimum(bos + i * BT + BT, eos) - 1
         k = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
         if PER_CHANNEL:
@@ -690,7 +749,7 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
             tl.store(o_ptr + row[:, None] * V + vc[None, :], (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
         else:
             tl.store(vn_ptr + row[:, None] * V + vc[None, :], _rounded_for(vn, vn_ptr, DA), mask=mv)
-        h = h * hdecay + tl.dot(tl.trans(_op(kd, DT, DA)), _op(vn, DT, DA), input_precision="ieee")
+        h = h * hdecay + _mm(tl.trans(kd), vn, PREC, DT, DA)
     if STORE_FINAL:
         tl.store(ht_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, h, mask=smask)
 
@@ -738,18 +797,18 @@ def _output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, NC,
 @triton.jit
 def _dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr,
-                     DT: tl.constexpr, DA: tl.constexpr):
+                     DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr):
     """7: dVl = scale lower(Q K^T * Gam)^T dO (fp32), the part of dVn from this chunk's outputs."""
     c, hh, bos, eos, r, tok, valid, row, kc, vc, mk, mv = _chunk_program(chunks_ptr, H, K, V, BK, BV, NV, BT,
                                                                          tl.program_id(0))
-    q = _op(tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
-    k = _op(tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
+    q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
     G = tl.load(G_ptr + row, mask=valid, other=0.0)
-    do = _op(tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
+    do = tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
     mT = valid[:, None] & valid[None, :] & (r[:, None] <= r[None, :])  # [s, t], t >= s
     gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
-    Pt = tl.where(mT, tl.dot(k, tl.trans(q), input_precision="ieee") * gamT, 0.0)
-    dvl = tl.dot(_op(Pt, DT, DA), do, input_precision="ieee") * scale
+    Pt = tl.where(mT, _mm(k, tl.trans(q), PREC, DT, DA) * gamT, 0.0)
+    dvl = _mm(Pt, do, PREC, DT, DA) * scale
     tl.store(dvl_ptr + row[:, None] * V + vc[None, :], dvl, mask=mv)
 
 
@@ -759,7 +818,8 @@ def _dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
 def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
                     cu_ptr, choff_ptr, H, NH_BUCKET, scale,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+                    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                    PREC: tl.constexpr):
     """8: one program per (V block, sequence, head), chunks in reverse. dh [BK, BV] fp32 in
     registers is the gradient of the state leaving the chunk; it is stored, then
     dVn = dVl + diag(exp(G_L - G)) K dh (stored) and
@@ -780,15 +840,15 @@ def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr
         k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
         kd = k * tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))[:, None]
         dvl = tl.load(dvl_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
-        dvn = dvl + tl.dot(_op(kd, DT, DA), _op(dh, DT, DA), input_precision="ieee")
+        dvn = dvl + _mm(kd, dh, PREC, DT, DA)
         tl.store(dvn_ptr + row[:, None] * V + vc[None, :], dvn, mask=mv)
         q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
-        do = _op(tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
+        w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+        do = tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
         qg = q * (scale * tl.exp(G.to(tl.float32)))[:, None]
         dh = (dh * tl.exp(GL.to(tl.float32))
-              + tl.dot(tl.trans(_op(qg, DT, DA)), do, input_precision="ieee")
-              - tl.dot(tl.trans(_op(w, DT, DA)), _op(dvn, DT, DA), input_precision="ieee"))
+              + _mm(tl.trans(qg), do, PREC, DT, DA)
+              - _mm(tl.trans(w), dvn, PREC, DT, DA))
     if STORE_DH0:
         tl.store(dh0_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, dh, mask=smask)
 
@@ -798,7 +858,7 @@ def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr
 def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                   dq_ptr, dk_ptr, dw_ptr, dG_ptr, chunks_ptr, H, scale, dG_stride,
                   K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                  BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+                  BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr):
     """9: per chunk, head and block of BKS key columns (grid (NC * NK, H)), summing over V blocks:
         dQa = dO h_c^T,  dS = dO Vn^T,  dKs = Vn dh^T,  dW = -dVn h_c^T,  dgl = sum(h_c * dh)
     (dh: the gradient of the state leaving the chunk); then, with D = lower(scale dS * Gam):
@@ -841,34 +901,35 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
         smask = (kc < K)[:, None] & (vc < V)[None, :]
         h = tl.load(h_ptr + sbase + kc[:, None] * V + vc[None, :], mask=smask, other=0.0)
         dh = tl.load(dh_ptr + sbase + kc[:, None] * V + vc[None, :], mask=smask, other=0.0)
-        vn = _op(tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
-        dvn = _op(tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
-        do = _op(tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
-        ht = tl.trans(_op(h, DT, DA))
-        dqa += tl.dot(do, ht, input_precision="ieee")
-        ds += tl.dot(do, tl.trans(vn), input_precision="ieee")
-        dsT += tl.dot(vn, tl.trans(do), input_precision="ieee")
-        dks += tl.dot(vn, tl.trans(_op(dh, DT, DA)), input_precision="ieee")
-        dw -= tl.dot(dvn, ht, input_precision="ieee")
+        vn = tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        dvn = tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        do = tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        ht = tl.trans(h)
+        # every product here goes through `_mm`: dG reads dQa, dS (through D' * QK^T), dKs and
+        # (in 10) dW; the rest feed dQ and dK only, but leaving them on rounded operands kept a
+        # rounded copy of each tile live beside the fp32 one (sm_90a ptxas: 868 B of spills
+        # against 644 B with all of them through `_mm`)
+        dqa += _mm(do, ht, PREC, DT, DA)
+        ds += _mm(do, tl.trans(vn), PREC, DT, DA)
+        dsT += _mm(vn, tl.trans(do), PREC, DT, DA)
+        dks += _mm(vn, tl.trans(dh), PREC, DT, DA)
+        dw -= _mm(dvn, ht, PREC, DT, DA)
         hdh += tl.sum(h * dh)
     q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
-    qd = _op(q, DT, DA)
-    kd = _op(k, DT, DA)
     G = tl.load(G_ptr + row, mask=valid, other=0.0)
     last = tl.minimum(bos + BT, eos) - 1
     GL = tl.load(G_ptr + last.to(tl.int64) * H + hh)
     m = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
     gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
     D = tl.where(m, ds * gam * scale, 0.0)
-    Dd = _op(D, DT, DA)
     eg = tl.exp(G.to(tl.float32))
-    dq = dqa * (scale * eg)[:, None] + tl.dot(Dd, kd, input_precision="ieee")
+    dq = dqa * (scale * eg)[:, None] + _mm(D, k, PREC, DT, DA)
     decay = tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))
     mT = valid[:, None] & valid[None, :] & (r[:, None] <= r[None, :])
     gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
     Dt = tl.where(mT, dsT * gamT * scale, 0.0)  # = D^T
-    dk = tl.dot(_op(Dt, DT, DA), qd, input_precision="ieee") + dks * decay[:, None]
+    dk = _mm(Dt, q, PREC, DT, DA) + dks * decay[:, None]
     x = tl.where(tok == last, 0.0, decay * tl.sum(k * dks, 1))
     dG = scale * eg * tl.sum(q * dqa, 1) - x
     dG += tl.where(tok == last, tl.exp(GL.to(tl.float32)) * hdh + tl.sum(x, 0), 0.0)
@@ -881,9 +942,9 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
         for kk in tl.static_range(NK):
             kcc = kk * BKS + tl.arange(0, BKS)
             mkk = valid[:, None] & (kcc < K)[None, :]
-            qb = _op(tl.load(q_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0), DT, DA)
-            kbk = _op(tl.load(k_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0), DT, DA)
-            qk += tl.dot(qb, tl.trans(kbk), input_precision="ieee")
+            qb = tl.load(q_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0).to(tl.float32)
+            kbk = tl.load(k_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0).to(tl.float32)
+            qk += _mm(qb, tl.trans(kbk), PREC, DT, DA)
         M = tl.where(r[:, None] > r[None, :], D * qk, 0.0)
         dG += tl.sum(M, 1) - tl.sum(M, 0)
     tl.store(dq_ptr + row[:, None] * K + kc[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mk)
@@ -897,7 +958,7 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
 def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr,
                    dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H, dGp_stride,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                   BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, NKP: tl.constexpr):
+                   BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr, NKP: tl.constexpr):
     """10: back through W, U, T and A. With dU = dVn and dW from 9:  dU' = T^T dU,  dW' = T^T dW,
         dA = strict_lower(-(dU' U^T + dW' W^T))      (T = (I + A)^-1)
         dV = diag(beta) dU'
@@ -918,38 +979,42 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     row = tok.to(tl.int64) * H + hh
     kc = tl.arange(0, BK)
     mk = valid[:, None] & (kc < K)[None, :]
-    Tm = _op(tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0), DT, DA)
+    Tm = tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
     Tt = tl.trans(Tm)
     beta = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
-    w = _op(tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
-    dw = _op(tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
-    dA = -tl.dot(_op(tl.dot(Tt, dw, input_precision="ieee"), DT, DA), tl.trans(w), input_precision="ieee")
-    dAt = -tl.dot(w, _op(tl.dot(tl.trans(dw), Tm, input_precision="ieee"), DT, DA), input_precision="ieee")
+    w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    dw = tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    # dbeta and dG read dA, dU' (rowsum(V * dU')), dW' and K K^T: those products go through
+    # `_mm`; dA^T, dU'^T and dK's two products feed dK alone and stay plain products of
+    # rounded operands
+    dA = -_mm(_mm(Tt, dw, PREC, DT, DA), tl.trans(w), PREC, DT, DA)
+    Tr = _op(Tm, DT, DA)
+    dAt = -tl.dot(_op(w, DT, DA), _op(tl.dot(tl.trans(_op(dw, DT, DA)), Tr, input_precision="ieee"), DT, DA),
+                  input_precision="ieee")
     vdu = tl.full([BT], 0.0, tl.float32)  # rowsum(V * dU'), accumulated as a vector (not a [BT, BV] tile)
     for j in tl.static_range(NV):
         vc = j * BV + tl.arange(0, BV)
         mv = valid[:, None] & (vc < V)[None, :]
-        dvn = _op(tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
-        dup = tl.dot(Tt, dvn, input_precision="ieee")
-        dupT = tl.dot(tl.trans(dvn), Tm, input_precision="ieee")
+        dvn = tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+        dup = _mm(Tt, dvn, PREC, DT, DA)
+        dupT = tl.dot(tl.trans(_op(dvn, DT, DA)), Tr, input_precision="ieee")
         tl.store(dv_ptr + row[:, None] * V + vc[None, :], (dup * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
         v = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
         vdu += tl.sum(v * dup, 1)
-        u = _op(tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
-        dA -= tl.dot(_op(dup, DT, DA), tl.trans(u), input_precision="ieee")
-        dAt -= tl.dot(u, _op(dupT, DT, DA), input_precision="ieee")
+        u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+        dA -= _mm(dup, tl.trans(u), PREC, DT, DA)
+        dAt -= tl.dot(_op(u, DT, DA), _op(dupT, DT, DA), input_precision="ieee")
     k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
-    kd = _op(k, DT, DA)
     G = tl.load(G_ptr + row, mask=valid, other=0.0)
     eg = tl.exp(G.to(tl.float32))
     m = valid[:, None] & valid[None, :] & (r[:, None] > r[None, :])
     gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
     dAg = tl.where(m, dA * gam, 0.0)
-    kk = tl.dot(kd, tl.trans(kd), input_precision="ieee")
+    kk = _mm(k, tl.trans(k), PREC, DT, DA)
     # dW' = T^T dW again, from a reload, rather than held through the V loop: a [64, K] fp32 tile
     # live across it spilled (ptxas, sm_90a); the second dot is cheap next to the spills
-    dw = _op(tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0), DT, DA)
-    dwp = tl.dot(Tt, dw, input_precision="ieee")
+    dw = tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    dwp = _mm(Tt, dw, PREC, DT, DA)
     kdw = tl.sum(k * dwp, 1)
     dbeta = vdu + eg * kdw + tl.sum(dAg * kk, 1)
     B = dAg * beta[:, None]
@@ -957,7 +1022,9 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
     Bt = tl.where(mT, dAt * gamT, 0.0) * beta[None, :]  # = B^T
     dk = tl.load(dkp_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0) + dwp * (beta * eg)[:, None]
-    dk += tl.dot(_op(B, DT, DA), kd, input_precision="ieee") + tl.dot(_op(Bt, DT, DA), kd, input_precision="ieee")
+    kd = _op(k, DT, DA)
+    dk += (tl.dot(_op(B, DT, DA), kd, input_precision="ieee")
+           + tl.dot(_op(Bt, DT, DA), kd, input_precision="ieee"))
     M = B * kk
     dG = beta * eg * kdw + tl.sum(M, 1) - tl.sum(M, 0)
     for kb in tl.static_range(NKP):
@@ -1002,15 +1069,16 @@ def _l2norm_rows(D: int) -> tuple[int, int]:
     return BD, max(16, 4096 // BD)
 
 
-def l2norm_fwd(x: torch.Tensor) -> torch.Tensor:
-    """1: x * rsqrt(sum(x^2) + 1e-6) over the last dim, in x's dtype."""
+def l2norm_fwd(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """1: x * rsqrt(sum(x^2) + 1e-6) over the last dim, in out_dtype (default: x's dtype)."""
     D = x.shape[-1]
-    y = _out(x.shape, x.dtype, x.device)
+    out_dtype = out_dtype or x.dtype
+    y = _out(x.shape, out_dtype, x.device)
     n_rows = x.numel() // D
     BD, BR = _l2norm_rows(D)
     if n_rows:
         _l2norm_fwd_kernel[(cdiv(n_rows, BR),)](x, y, n_rows, L2NORM_EPS, D, BD, BR)
-    return _done(y, x.dtype)
+    return _done(y, out_dtype)
 
 
 def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -1045,27 +1113,29 @@ def _intermediate_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
 
 def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compact: bool = False,
                    exact_wu: bool = False, keys_normalised: bool = False, l2norm_k: bool = False,
-                   factored_diagonal: bool = False):
+                   factored_diagonal: bool = False, input_dtype: torch.dtype | None = None):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
     normalises it (the tile form only; keys_normalised is then implied). factored_diagonal (KDA):
-    the kernel's FACTORED_DIAGONAL."""
+    the kernel's FACTORED_DIAGONAL. input_dtype: the op's input dtype where k is not in it (the
+    backward's fp32 normalised keys), which picks the form, the rounding and the precision."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
-    inter = _intermediate_dtype(k.dtype, compact)
+    dtype = input_dtype or k.dtype
+    inter = _intermediate_dtype(dtype, compact)
     Ai = new_empty((Ntok, H, BT), _F32, k.device) if store_T else None
     w = new_empty((Ntok, H, K), inter, k.device)
     u = new_empty((Ntok, H, V), inter, k.device)
     if not plan.NC:
         return Ai, w, u
-    DT, DA = _dot_types(k.dtype)
-    form = solve_form(k.dtype, G.dim() == 3)
+    DT, DA = _dot_types(dtype)
+    form = solve_form(dtype, G.dim() == 3)
     if l2norm_k and form != "tile":
         raise ValueError("l2norm_k needs the tile form of stage 3 (16-bit inputs, SOLVE_FORM = 'tile')")
     if form == "tile":
-        prec = "ieee" if k.dtype == torch.float32 else "tf32x3"
+        prec = "ieee" if dtype == torch.float32 else "tf32x3"
         if prec == "tf32x3" and (keys_normalised or l2norm_k) and compact and not store_T:
             prec = NORMALISED_KEYS_PREC
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
@@ -1099,11 +1169,13 @@ def solve_form(dtype: torch.dtype, per_channel: bool) -> str:
 
 
 def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool, q=None, scale: float = 1.0,
-                 out_dtype: torch.dtype | None = None, l2norm_q: bool = False, l2norm_k: bool = False):
+                 out_dtype: torch.dtype | None = None, l2norm_q: bool = False, l2norm_k: bool = False,
+                 input_dtype: torch.dtype | None = None, for_backward: bool = False):
     """5: h [NC, H, K, V] (state entering each chunk) and Vn [Ntok, H, V] in W's dtype (see
     `_intermediate_dtype`); the final state [N, H, K, V] fp32, or None. With q (GDN's forward):
     5 and 6 fused, returning (o [Ntok, H, V] in out_dtype, None, final state). l2norm_k: k is
-    raw and the kernel normalises it."""
+    raw and the kernel normalises it. input_dtype: as in `chunk_solve_wu`; for_backward: the
+    backward's recompute, whose recurrence multiplies at `_products(..., True)`'s precision."""
     Ntok, H, K = k.shape
     V = u.shape[-1]
     BK = _blocks(K, V)[0]
@@ -1118,14 +1190,14 @@ def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool, q=No
         o = None
     ht = new_empty((plan.N, H, K, V), _F32, k.device) if output_final_state else None
     if plan.N:
-        DT, DA = _dot_types(k.dtype)
+        DT, DA, PREC = _products(input_dtype or k.dtype, for_backward)
         # vn stands in for the pointers a form does not use (h0, ht when absent; h, q, o when split/fused)
         _states_kernel[lambda meta: (plan.N * H, cdiv(V, meta["BV"]))](
             k, w, u, G, h0 if h0 is not None else vn, h if h is not None else vn, vn, ht if ht is not None else vn,
             plan.cu, plan.chunk_offsets, H, _programs_bucket(plan.N * H),
             q if fuse else vn, o if fuse else vn, scale, L2NORM_EPS,
             K=K, V=V, BK=BK, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, DT=DT, DA=DA,
-            PER_CHANNEL=G.dim() == 3, FUSE_OUTPUT=fuse, L2NORM_Q=l2norm_q, L2NORM_K=l2norm_k)
+            PER_CHANNEL=G.dim() == 3, FUSE_OUTPUT=fuse, L2NORM_Q=l2norm_q, L2NORM_K=l2norm_k, PREC=PREC)
     if fuse:
         return _done(o, out_dtype), None, ht
     return h, vn, ht
@@ -1150,19 +1222,20 @@ def chunk_output(q, k, G, h, vn, scale: float, plan: ChunkPlan, out_dtype: torch
     return _done(o, out_dtype)
 
 
-def chunk_dv_local(q, k, G, do, scale: float, plan: ChunkPlan):
-    """7: dVl [Ntok, H, V] fp32."""
+def chunk_dv_local(q, k, G, do, scale: float, plan: ChunkPlan, input_dtype: torch.dtype | None = None):
+    """7: dVl [Ntok, H, V] fp32. input_dtype: the op's input dtype (default q's), for `_products`."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
     dvl = new_empty((Ntok, H, V), _F32, q.device)
     if plan.NC:
         _dv_local_kernel[(plan.NC * NV, H)](q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
-                                           *_dot_types(q.dtype), **_LAUNCH["dv_local"])
+                                           *_products(input_dtype or q.dtype, True), **_LAUNCH["dv_local"])
     return dvl
 
 
-def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_dh0: bool):
+def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_dh0: bool,
+                  input_dtype: torch.dtype | None = None):
     """8: dh [NC, H, K, V] (gradient of the state leaving each chunk), dVn [Ntok, H, V],
     d initial_state [N, H, K, V] or None; fp32."""
     Ntok, H, K = q.shape
@@ -1172,12 +1245,12 @@ def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_
     dvn = new_empty((Ntok, H, V), _F32, q.device)
     dh0 = new_empty((plan.N, H, K, V), _F32, q.device) if want_dh0 else None
     if plan.N:
-        DT, DA = _dot_types(q.dtype)
+        DT, DA, PREC = _products(input_dtype or q.dtype, True)
         _dstates_kernel[lambda meta: (plan.N * H, cdiv(V, meta["BV"]))](
             q, k, w, G, do, dvl, dht if dht is not None else dh, dh, dvn, dh0 if dh0 is not None else dh,
             plan.cu, plan.chunk_offsets, H, _programs_bucket(plan.N * H), scale, K=K, V=V, BK=BK, BT=BT,
             HAS_DHT=dht is not None,
-            STORE_DH0=want_dh0, DT=DT, DA=DA)
+            STORE_DH0=want_dh0, DT=DT, DA=DA, PREC=PREC)
     return dh, dvn, dh0
 
 
@@ -1188,7 +1261,8 @@ def _key_split(K: int) -> tuple[int, int]:
     return BKS, cdiv(K, BKS)
 
 
-def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_dtype: torch.dtype):
+def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_dtype: torch.dtype,
+                input_dtype: torch.dtype | None = None):
     """9: dq [Ntok, H, K] in dq_dtype; partial dk, dW [Ntok, H, K] and NK partials of dG [NK, Ntok, H], fp32."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
@@ -1200,12 +1274,14 @@ def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_d
     dG = new_empty((NK, Ntok, H), _F32, q.device)
     if plan.NC:
         _dqkwg_kernel[(plan.NC * NK, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, plan.chunks, H, scale, Ntok * H,
-                                         K, V, BKS, BV, NV, BT, *_dot_types(q.dtype), **_LAUNCH["dqkwg"])
+                                         K, V, BKS, BV, NV, BT, *_products(input_dtype or q.dtype, True),
+                                         **_LAUNCH["dqkwg"])
     return _done(dq, dq_dtype), dk, dw, dG
 
 
 def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
-                 dk_dtype: torch.dtype, dv_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dtype: torch.dtype):
+                 dk_dtype: torch.dtype, dv_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dtype: torch.dtype,
+                 input_dtype: torch.dtype | None = None):
     """10: dk [Ntok, H, K], dv [Ntok, H, V], dbeta, dg [Ntok, H], each in the dtype asked for."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
@@ -1216,7 +1292,8 @@ def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
     dg = _out((Ntok, H), dg_dtype, k.device)
     if plan.NC:
         _wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, dk, dv, dbeta, dg, plan.chunks, H,
-                                     Ntok * H, K, V, BK, BV, NV, BT, *_dot_types(k.dtype), dGp.shape[0],
+                                     Ntok * H, K, V, BK, BV, NV, BT, *_products(input_dtype or k.dtype, True),
+                                     dGp.shape[0],
                                      **_LAUNCH["wy_bwd"])
     return _done(dk, dk_dtype), _done(dv, dv_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
@@ -1233,15 +1310,19 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
 
 def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, output_final_state, for_backward):
     """Stages 1-5: what both the forward and the backward need (T only for the backward, and
-    compact intermediates only for the forward, whose output kernel normalises q itself)."""
+    compact intermediates only for the forward, whose output kernel normalises q itself). The
+    backward's normalised q and k are fp32 when its products are (`_products`)."""
+    dtype = q.dtype
     if use_qk_l2norm_in_kernel:
-        k = l2norm_fwd(k)
+        kept = _F32 if for_backward and _products(dtype, True)[2] != "ieee" else dtype
+        k = l2norm_fwd(k, kept)
         if for_backward:
-            q = l2norm_fwd(q)
+            q = l2norm_fwd(q, kept)
     G = chunk_cumsum(g, plan)
     Ai, w, u = chunk_solve_wu(k, v, beta, G, plan, store_T=for_backward, compact=not for_backward,
-                              exact_wu=for_backward, keys_normalised=use_qk_l2norm_in_kernel)
-    h, vn, ht = chunk_states(k, w, u, G, initial_state, plan, output_final_state)
+                              exact_wu=for_backward, keys_normalised=use_qk_l2norm_in_kernel, input_dtype=dtype)
+    h, vn, ht = chunk_states(k, w, u, G, initial_state, plan, output_final_state, input_dtype=dtype,
+                             for_backward=for_backward)
     return q, k, G, Ai, w, u, h, vn, ht
 
 
@@ -1295,12 +1376,14 @@ def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     dht = dht.contiguous() if dht is not None else None
     qn, kn, G, Ai, w, u, h, vn, _ = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan, False,
                                                for_backward=True)
-    dvl = chunk_dv_local(qn, kn, G, dof, scale, plan)
-    dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None)
+    dt = q.dtype
+    dvl = chunk_dv_local(qn, kn, G, dof, scale, plan, input_dtype=dt)
+    dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
     l2 = use_qk_l2norm_in_kernel
-    dq, dkp, dw, dGp = chunk_dqkwg(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, _F32 if l2 else q.dtype)
+    dq, dkp, dw, dGp = chunk_dqkwg(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, _F32 if l2 else q.dtype,
+                                   input_dtype=dt)
     dk, dv, dbeta, dg = chunk_wy_bwd(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan,
-                                     _F32 if l2 else k.dtype, v.dtype, beta.dtype, g.dtype)
+                                     _F32 if l2 else k.dtype, v.dtype, beta.dtype, g.dtype, input_dtype=dt)
     if l2:
         dq = l2norm_bwd(qf, dq, q.dtype)
         dk = l2norm_bwd(kf, dk, k.dtype)
