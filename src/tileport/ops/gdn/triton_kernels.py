@@ -43,12 +43,13 @@ PER_CHANNEL constexpr on (kda/triton_kernels.py documents the gate-exponent sche
 Precision: every matmul accumulates in fp32. In the forward, operands are rounded to bf16 for
 bf16 and fp16 inputs (tensor cores; bf16 rather than fp16 because gate products like exp(G) Q
 underflow fp16's range with very negative gates), and stay fp32 with input_precision="ieee" for
-fp32 inputs (no tf32). The backward of 16-bit inputs (its recompute of stages 1-5 included) keeps
-its operands in fp32 and multiplies them as three bf16 products (`_mm`, "bf16x3", error ~2^-16
-instead of bf16's 2^-9), and keeps the l2-normalised q and k in fp32: dg and dbeta are small
-differences of large sums (at a chunk's end dg holds exp(G_L) sum(h * dh) over K*V entries), and
-bf16 operands there put dg and dbeta past their 3e-2 bound on ~1 in 130 draws of the gate's
-K = 128 case (`BACKWARD_PRODUCTS`; docs/perf/gdn.md). The 16x16 triangular inverses and their block merge are always fp32 "ieee". The gate
+fp32 inputs (no tf32). The backward of 16-bit inputs keeps the l2-normalised q and k in fp32 and
+forms the products that dg and dbeta read (the recompute's recurrence in stage 5, stages 7, 8 and
+9 whole, most of 10) from fp32 operands as three bf16 products (`_mm`, "bf16x3", error ~2^-16
+instead of bf16's 2^-9): dg and dbeta are small differences of large sums (at a chunk's end dg
+holds exp(G_L) sum(h * dh) over K*V entries), and bf16 operands there put them past their 3e-2
+bound on ~1 in 130 draws of the gate's K = 128 case (`BACKWARD_PRODUCTS`; docs/perf/gdn.md).
+The 16x16 triangular inverses and their block merge are always fp32 "ieee". The gate
 cumsum G is kept in fp64 and every exponent is formed as an fp64 difference (G_t - G_s, G_L - G)
 before it is rounded to fp32: after a few steps of -20, G is in the hundreds, where an fp32 G
 carries an absolute error of ~1e-5 into every exp(G_t - G_s). Measured with 30% of the gates at
