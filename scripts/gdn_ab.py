@@ -3,7 +3,8 @@ stage 3 (T, W, U), `_solve_wu_kernel` (16x16 block chain) against `_solve_wu_til
 [64, 64] tiles); stage 6 (the output), every Triton candidate (one-shot and persistent) and
 both Gluon kernels (one-shot and persistent, two TMA buffer sets); and stages 5 + 6 split (the
 states kernel stores h and Vn, the output kernel reads them) against fused (STATES_FORM); the
-whole forward with its switches; the whole backward in both BACKWARD_PRODUCTS.
+whole forward with its switches; the whole backward in both BACKWARD_PRODUCTS. Stages 5 + 6 also
+time the Gluon fused recurrence + output kernel (`gluon_kernels._states_output_kernel`).
 
     python3 scripts/gdn_ab.py            (on the GPU; ~1-2 min, most of it compiling)
 
@@ -167,11 +168,22 @@ def fused():
                            l2norm_q=True)[0]
 
 
+def gluon_fused():
+    from tileport.ops.gdn import gluon_kernels as gk
+
+    return gk.chunk_states_output_gluon(q_raw, kn, w, u, G, None, plan, False, scale, torch.bfloat16, True)[0]
+
+
 o_split = split()
-for name, fn in (("split", split), ("fused", fused)):
-    o = fn()
-    ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
-    print(f"states+output {name}: {ms:.3f} ms, vs split {rel(o, o_split):.2e}", flush=True)
+for name, fn in (("split", split), ("fused", fused), ("gluon fused", gluon_fused)):
+    if name == "gluon fused" and dev != "cuda":
+        continue  # Gluon kernels don't run under the interpreter
+    try:
+        o = fn()
+        ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+        print(f"states+output {name}: {ms:.3f} ms, vs split {rel(o, o_split):.2e}", flush=True)
+    except Exception as exc:  # report and go on: a new kernel's failure says nothing about the others
+        print(f"states+output {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------

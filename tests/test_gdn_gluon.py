@@ -1,7 +1,7 @@
-"""The GDN "gluon" backend (Triton stages 1-5 and backward, the Gluon TMA + WGMMA output kernel)
+"""The GDN "gluon" backend (Triton stages and backward around the Gluon TMA + WGMMA kernels)
 through the frozen parity gate's cases, forward and backward, on the shapes it accepts (bf16,
-K and V of 64 or 128), with each of its two output kernels (one chunk per program, and the
-persistent one with two TMA buffer sets). GPU only: Gluon kernels don't run on the CPU, where
+K and V of 64 or 128), in each of its forward forms: the two output kernels (one chunk per
+program, and the persistent one with two TMA buffer sets) and the fused recurrence + output. GPU only: Gluon kernels don't run on the CPU, where
 tests/test_gluon_compile.py compile-checks the kernel for sm_90a instead.
 """
 
@@ -16,13 +16,18 @@ from tileport.ops.gdn import DISPATCHER, explain_call
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] in (64, 128) and c[4] in (64, 128)]
 
 
-@pytest.mark.parametrize("form", ["one-shot", "persistent"])
+@pytest.mark.parametrize("form", ["one-shot", "persistent", "fused"])
 @pytest.mark.parametrize("case_id", ACCEPTED)
 def test_forward_backward(case_id, form, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
     from tileport.ops.gdn import gluon_kernels
 
-    monkeypatch.setattr(gluon_kernels, "OUTPUT_FORM", form)  # both output kernels, the same gate
+    # every Gluon forward through the same gate: the two output kernels after Triton's stages
+    # 1-5 (OUTPUT_FORM), and the fused recurrence + output kernel (FORWARD_FORM)
+    if form == "fused":
+        monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "fused")
+    else:
+        monkeypatch.setattr(gluon_kernels, "OUTPUT_FORM", form)
     parity._run_and_check("gluon", case_id, device, seed)
 
 

@@ -7,8 +7,12 @@ fp32 accumulators. Stages 1-5 and the backward are Triton's. On the H200 (909a64
 tests/test_gdn_gluon.py (dense, varlen, full-size-like shapes) and took the S1 forward from
 1.501 to 1.484 ms: Triton's output kernel took 0.41 ms in the profile (2.4x its memory floor),
 this one about 0.02 ms less, as its TMA loads are not yet overlapped with another chunk's WGMMAs. The CPU compile check asserts
-wgmma.mma_async and cp.async.bulk.tensor in its PTX. The steps after this one (issue 5): the
-state recurrence with a TMA ring over chunks and WGMMA, then fusion.
+wgmma.mma_async and cp.async.bulk.tensor in its PTX.
+
+The next step of issue 5 is written but not yet run: `_states_output_kernel`, the state
+recurrence and the output fused in one Gluon kernel (a two-deep TMA ring over the chunks, five
+WGMMAs per chunk, h on chip), behind FORWARD_FORM = "fused" (off until tests/test_gdn_gluon.py's
+fused cases pass on the H200 and scripts/gdn_ab.py has timed it against Triton's fused form).
 
 bf16 only: the Triton kernels give fp16 inputs bf16 matmul operands (gate products underflow
 fp16), which would need a conversion pass before TMA, and fp32 inputs exact fp32 products, which
@@ -34,7 +38,8 @@ except Exception as exc:  # pragma: no cover - depends on the installed triton
 BT = 64  # chunk: the M of every WGMMA here, one warpgroup (4 warps) of 16-row slices
 HEAD_DIMS = (64, 128)
 
-__all__ = ["gluon_refusal", "gdn_forward_gluon", "gdn_backward_gluon", "compile_cases", "OUTPUT_FORM"]
+__all__ = ["gluon_refusal", "gdn_forward_gluon", "gdn_backward_gluon", "compile_cases", "OUTPUT_FORM",
+           "FORWARD_FORM"]
 
 
 def gluon_refusal(K: int, V: int, dtype: torch.dtype) -> str | None:
@@ -180,6 +185,146 @@ if _GLUON_ERROR is None:
             mbarrier.invalidate(bars.index(b))
 
 
+    @gluon.jit
+    def _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, t0, hh, ucol, q_b, k_b, w_b, u_b, bar,
+                                K: gl.constexpr):
+        """TMA the q, k, W tiles ([64, K]) and the U tile ([64, BV] from column ucol) of the chunk
+        that starts at token t0, head hh, into one buffer set, all four on `bar`, armed with their
+        bytes."""
+        NBYTES: gl.constexpr = (q_desc.block_type.nbytes + k_desc.block_type.nbytes + w_desc.block_type.nbytes
+                                + u_desc.block_type.nbytes)
+        mbarrier.expect(bar, NBYTES)
+        tma.async_copy_global_to_shared(q_desc, [t0, hh * K], bar, q_b)
+        tma.async_copy_global_to_shared(k_desc, [t0, hh * K], bar, k_b)
+        tma.async_copy_global_to_shared(w_desc, [t0, hh * K], bar, w_b)
+        tma.async_copy_global_to_shared(u_desc, [t0, ucol], bar, u_b)
+
+    @gluon.jit
+    def _states_output_kernel(q_desc, k_desc, w_desc, u_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, H, scale, eps,
+                              K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HAS_H0: gl.constexpr,
+                              STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr):
+        """5 and 6 fused: the state recurrence and each chunk's output, h never leaving the chip.
+        One program per (sequence, head, V block of BV columns), sequential over the sequence's
+        chunks; grid (N * H, V / BV), 4 warps (one warpgroup: the M = 64 of the WGMMAs). Per chunk,
+        with h [K, BV] fp32 in registers (WGMMA accumulator layout) and a bf16 copy in shared memory:
+            Vn = U - W h;  O = scale (diag(exp(G)) Q h + lower(Q K^T * Gam) Vn);
+            h <- exp(G_L) h + (diag(exp(G_L - G)) K)^T Vn
+        as five WGMMAs (W h, Q h, Q K^T from shared memory; P Vn with P from registers; the
+        update with diag(exp(G_L - G)) K written to shared memory and read as a transposed view).
+        The operands are rounded as the Triton fused form rounds them (bf16 h, Vn, K scaled), so the
+        two agree to accumulation order.
+
+        Explicit here (Triton would choose, and in the fused Triton kernel chose a latency-bound
+        schedule): a two-deep TMA ring over the chunks (the next chunk's q, k, W, U tiles, 48 KB
+        at K = 128, BV = 64, load while this chunk computes; buffer b's phase flips at each reuse),
+        the accumulator layouts, and the thread barriers that order the generic-proxy stores of
+        h, Vn and the scaled keys before the WGMMAs (async proxy) read them. Varlen: a tail
+        chunk's TMA tiles hold rows of the next sequence; they are masked out of P, of the scaled
+        keys (so out of the state) and of the store. Why: h and Vn are 0.8 GB stored and read back
+        at S1 in the split form, and the fused Triton form runs at ~3x its memory floor
+        (docs/perf/gdn.md, "Path to issue 5's 0.46 ms forward")."""
+        BT: gl.constexpr = q_desc.block_type.shape[0]
+        nh = gl.program_id(0)
+        jv = gl.program_id(1)
+        n = nh // H
+        hh = nh % H
+        bos = gl.load(cu_ptr + n).to(gl.int32)
+        eos = gl.load(cu_ptr + n + 1).to(gl.int32)
+        nc = (eos - bos + BT - 1) // BT
+
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [2, BT, K], q_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [2, BT, K], k_desc.layout)
+        w_s = gl.allocate_shared_memory(w_desc.dtype, [2, BT, K], w_desc.layout)
+        u_s = gl.allocate_shared_memory(u_desc.dtype, [2, BT, BV], u_desc.layout)
+        h_s = gl.allocate_shared_memory(u_desc.dtype, [K, BV], u_desc.layout)  # the same 128-byte swizzle
+        vn_s = gl.allocate_shared_memory(u_desc.dtype, [BT, BV], u_desc.layout)
+        kd_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(bars.index(b), count=1)
+        fence_async_shared()
+
+        V_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=V_L, k_width=2)
+
+        kr = gl.arange(0, K, layout=gl.SliceLayout(1, V_L))
+        vcol = gl.arange(0, BV, layout=gl.SliceLayout(0, V_L))
+        sbase = (n.to(gl.int64) * H + hh) * (K * V) + kr[:, None] * V + (jv * BV + vcol)[None, :]
+        if HAS_H0:
+            # lint: allow TP001 -- once per program, outside the chunk loop: 32 KB of fp32 state straight into the WGMMA accumulator layout it is used in
+            h = gl.load(h0_ptr + sbase).to(gl.float32)
+        else:
+            h = gl.zeros([K, BV], gl.float32, V_L)
+
+        if nc > 0:
+            _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, bos, hh, hh * V + jv * BV, q_s.index(0),
+                                    k_s.index(0), w_s.index(0), u_s.index(0), bars.index(0), K)
+        for i in range(nc):
+            buf = i % 2
+            t0 = bos + i * BT
+            if i + 1 < nc:
+                gl.thread_barrier()  # every warp is done with buffer set 1 - buf (chunk i - 1)
+                _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, t0 + BT, hh, hh * V + jv * BV,
+                                        q_s.index(1 - buf), k_s.index(1 - buf), w_s.index(1 - buf),
+                                        u_s.index(1 - buf), bars.index(1 - buf), K)
+            mbarrier.wait(bars.index(buf), (i // 2) & 1)
+            q_b = q_s.index(buf)
+            k_b = k_s.index(buf)
+            last = gl.minimum(t0 + BT, eos) - 1
+            GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
+
+            # the scaled keys diag(exp(G_L - G)) K (rows past the sequence: 0) and, when asked,
+            # q normalised in place, both through registers in a row layout
+            rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+            r_ok = t0 + rr < eos
+            Gk = gl.load(G_ptr + (t0 + rr).to(gl.int64) * H + hh, mask=r_ok, other=0.0)
+            kf = k_b.load(ROWS_L).to(gl.float32)
+            kd = kf * gl.exp(gl.where(r_ok, (GL - Gk).to(gl.float32), float("-inf")))[:, None]
+            kd_s.store(kd.to(kd_s.dtype))
+            if L2NORM_Q:
+                qf = q_b.load(ROWS_L).to(gl.float32)
+                qn = qf * gl.rsqrt(gl.sum(qf * qf, axis=1) + eps)[:, None]
+                gl.thread_barrier()  # every warp has read q before any overwrites it
+                q_b.store(qn.to(q_b.dtype))
+            h_s.store(h.to(h_s.dtype))
+            fence_async_shared()  # generic-proxy writes, then the async proxy (WGMMA) reads
+            gl.thread_barrier()
+
+            vn = u_s.index(buf).load(V_L).to(gl.float32) - warpgroup_mma(w_s.index(buf), h_s,
+                                                                          gl.zeros([BT, BV], gl.float32, V_L))
+            qh = warpgroup_mma(q_b, h_s, gl.zeros([BT, BV], gl.float32, V_L))
+            sqk = warpgroup_mma(q_b, k_b.permute((1, 0)), gl.zeros([BT, BT], gl.float32, S_L))
+            vn_s.store(vn.to(vn_s.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+
+            r = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
+            cidx = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
+            rs_ok = t0 + r < eos
+            cs_ok = t0 + cidx < eos
+            Gr = gl.load(G_ptr + (t0 + r).to(gl.int64) * H + hh, mask=rs_ok, other=0.0)
+            Gc = gl.load(G_ptr + (t0 + cidx).to(gl.int64) * H + hh, mask=cs_ok, other=0.0)
+            m = (r[:, None] >= cidx[None, :]) & rs_ok[:, None] & cs_ok[None, :]
+            P = gl.where(m, sqk * gl.exp(gl.where(m, (Gr[:, None] - Gc[None, :]).to(gl.float32), float("-inf"))), 0.0)
+            ro = gl.arange(0, BT, layout=gl.SliceLayout(1, V_L))
+            ro_ok = t0 + ro < eos
+            Go = gl.load(G_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0)
+            o = warpgroup_mma(gl.convert_layout(P.to(vn_s.dtype), P_L), vn_s, qh * gl.exp(Go.to(gl.float32))[:, None])
+            offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
+            # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: a 64-row TMA store would overwrite them; the masked store writes only this chunk's rows
+            gl.store(o_ptr + offs, (o * scale).to(o_ptr.dtype.element_ty), mask=ro_ok[:, None])
+
+            h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL.to(gl.float32)))
+            gl.thread_barrier()  # the WGMMAs have read h_s, vn_s and kd_s before the next chunk rewrites them
+        if STORE_FINAL:
+            # lint: allow TP001 -- once per program, after the chunk loop: the state from its accumulator layout, no staging through shared memory
+            gl.store(ht_ptr + sbase, h)
+        for b in gl.static_range(2):
+            mbarrier.invalidate(bars.index(b))
+
+
 def _smem_layout(block, dtype):
     return gl.NVMMASharedLayout.get_default_for(block, {torch.bfloat16: gl.bfloat16}[dtype])
 
@@ -219,8 +364,39 @@ def chunk_output_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtyp
     return o
 
 
+# Which forward the "gluon" backend runs: "split" (Triton stages 1-5, then the output kernel of
+# OUTPUT_FORM) or "fused" (Triton stages 1-3, then `_states_output_kernel`: the recurrence and the
+# output in one Gluon kernel). "split" until the fused kernel has passed tests/test_gdn_gluon.py
+# on the H200 and been timed against Triton's fused form (scripts/gdn_ab.py): it was written in
+# the fifth session (2026-11-29) with no device time, and only compiled for sm_90a.
+FORWARD_FORM = "split"
+RECURRENCE_BV = 64  # V columns per program of the fused kernel: 256 programs at S1 (N * H * V / 64)
+
+
+def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool, scale: float,
+                              out_dtype: torch.dtype, l2norm_q: bool):
+    """5 and 6 on one Gluon kernel: (o [Ntok, H, V] in out_dtype, final state [N, H, K, V] fp32 or
+    None) from q (raw when l2norm_q), normalised k, and W, U in bf16 (stage 3's compact form)."""
+    from tileport.ops.gdn.triton_kernels import L2NORM_EPS
+
+    Ntok, H, K = q.shape
+    V = u.shape[-1]
+    BV = min(V, RECURRENCE_BV)
+    o = new_empty((Ntok, H, V), out_dtype, q.device)
+    ht = new_empty((plan.N, H, K, V), torch.float32, q.device) if output_final_state else None
+    if plan.N:
+        descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
+                 _descriptor(w.view(Ntok, H * K), [BT, K]), _descriptor(u.view(Ntok, H * V), [BT, BV]))
+        h0 = h0.float().contiguous() if h0 is not None else None
+        _states_output_kernel[(plan.N * H, V // BV)](*descs, G, h0 if h0 is not None else o, ht if ht is not None else o,
+                                                     o, plan.cu, H, float(scale), L2NORM_EPS, K, V, BV,
+                                                     h0 is not None, output_final_state, l2norm_q, num_warps=4)
+    return o, ht
+
+
 def gdn_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    """Triton stages 1-5, the Gluon output kernel."""
+    """Triton stages 1-5 and the Gluon output kernel ("split"), or Triton stages 1-3 and the fused
+    Gluon recurrence + output ("fused"): FORWARD_FORM."""
     from tileport.ops.gdn import triton_kernels as tk
 
     B, T, H, K = q.shape
@@ -228,6 +404,13 @@ def gdn_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state
     plan = tk.make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (tk._flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
+    if FORWARD_FORM == "fused":
+        kn = tk.l2norm_fwd(kf) if use_qk_l2norm_in_kernel else kf
+        G = tk.chunk_cumsum(gf, plan)
+        _Ai, w, u = tk.chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=use_qk_l2norm_in_kernel)
+        o, ht = chunk_states_output_gluon(qf, kn, w, u, G, h0, plan, output_final_state, scale, q.dtype,
+                                          use_qk_l2norm_in_kernel)
+        return o.view(B, T, H, V), ht
     q_raw, kn, G, _Ai, _w, _u, h, vn, ht = tk._recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan,
                                                          output_final_state, for_backward=False)
     o = chunk_output_gluon(q_raw, kn, G, h, vn, scale, plan, q.dtype, use_qk_l2norm_in_kernel)
@@ -269,4 +452,14 @@ def compile_cases():
         cases.append(CompileCase(name=f"gdn_output_persistent_{tag}", kernel=_output_persistent_kernel,
                                  args=dict(args, n_items=NC * H), num_warps=4, expect_ptx=expect, expect_max_spills=0,
                                  expect_max_shared=SMEM_PER_SM))
+        BV = min(V, RECURRENCE_BV)
+        N = 8
+        fused = dict(q_desc=desc(Ntok, H * K, [BT, K]), k_desc=desc(Ntok, H * K, [BT, K]),
+                     w_desc=desc(Ntok, H * K, [BT, K]), u_desc=desc(Ntok, H * V, [BT, BV]),
+                     G_ptr=TensorStandIn([Ntok, H], torch.float64), h0_ptr=TensorStandIn([N, H, K, V], torch.float32),
+                     ht_ptr=TensorStandIn([N, H, K, V], torch.float32), o_ptr=TensorStandIn([Ntok, H, V], bf),
+                     cu_ptr=TensorStandIn([N + 1], torch.int64), H=H, scale=0.1, eps=1e-6, K=K, V=V, BV=BV,
+                     HAS_H0=True, STORE_FINAL=True, L2NORM_Q=l2)
+        cases.append(CompileCase(name=f"gdn_states_output_{tag}", kernel=_states_output_kernel, args=fused,
+                                 num_warps=4, expect_ptx=expect, expect_max_shared=SMEM_PER_SM))
     return cases
