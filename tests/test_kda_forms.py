@@ -1,7 +1,7 @@
 """The KDA Triton forward's alternative forms through the frozen gate's cases
 (tests/test_kda_parity.py), forward only: the output and final state against the float64
-recurrence. (The triton backend's KDA backward is the float64 reference sweep whatever the forward's
-form, and test_kda_parity.py already checks it; repeating it here would only cost GPU time.)
+recurrence. (The triton backend's KDA backward recomputes the forward in the DIAGONAL_FORM set,
+and test_kda_parity.py checks it in the default form.)
 
 DIAGONAL_FORM = "factored": in stage 3 (GDN's solve kernel, PER_CHANNEL) and the output kernel,
 sub-blocks whose gates span at most SPAN_MAX form their diagonal block from reference-row factors

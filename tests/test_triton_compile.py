@@ -158,3 +158,50 @@ def test_gdn_backward_compiles_for_sm90a(case):
     assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
     # bf16x3 lowers to bf16 tensor-core products: an fp32 product on FMA units would have none
     assert any("bf16" in line for line in report.ptx.splitlines() if "mma" in line), "no bf16 tensor-core product"
+
+
+def _kda_backward_cases():
+    """KDA's backward kernels (per-channel gates) as the backward of bf16 inputs launches them:
+    their static block loops and constexpr block indices must lower, which the interpreter never checks."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    BK, BV, NV = tk._blocks(K, V)
+    DT, DA, PREC = tk._products(bf, for_backward=True)
+    tok = lambda d, t=f32: T([Ntok, H, d], t)  # noqa: E731
+    Gc = T([Ntok, H, K], f64)
+    ch = T([2 * NC], idx)
+    prec = dict(PREC=PREC, DT=DT, DA=DA)
+    yield "kda dv_local", kk._kda_dv_local_kernel, dict(
+        q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, do_ptr=tok(V, bf), dvl_ptr=tok(V), chunks_ptr=ch, H=H, scale=0.1,
+        K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64, **prec)
+    yield "kda dqkwg", kk._kda_dqkwg_kernel, dict(
+        q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
+        vn_ptr=tok(V), dvn_ptr=tok(V), do_ptr=tok(V, bf), dq_ptr=tok(K), dk_ptr=tok(K), dw_ptr=tok(K), dG_ptr=tok(K),
+        dp_ptr=tok(64), chunks_ptr=ch, H=H, scale=0.1, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64, **prec)
+    yield "kda dp apply", kk._kda_dp_apply_kernel, dict(
+        dp_ptr=tok(64), q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, dq_ptr=tok(K), dk_ptr=tok(K), dG_ptr=tok(K),
+        chunks_ptr=ch, H=H, K=K, BK=BK, BT=64, **prec)
+    yield "kda wy_bwd", kk._kda_wy_bwd_kernel, dict(
+        k_ptr=tok(K), v_ptr=tok(V, bf), beta_ptr=T([Ntok, H], bf), G_ptr=Gc, Ai_ptr=tok(64), w_ptr=tok(K),
+        u_ptr=tok(V), dw_ptr=tok(K), dvn_ptr=tok(V), dkp_ptr=tok(K), dGp_ptr=tok(K), da_ptr=tok(64),
+        dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
+        **prec)
+    yield "kda da apply", kk._kda_da_apply_kernel, dict(
+        da_ptr=tok(64), k_ptr=tok(K), beta_ptr=T([Ntok, H], bf), G_ptr=Gc, dkp_ptr=tok(K), dGp_ptr=tok(K),
+        dbp_ptr=T([Ntok, H], f32), dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K), chunks_ptr=ch, H=H,
+        K=K, BK=BK, BT=64, **prec)
+
+
+KDA_BACKWARD_CASES = list(_kda_backward_cases())
+
+
+@pytest.mark.parametrize("case", KDA_BACKWARD_CASES, ids=[c[0] for c in KDA_BACKWARD_CASES])
+def test_kda_backward_compiles_for_sm90a(case):
+    name, fn, args = case
+    from tileport.ops.kda import triton_kernels as kk
+
+    warps = (kk._LAUNCH_CHUNK if name in ("kda dqkwg", "kda wy_bwd") else kk._LAUNCH_BACKWARD)["num_warps"]
+    report = compile_case(CompileCase(name, fn, args, num_warps=warps, options={"num_stages": 1}))
+    print(f"\n{report.summary()}")
+    assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+    assert any("bf16" in line for line in report.ptx.splitlines() if "mma" in line), "no bf16 tensor-core product"

@@ -814,17 +814,19 @@ def _dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(DSTATES_OPTIONS), key=["K", "V", "H", "NH_BUCKET"])
+@triton.autotune(configs=_tuned(DSTATES_OPTIONS), key=["K", "V", "H", "NH_BUCKET", "PER_CHANNEL"])
 @triton.jit
 def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr,
                     cu_ptr, choff_ptr, H, NH_BUCKET, scale,
                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, PER_CHANNEL: tl.constexpr = False):
     """8: one program per (V block, sequence, head), chunks in reverse. dh [BK, BV] fp32 in
     registers is the gradient of the state leaving the chunk; it is stored, then
     dVn = dVl + diag(exp(G_L - G)) K dh (stored) and
-    dh <- exp(G_L) dh + scale (diag(exp(G)) Q)^T dO - W^T dVn. At the end dh is d initial_state."""
+    dh <- exp(G_L) dh + scale (diag(exp(G)) Q)^T dO - W^T dVn. At the end dh is d initial_state.
+    PER_CHANNEL (KDA; G [Ntok, H, K]): dVn = dVl + (exp(G_L - G) * K) dh and
+    dh <- diag(exp(G_L)) dh + scale (exp(G) * Q)^T dO - W^T dVn, as `_states_kernel` has it."""
     n, hh, bos, eos, c0, nc, r, kc, vc, smask, sblk = _sequence_program(cu_ptr, choff_ptr, H, K, V, BK, BV, BT)
     dh = _state_or_zeros(dht_ptr, n, hh, H, sblk, smask, K, V, BK, BV, HAS_DHT)
     for ii in range(0, nc):
@@ -836,18 +838,26 @@ def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr
         mk = valid[:, None] & (kc < K)[None, :]
         mv = valid[:, None] & (vc < V)[None, :]
         last = tl.minimum(bos + i * BT + BT, eos) - 1
-        GL = tl.load(G_ptr + last.to(tl.int64) * H + hh)
-        G = tl.load(G_ptr + row, mask=valid, other=0.0)
         k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
-        kd = k * tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))[:, None]
+        q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+        if PER_CHANNEL:
+            GL = tl.load(G_ptr + (last.to(tl.int64) * H + hh) * K + kc, mask=kc < K, other=0.0)
+            G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+            kd = k * tl.exp(tl.where(mk, (GL[None, :] - G).to(tl.float32), float("-inf")))
+            qg = q * scale * tl.exp(G.to(tl.float32))
+            hdecay = tl.exp(GL.to(tl.float32))[:, None]
+        else:
+            GL = tl.load(G_ptr + last.to(tl.int64) * H + hh)
+            G = tl.load(G_ptr + row, mask=valid, other=0.0)
+            kd = k * tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))[:, None]
+            qg = q * (scale * tl.exp(G.to(tl.float32)))[:, None]
+            hdecay = tl.exp(GL.to(tl.float32))
         dvl = tl.load(dvl_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
         dvn = dvl + _mm(kd, dh, PREC, DT, DA)
         tl.store(dvn_ptr + row[:, None] * V + vc[None, :], dvn, mask=mv)
-        q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
         do = tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
-        qg = q * (scale * tl.exp(G.to(tl.float32)))[:, None]
-        dh = (dh * tl.exp(GL.to(tl.float32))
+        dh = (dh * hdecay
               + _mm(tl.trans(qg), do, PREC, DT, DA)
               - _mm(tl.trans(w), dvn, PREC, DT, DA))
     if STORE_DH0:
@@ -1238,7 +1248,7 @@ def chunk_dv_local(q, k, G, do, scale: float, plan: ChunkPlan, input_dtype: torc
 def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_dh0: bool,
                   input_dtype: torch.dtype | None = None):
     """8: dh [NC, H, K, V] (gradient of the state leaving each chunk), dVn [Ntok, H, V],
-    d initial_state [N, H, K, V] or None; fp32."""
+    d initial_state [N, H, K, V] or None; fp32. G [Ntok, H, K] (KDA) selects the per-channel form."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK = _blocks(K, V)[0]
@@ -1251,7 +1261,7 @@ def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_
             q, k, w, G, do, dvl, dht if dht is not None else dh, dh, dvn, dh0 if dh0 is not None else dh,
             plan.cu, plan.chunk_offsets, H, _programs_bucket(plan.N * H), scale, K=K, V=V, BK=BK, BT=BT,
             HAS_DHT=dht is not None,
-            STORE_DH0=want_dh0, DT=DT, DA=DA, PREC=PREC)
+            STORE_DH0=want_dh0, DT=DT, DA=DA, PREC=PREC, PER_CHANNEL=G.dim() == 3)
     return dh, dvn, dh0
 
 

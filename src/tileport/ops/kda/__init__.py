@@ -9,18 +9,18 @@ Public entry point: `chunk_kda` (GDN's signature; g is [B, T, H, K]). The call i
 then runs through the torch.library custom ops `tileport::kda_forward` / `tileport::kda_backward`
 (so it works under torch.compile), whose bodies ask the dispatcher ("kda") for a backend:
 
-    triton     forward: the chunked WY / UT-transform algorithm, chunks of 64, sharing GDN's
-               kernels through their PER_CHANNEL switch (kda/triton_kernels.py says which);
-               also the CPU path under TRITON_INTERPRET=1
+    triton     the chunked WY / UT-transform algorithm, chunks of 64, forward and backward,
+               sharing GDN's kernels through their PER_CHANNEL switch where the algebra is the
+               same (kda/triton_kernels.py says which); also the CPU path under TRITON_INTERPRET=1
     reference  float64 PyTorch (reference.py): the step-by-step recurrence forward, and its
                closed-form reverse sweep backward
 
 Status and TODO:
-- The Triton backward is not written yet. A backend whose impl has no backward (backward=None)
-  has its gradients computed by the "reference" backend of the same dispatcher
-  (`_backward_backend`): correct (float64 reverse sweep) but slow, a Python loop over T.
-- The Triton forward passes the parity gate under the CPU interpreter only; it has not run on
-  the H200 (see GDN's notes on bf16 dots and stores the interpreter can't exercise).
+- The Triton backward (written 2026-11-29, fifth session) passes the parity gate under the CPU
+  interpreter and compiles for sm_90a; it has not run on the H200. A backend whose impl has no
+  backward (backward=None) would have its gradients computed by the "reference" backend
+  (`_backward_backend`).
+- The Triton forward passed the gate on the H200 (6ec45b2); it is 7x slower than FLA's.
 - Head dims above 128 are refused by the Triton backend and fall back to the reference.
 """
 
@@ -88,8 +88,7 @@ def _triton_refusal(call: KDACall) -> str | None:
     return triton_refusal(call.K, call.V, call.dtype)
 
 
-_triton_impl = lazy_stages("tileport.ops.kda.triton_kernels", "kda_forward_triton", "kda_forward_triton")
-_triton_impl.backward = None  # not written yet: gradients come from the reference (see _backward_backend)
+_triton_impl = lazy_stages("tileport.ops.kda.triton_kernels", "kda_forward_triton", "kda_backward_triton")
 
 DISPATCHER = register(
     OpDispatcher(

@@ -12,9 +12,8 @@ from tileport.ops.gdn import perf as gdn_perf
 STANDARD = gdn_perf.STANDARD
 SMALL = gdn_perf.SMALL
 LEAF_KINDS = gdn_perf.LEAF_KINDS
-# tileport's KDA gradients come from the float64 reverse sweep (a Python loop over T): not a
-# kernel, and minutes at S1 (it stalled the 2026-11-29 H200 bench); the bench times the forward.
-NO_KERNEL_BACKWARD = {"triton": "tileport's KDA backward is the float64 reference sweep (no kernel yet); forward only"}
+# (until the fifth session tileport's KDA gradients came from the float64 reverse sweep and the
+# bench timed the forward only; the Triton backward now runs, so bwd and fwdbwd are timed too)
 
 
 def minimal_cost(shape: dict, elem_bytes: int, mode: str) -> tuple[int, int]:

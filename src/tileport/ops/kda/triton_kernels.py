@@ -1,4 +1,4 @@
-"""Kimi Delta Attention, Triton backend (forward): GDN's chunked algorithm with per-channel gates.
+"""Kimi Delta Attention, Triton backend: GDN's chunked algorithm with per-channel gates.
 
 KDA differs from GDN only in how the gates scale k, q and the state, so most stages are GDN's own
 kernels (tileport.ops.gdn.triton_kernels) with their PER_CHANNEL constexpr switched on, selected by
@@ -22,8 +22,20 @@ a [16, 16, BK] fp32 product. For g <= 0 no exponent is positive, for any gate ma
 -1000, ...): a factor can only underflow to 0, where the exact term is below fp32's range anyway.
 G stays fp64 and every exponent is an fp64 difference rounded to fp32 (see GDN's docstring).
 
-Backward: not in Triton yet. The "triton" backend's backward runs the float64 reference reverse
-sweep (kda.reference.recurrent_backward); see tileport.ops.kda.
+Backward (`kda_backward_triton`): the forward's stages 1-5 recomputed (T stored, fp32
+intermediates), then
+
+     7 kda dv_local   here: dVl = scale P^T dO by 16-row blocks                  grid (NC*V/BV, H)
+     8 chunk_dstates  GDN's, PER_CHANNEL: dVn, dh per chunk, d initial_state      grid (N*H, V/BV)
+     9 kda dqkwg      here: dQ', dK', dW, dG' partials and dP (stored)            grid (NC, H)
+    9b kda dp apply   here: + the pair terms of dP (gated products R, C)          grid (NC, H)
+    10 kda wy_bwd     here: back through W, U, T: dV, dA (stored), dbeta'         grid (NC, H)
+   10b kda da apply   here: + the pair terms of dA; final dK, dbeta, dg            grid (NC, H)
+    11 l2norm_bwd     GDN's
+
+R(M, X) and C(M, Y), the gated products in both directions, follow the exponent rule above
+(`_gated_rows`, `_gated_cols`); tests/kda_chunk_algebra.py holds the same algebra in float64.
+Precision as GDN's backward: the products go through `_mm` at bf16x3 for 16-bit inputs.
 
 Interpreter workarounds (bf16 dots and stores) are GDN's: `_op`, `_out`, `_done`.
 """
@@ -34,23 +46,30 @@ import torch
 import triton
 import triton.language as tl
 
+from tileport.memory import new_empty
 from tileport.ops.gdn.triton_kernels import (
+    _F32,
     BT,
     _blocks,
+    _chunk_program,
     _done,
     _dot_types,
     _flatten,
+    _mm,
     _op,
     _out,
+    _products,
     chunk_cumsum,
+    chunk_dstates,
     chunk_solve_wu,
     chunk_states,
+    l2norm_bwd,
     l2norm_fwd,
     make_plan,
     triton_refusal,
 )
 
-__all__ = ["kda_forward_triton", "chunk_output_kda", "triton_refusal"]
+__all__ = ["kda_forward_triton", "kda_backward_triton", "chunk_output_kda", "triton_refusal"]
 
 _LAUNCH_OUTPUT = dict(num_warps=4)
 # How stage 3 (GDN's solve kernel, PER_CHANNEL) and the output kernel form each 16-row
@@ -184,3 +203,430 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
     o = chunk_output_kda(qf, kf, G, h, vn, scale, plan, q.dtype)
     return o.view(B, T, H, V), ht
+
+
+# ----------------------------------------------------------------------------------------
+# backward (docs/perf/kda.md, "The Triton backward"; tests/kda_chunk_algebra.py is the same algebra
+# in float64, line by line). Per chunk, the gated products in both directions, for M lower
+# triangular [64, 64] and X, Y [64, K]:
+#     R(M, X)_tc = sum_s M_ts X_sc exp(G_tc - G_sc)       C(M, Y)_sc = sum_t M_ts Y_tc exp(G_tc - G_sc)
+# by 16-row blocks with the forward's exponent rule (`gated_products`): a block pair i > j goes
+# through the reference row r = the first row of block i, (.. exp(G_t - G_r)) (.. exp(G_r - G_s)),
+# both exponents <= 0; a diagonal block uses the exact pairwise differences, one row (R: one
+# column s; C: one row t) at a time as a [16, K] fp32 update, so no [16, 16, K] tile is held.
+# Every product of fp32 operands goes through GDN's `_mm` at the backward's precision.
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_rows(bos, eos, b, H, hh, kc, K: tl.constexpr):
+    """The chunk's 16-row block b: rows valid [16], [Ntok, H] row offsets [16] (int64), key mask [16, BK]."""
+    t = bos + b * 16 + tl.arange(0, 16)
+    ok = t < eos
+    return ok, t.to(tl.int64) * H + hh, ok[:, None] & (kc < K)[None, :]
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _gated_rows(m_ptr, x_ptr, G_ptr, bos, eos, b: tl.constexpr, H, hh, K: tl.constexpr, BK: tl.constexpr,
+                BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, STRICT: tl.constexpr):
+    """R(M, X) for the rows of block b: [16, BK] fp32. M is read from a [Ntok, H, 64] buffer (row t
+    of a chunk holds M_t, columns s = 0..63), X from [Ntok, H, K], G fp64 [Ntok, H, K]. STRICT:
+    without the diagonal terms s = t."""
+    r16 = tl.arange(0, 16)
+    kc = tl.arange(0, BK)
+    okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
+    Gb = tl.load(G_ptr + rowb[:, None] * K + kc[None, :], mask=mkb, other=0.0)
+    acc = tl.full([16, BK], 0.0, tl.float32)
+    if b > 0:
+        tr = bos + b * 16
+        Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=(tr < eos) & (kc < K), other=0.0)
+        for j in tl.static_range(b):
+            okj, rowj, mkj = _block_rows(bos, eos, j, H, hh, kc, K)
+            Gj = tl.load(G_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0)
+            xj = tl.load(x_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0).to(tl.float32)
+            # (tr < eos: a block past the sequence's end has no reference row, and Gr = 0 there
+            # would give exp(-G_s) > 1)
+            xs = xj * tl.exp(tl.where(mkj & (tr < eos), (Gr[None, :] - Gj).to(tl.float32), float("-inf")))
+            mij = tl.load(m_ptr + rowb[:, None] * BT + (j * 16 + r16)[None, :], mask=okb[:, None] & okj[None, :],
+                          other=0.0)
+            acc += _mm(mij, xs, PREC, DT, DA)
+        acc = acc * tl.exp(tl.where(mkb, (Gb - Gr[None, :]).to(tl.float32), float("-inf")))
+    mbb = tl.load(m_ptr + rowb[:, None] * BT + (b * 16 + r16)[None, :], mask=okb[:, None] & okb[None, :], other=0.0)
+    for s in range(16):  # a run-time loop: unrolled, the sixteen [16, K] updates cost compile time and registers
+        ts = bos + b * 16 + s
+        rs = ts.to(tl.int64) * H + hh
+        ks = (ts < eos) & (kc < K)
+        xrow = tl.load(x_ptr + rs * K + kc, mask=ks, other=0.0).to(tl.float32)
+        Gs = tl.load(G_ptr + rs * K + kc, mask=ks, other=0.0)
+        mcol = tl.sum(tl.where(r16[None, :] == s, mbb, 0.0), 1)  # M[:, s] of the block
+        keep = (((r16 > s) if STRICT else (r16 >= s)) & okb)[:, None] & ks[None, :]
+        acc += mcol[:, None] * xrow[None, :] * tl.exp(tl.where(keep, (Gb - Gs[None, :]).to(tl.float32), float("-inf")))
+    return acc
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _gated_cols(m_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, b: tl.constexpr, H, hh, K: tl.constexpr, BK: tl.constexpr,
+                BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, YSCALE: tl.constexpr,
+                STRICT: tl.constexpr):
+    """C(M, Y) for the columns of block b (rows s of the result): [16, BK] fp32. YSCALE: Y's rows
+    are scaled by ys_ptr's [Ntok, H] values first (C(diag(beta) M, K) = C(M, diag(beta) K)).
+    STRICT: without the diagonal terms t = s."""
+    NB: tl.constexpr = BT // 16
+    r16 = tl.arange(0, 16)
+    kc = tl.arange(0, BK)
+    okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
+    Gb = tl.load(G_ptr + rowb[:, None] * K + kc[None, :], mask=mkb, other=0.0)
+    acc = tl.full([16, BK], 0.0, tl.float32)
+    for i in tl.static_range(b + 1, NB):
+        oki, rowi, mki = _block_rows(bos, eos, i, H, hh, kc, K)
+        tr = bos + i * 16
+        Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=(tr < eos) & (kc < K), other=0.0)
+        Gi = tl.load(G_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0)
+        yi = tl.load(y_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
+        if YSCALE:
+            yi = yi * tl.load(ys_ptr + rowi, mask=oki, other=0.0).to(tl.float32)[:, None]
+        ys = yi * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
+        mib = tl.load(m_ptr + rowi[:, None] * BT + (b * 16 + r16)[None, :], mask=oki[:, None] & okb[None, :],
+                      other=0.0)  # [t in block i, s in block b]
+        decay = tl.exp(tl.where(mkb & (tr < eos), (Gr[None, :] - Gb).to(tl.float32), float("-inf")))
+        acc += decay * _mm(tl.trans(mib), ys, PREC, DT, DA)
+    mbb = tl.load(m_ptr + rowb[:, None] * BT + (b * 16 + r16)[None, :], mask=okb[:, None] & okb[None, :], other=0.0)
+    for t in range(16):
+        tt = bos + b * 16 + t
+        rt = tt.to(tl.int64) * H + hh
+        kt = (tt < eos) & (kc < K)
+        yrow = tl.load(y_ptr + rt * K + kc, mask=kt, other=0.0).to(tl.float32)
+        if YSCALE:
+            yrow = yrow * tl.load(ys_ptr + rt, mask=tt < eos, other=0.0).to(tl.float32)
+        Gt = tl.load(G_ptr + rt * K + kc, mask=kt, other=0.0)
+        mrow = tl.sum(tl.where(r16[:, None] == t, mbb, 0.0), 0)  # M[t, :] of the block
+        keep = (((r16 < t) if STRICT else (r16 <= t)) & okb)[:, None] & kt[None, :]
+        acc += mrow[:, None] * yrow[None, :] * tl.exp(tl.where(keep, (Gt[None, :] - Gb).to(tl.float32), float("-inf")))
+    return acc
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
+                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                         BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """7 (per-channel gates): dVl = scale P^T dO, P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) (t >= s),
+    by 16-row blocks: dVl_j = sum_{i >= j} P_ij^T dO_i; grid (NC * V/BV, H). P^T is formed as its
+    own product (keys times queries), never as tl.trans of a dot result (see GDN's stage 9)."""
+    NB: tl.constexpr = BT // 16
+    c = tl.program_id(0) // NV
+    jv = tl.program_id(0) % NV
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    r16 = tl.arange(0, 16)
+    kc = tl.arange(0, BK)
+    vc = jv * BV + tl.arange(0, BV)
+    for jb in tl.static_range(NB):
+        okj, rowj, mkj = _block_rows(bos, eos, jb, H, hh, kc, K)
+        Gj = tl.load(G_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0)
+        kj = tl.load(k_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0).to(tl.float32)
+        acc = tl.full([16, BV], 0.0, tl.float32)
+        for ib in tl.static_range(jb, NB):
+            oki, rowi, mki = _block_rows(bos, eos, ib, H, hh, kc, K)
+            doi = tl.load(do_ptr + rowi[:, None] * V + vc[None, :], mask=oki[:, None] & (vc < V)[None, :],
+                          other=0.0).to(tl.float32)
+            if ib == jb:
+                Pt = tl.full([16, 16], 0.0, tl.float32)  # [s, t]
+                for t in range(16):
+                    tt = bos + jb * 16 + t
+                    rt = tt.to(tl.int64) * H + hh
+                    kt = (tt < eos) & (kc < K)
+                    qrow = tl.load(q_ptr + rt * K + kc, mask=kt, other=0.0).to(tl.float32)
+                    Gt = tl.load(G_ptr + rt * K + kc, mask=kt, other=0.0)
+                    keep = ((r16 <= t) & okj)[:, None] & kt[None, :]
+                    col = tl.sum(kj * qrow[None, :] * tl.exp(tl.where(keep, (Gt[None, :] - Gj).to(tl.float32),
+                                                                        float("-inf"))), 1)
+                    Pt += tl.where(r16[None, :] == t, col[:, None], 0.0)
+            else:
+                tr = bos + ib * 16
+                Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=(tr < eos) & (kc < K), other=0.0)
+                Gi = tl.load(G_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0)
+                qi = tl.load(q_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
+                xq = qi * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
+                kt_ = kj * tl.exp(tl.where(mkj & (tr < eos), (Gr[None, :] - Gj).to(tl.float32), float("-inf")))
+                Pt = _mm(kt_, tl.trans(xq), PREC, DT, DA)  # [s in block jb, t in block ib]
+            acc += _mm(Pt, doi, PREC, DT, DA)
+        tl.store(dvl_ptr + rowj[:, None] * V + vc[None, :], acc * scale, mask=okj[:, None] & (vc < V)[None, :])
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr,
+                      dp_ptr, chunks_ptr, H, scale,
+                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                      BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """9 (per-channel gates), per chunk and head (grid (NC, H)), summing over V blocks:
+        dQh = scale dO h_c^T,  dKd = Vn dh^T,  dW = -dVn h_c^T,  hdh = rowsum(h_c * dh) [K],
+        dP = lower(scale dO Vn^T) (t >= s; stored [Ntok, H, 64] for 9b)
+    (dh: the gradient of the state leaving the chunk), and the fp32 partials that 9b and 10 finish:
+        dQ' = exp(G) * dQh;  dK' = exp(G_L - G) * dKd;  dG' = Q * dQ' - Kd * dKd  (Kd = exp(G_L - G) * K),
+    the last valid row's dG' also + exp(G_L) * hdh + colsum(Kd * dKd)."""
+    c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT,
+                                                                           tl.program_id(0))
+    sbase = (c.to(tl.int64) * H + hh) * (K * V)
+    dqh = tl.full([BT, BK], 0.0, tl.float32)
+    dkd = tl.full([BT, BK], 0.0, tl.float32)
+    dw = tl.full([BT, BK], 0.0, tl.float32)
+    dp = tl.full([BT, BT], 0.0, tl.float32)
+    hdh = tl.full([BK], 0.0, tl.float32)
+    for j in tl.static_range(NV):
+        vc = j * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (vc < V)[None, :]
+        smask = (kc < K)[:, None] & (vc < V)[None, :]
+        h = tl.load(h_ptr + sbase + kc[:, None] * V + vc[None, :], mask=smask, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + sbase + kc[:, None] * V + vc[None, :], mask=smask, other=0.0)
+        vn = tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        dvn = tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+        do = tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        dqh += _mm(do, tl.trans(h), PREC, DT, DA)
+        dkd += _mm(vn, tl.trans(dh), PREC, DT, DA)
+        dw -= _mm(dvn, tl.trans(h), PREC, DT, DA)
+        dp += _mm(do, tl.trans(vn), PREC, DT, DA)
+        hdh += tl.sum(h * dh, 1)
+    last = tl.minimum(bos + BT, eos) - 1
+    GL = tl.load(G_ptr + (last.to(tl.int64) * H + hh) * K + kc, mask=kc < K, other=0.0)
+    G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    dqp = tl.exp(tl.where(mk, G.to(tl.float32), float("-inf"))) * dqh * scale
+    decay = tl.exp(tl.where(mk, (GL[None, :] - G).to(tl.float32), float("-inf")))
+    # x = Kd * dKd enters dG with - on its row and + (summed) on the last row; the last row's own
+    # term (decay 1) is left out of both rather than cancelled (see 9b)
+    x = tl.where((tok == last)[:, None], 0.0, k * decay * dkd)
+    dG = q * dqp - x
+    dG += tl.where((tok == last)[:, None], (tl.exp(GL.to(tl.float32)) * hdh + tl.sum(x, 0))[None, :], 0.0)
+    offs = row[:, None] * K + kc[None, :]
+    tl.store(dq_ptr + offs, dqp, mask=mk)
+    tl.store(dk_ptr + offs, decay * dkd, mask=mk)
+    tl.store(dw_ptr + offs, dw, mask=mk)
+    tl.store(dG_ptr + offs, dG, mask=mk)
+    lower = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
+    tl.store(dp_ptr + row[:, None] * BT + r[None, :], tl.where(lower, dp * scale, 0.0), mask=valid[:, None])
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6)
+@triton.jit
+def _kda_dp_apply_kernel(dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr, chunks_ptr, H,
+                         K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                         DA: tl.constexpr):
+    """9b: the pair terms of dQ, dK and dG from 9's dP, in place on 9's fp32 partials, one 16-row
+    block at a time (grid (NC, H)): with R = R(dP, K) and C = C(dP, Q) over s < t (strict) and
+    d = the diagonal of dP,
+        dQ' += R + d * K,   dK' += C + d * Q,   dG' += Q * R - K * C.
+    The diagonal's terms of dG (q_t k_t dP_tt, once with each sign) are left out rather than
+    cancelled: their rounding noise swamps dg where it is tiny (gates of -20 and below), as in GDN."""
+    NB: tl.constexpr = BT // 16
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    kc = tl.arange(0, BK)
+    for b in tl.static_range(NB):
+        okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
+        R = _gated_rows(dp_ptr, k_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True)
+        C = _gated_cols(dp_ptr, q_ptr, q_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, False, True)
+        offs = rowb[:, None] * K + kc[None, :]
+        qb = tl.load(q_ptr + offs, mask=mkb, other=0.0).to(tl.float32)
+        kb = tl.load(k_ptr + offs, mask=mkb, other=0.0).to(tl.float32)
+        d = tl.load(dp_ptr + rowb * BT + b * 16 + tl.arange(0, 16), mask=okb, other=0.0)  # dP_tt
+        tl.store(dq_ptr + offs, tl.load(dq_ptr + offs, mask=mkb, other=0.0) + R + d[:, None] * kb, mask=mkb)
+        tl.store(dk_ptr + offs, tl.load(dk_ptr + offs, mask=mkb, other=0.0) + C + d[:, None] * qb, mask=mkb)
+        tl.store(dG_ptr + offs, tl.load(dG_ptr + offs, mask=mkb, other=0.0) + qb * R - kb * C, mask=mkb)
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr,
+                       da_ptr, dbp_ptr, dv_ptr, chunks_ptr, H,
+                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                       BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """10 (per-channel gates), first half, per chunk and head (grid (NC, H)): back through W, U and T,
+        dXw = T^T dW,  dXu = T^T dVn,  dA = strict_lower(-(dXw W^T + dXu U^T))  (stored for 10b),
+        dV = diag(beta) dXu,  dbeta' = rowsum(V * dXu) + rowsum(exp(G) * K * dXw)  (stored),
+    and in place on 9's partials: dK' += diag(beta) exp(G) * dXw, dG' += diag(beta) exp(G) * K * dXw.
+    The pair terms through A, which need the 16-row block scheme, are 10b's."""
+    c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT,
+                                                                           tl.program_id(0))
+    Tm = tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
+    Tt = tl.trans(Tm)
+    beta = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    dw = tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    dxw = _mm(Tt, dw, PREC, DT, DA)
+    dA = -_mm(dxw, tl.trans(w), PREC, DT, DA)
+    vdu = tl.full([BT], 0.0, tl.float32)
+    for j in tl.static_range(NV):
+        vc = j * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (vc < V)[None, :]
+        dvn = tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+        dxu = _mm(Tt, dvn, PREC, DT, DA)
+        tl.store(dv_ptr + row[:, None] * V + vc[None, :], (dxu * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
+        v = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        vdu += tl.sum(v * dxu, 1)
+        u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        dA -= _mm(dxu, tl.trans(u), PREC, DT, DA)
+    strict = valid[:, None] & valid[None, :] & (r[:, None] > r[None, :])
+    tl.store(da_ptr + row[:, None] * BT + r[None, :], tl.where(strict, dA, 0.0), mask=valid[:, None])
+    G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    egx = tl.exp(tl.where(mk, G.to(tl.float32), float("-inf"))) * dxw
+    tl.store(dbp_ptr + row, vdu + tl.sum(k * egx, 1), mask=valid)
+    offs = row[:, None] * K + kc[None, :]
+    tl.store(dkp_ptr + offs, tl.load(dkp_ptr + offs, mask=mk, other=0.0) + beta[:, None] * egx, mask=mk)
+    tl.store(dGp_ptr + offs, tl.load(dGp_ptr + offs, mask=mk, other=0.0) + beta[:, None] * k * egx, mask=mk)
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6)
+@triton.jit
+def _kda_da_apply_kernel(da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_ptr, dk_ptr, dbeta_ptr, dg_ptr,
+                         chunks_ptr, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+                         DT: tl.constexpr, DA: tl.constexpr):
+    """10b: the pair terms through A = strict_lower(diag(beta) Gam(K, K)) and the final dK, dbeta,
+    dg, one 16-row block at a time from the chunk's last (grid (NC, H)): with R = R(dA, K) and
+    C = C(dA, diag(beta) K),
+        dK = dK' + diag(beta) R + C,   dG = dG' + diag(beta) K * R - K * C,   dbeta = dbeta' + rowsum(K * R),
+    and dg = the reverse in-chunk cumulative sum of dG per channel (a carry of the later blocks' sums)."""
+    NB: tl.constexpr = BT // 16
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    kc = tl.arange(0, BK)
+    carry = tl.full([BK], 0.0, tl.float32)
+    for b in tl.static_range(NB - 1, -1, -1):
+        okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
+        R = _gated_rows(da_ptr, k_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True)
+        C = _gated_cols(da_ptr, k_ptr, beta_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, True)
+        offs = rowb[:, None] * K + kc[None, :]
+        kb = tl.load(k_ptr + offs, mask=mkb, other=0.0).to(tl.float32)
+        bb_ = tl.load(beta_ptr + rowb, mask=okb, other=0.0).to(tl.float32)
+        dk = tl.load(dkp_ptr + offs, mask=mkb, other=0.0) + bb_[:, None] * R + C
+        dG = tl.load(dGp_ptr + offs, mask=mkb, other=0.0) + bb_[:, None] * kb * R - kb * C
+        dbeta = tl.load(dbp_ptr + rowb, mask=okb, other=0.0) + tl.sum(kb * R, 1)
+        dg = tl.cumsum(dG, 0, reverse=True) + carry[None, :]
+        carry += tl.sum(dG, 0)
+        tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mkb)
+        tl.store(dbeta_ptr + rowb, dbeta.to(dbeta_ptr.dtype.element_ty), mask=okb)
+        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mkb)
+
+
+# ----------------------------------------------------------------------------------------
+# backward stage functions (host): one kernel launch each
+# ----------------------------------------------------------------------------------------
+
+# 4 warps for the block-by-block kernels (7, 9b, 10b: 0-240 B of spills per thread, sm_90a); 8 for
+# the whole-chunk ones, 9 (three [64, K] fp32 accumulators and dP: 6548 B of spills at 4 warps,
+# 1620 at 8) and 10 (1424 -> 336 B)
+_LAUNCH_BACKWARD = dict(num_warps=4)
+_LAUNCH_CHUNK = dict(num_warps=8)
+
+
+def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype):
+    """7: dVl [Ntok, H, V] fp32."""
+    Ntok, H, K = q.shape
+    V = do.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    dvl = new_empty((Ntok, H, V), _F32, q.device)
+    if plan.NC:
+        DT, DA, PREC = _products(input_dtype, True)
+        _kda_dv_local_kernel[(plan.NC * NV, H)](q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
+                                                PREC, DT, DA, **_LAUNCH_BACKWARD)
+    return dvl
+
+
+def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype):
+    """9: fp32 partials dQ', dK', dW, dG' [Ntok, H, K] and dP [Ntok, H, 64]."""
+    Ntok, H, K = q.shape
+    V = do.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    dq, dk, dw, dG = (new_empty((Ntok, H, K), _F32, q.device) for _ in range(4))
+    dp = new_empty((Ntok, H, BT), _F32, q.device)
+    if plan.NC:
+        DT, DA, PREC = _products(input_dtype, True)
+        _kda_dqkwg_kernel[(plan.NC, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, dp, plan.chunks, H, scale,
+                                        K, V, BK, BV, NV, BT, PREC, DT, DA, **_LAUNCH_CHUNK)
+    return dq, dk, dw, dG, dp
+
+
+def chunk_dp_apply_kda(dp, q, k, G, dq, dk, dG, plan, input_dtype: torch.dtype):
+    """9b: adds the pair terms of dP into dq, dk, dG (9's partials), in place."""
+    Ntok, H, K = q.shape
+    if plan.NC:
+        DT, DA, PREC = _products(input_dtype, True)
+        _kda_dp_apply_kernel[(plan.NC, H)](dp, q, k, G, dq, dk, dG, plan.chunks, H, K, _blocks(K, 1)[0], BT,
+                                           PREC, DT, DA, **_LAUNCH_BACKWARD)
+
+
+def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
+                     input_dtype: torch.dtype):
+    """10a: (dA [Ntok, H, 64] fp32, dbeta' [Ntok, H] fp32, dv [Ntok, H, V] in dv_dtype); adds into dk, dG."""
+    Ntok, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    da = new_empty((Ntok, H, BT), _F32, k.device)
+    dbp = new_empty((Ntok, H), _F32, k.device)
+    dv = _out((Ntok, H, V), dv_dtype, k.device)
+    if plan.NC:
+        DT, DA, PREC = _products(input_dtype, True)
+        _kda_wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, da, dbp, dv, plan.chunks, H,
+                                         K, V, BK, BV, NV, BT, PREC, DT, DA, **_LAUNCH_CHUNK)
+    return da, dbp, _done(dv, dv_dtype)
+
+
+def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtype, dbeta_dtype: torch.dtype,
+                       dg_dtype: torch.dtype, input_dtype: torch.dtype):
+    """10b: the final dk [Ntok, H, K], dbeta [Ntok, H] and dg [Ntok, H, K], each in the dtype asked for."""
+    Ntok, H, K = k.shape
+    dk = _out((Ntok, H, K), dk_dtype, k.device)
+    dbeta = _out((Ntok, H), dbeta_dtype, k.device)
+    dg = _out((Ntok, H, K), dg_dtype, k.device)
+    if plan.NC:
+        DT, DA, PREC = _products(input_dtype, True)
+        _kda_da_apply_kernel[(plan.NC, H)](da, k, beta, G, dkp, dGp, dbp, dk, dbeta, dg, plan.chunks, H, K,
+                                           _blocks(K, 1)[0], BT, PREC, DT, DA, **_LAUNCH_BACKWARD)
+    return _done(dk, dk_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
+
+
+def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """(dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype: recomputes the
+    forward's stages 1-5 (T stored, fp32 intermediates), then 7, 8 (GDN's, per-channel), 9, 9b, 10, 10b."""
+    B, T, H, K = q.shape
+    plan = make_plan(B, T, cu_seqlens, q.device)
+    qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
+    dof = _flatten(do.to(q.dtype))
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    dht = dht.contiguous() if dht is not None else None
+    dt = q.dtype
+    l2 = use_qk_l2norm_in_kernel
+    if l2:
+        kept = _F32 if _products(dt, True)[2] != "ieee" else dt
+        qn, kn = l2norm_fwd(qf, kept), l2norm_fwd(kf, kept)
+    else:
+        qn, kn = qf, kf
+    G = chunk_cumsum(gf, plan)
+    Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
+                              factored_diagonal=DIAGONAL_FORM == "factored")
+    h, vn, _ = chunk_states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
+    dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt)
+    dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
+    dq, dkp, dw, dGp, dp = chunk_dqkwg_kda(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt)
+    chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt)
+    da, dbp, dv = chunk_wy_bwd_kda(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan, v.dtype, dt)
+    dk, dbeta, dg = chunk_da_apply_kda(da, kn, bf, G, dkp, dGp, dbp, plan, _F32 if l2 else k.dtype, beta.dtype,
+                                       g.dtype, dt)
+    if l2:
+        dq = l2norm_bwd(qf, dq, q.dtype)
+        dk = l2norm_bwd(kf, dk, k.dtype)
+    else:
+        dq = dq.to(q.dtype)
+    if dh0 is not None and dh0.dtype != initial_state.dtype:
+        dh0 = dh0.to(initial_state.dtype)
+    return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape), dbeta.view(beta.shape), dh0)
