@@ -177,7 +177,7 @@ def _kda_backward_cases():
     yield "kda dqkwg", kk._kda_dqkwg_kernel, dict(
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
         vn_ptr=tok(V), dvn_ptr=tok(V), do_ptr=tok(V, bf), dq_ptr=tok(K), dk_ptr=tok(K), dw_ptr=tok(K), dG_ptr=tok(K),
-        dp_ptr=tok(64), chunks_ptr=ch, H=H, scale=0.1, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64, **prec)
+        dp_ptr=tok(64), chunks_ptr=ch, H=H, scale=0.1, K=K, V=V, BKS=tk._key_split(K)[0], BV=BV, NV=NV, BT=64, **prec)
     yield "kda dp apply", kk._kda_dp_apply_kernel, dict(
         dp_ptr=tok(64), q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, dq_ptr=tok(K), dk_ptr=tok(K), dG_ptr=tok(K),
         chunks_ptr=ch, H=H, K=K, BK=BK, BT=64, **prec)

@@ -54,6 +54,7 @@ from tileport.ops.gdn.triton_kernels import (
     _chunk_program,
     _done,
     _dot_types,
+    _key_split,
     _flatten,
     _mm,
     _op,
@@ -361,22 +362,30 @@ def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, sc
 @triton.jit
 def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr,
                       dp_ptr, chunks_ptr, H, scale,
-                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                       BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
-    """9 (per-channel gates), per chunk and head (grid (NC, H)), summing over V blocks:
+    """9 (per-channel gates), per chunk, head and block of BKS key columns (grid (NC * K/BKS, H)),
+    summing over V blocks:
         dQh = scale dO h_c^T,  dKd = Vn dh^T,  dW = -dVn h_c^T,  hdh = rowsum(h_c * dh) [K],
         dP = lower(scale dO Vn^T) (t >= s; stored [Ntok, H, 64] for 9b)
     (dh: the gradient of the state leaving the chunk), and the fp32 partials that 9b and 10 finish:
         dQ' = exp(G) * dQh;  dK' = exp(G_L - G) * dKd;  dG' = Q * dQ' - Kd * dKd  (Kd = exp(G_L - G) * K),
-    the last valid row's dG' also + exp(G_L) * hdh + colsum(Kd * dKd)."""
-    c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT,
-                                                                           tl.program_id(0))
+    the last valid row's dG' also + exp(G_L) * hdh + colsum(Kd * dKd). Every term is per key
+    channel (unlike GDN's dG, no sum over channels), so the column blocks are independent; the block
+    of columns 0 also forms and stores dP. Split as GDN's stage 9 is: whole K in one program spilled
+    1620 B per thread at 8 warps (sm_90a)."""
+    NK: tl.constexpr = (K + BKS - 1) // BKS
+    kb = tl.program_id(0) % NK
+    c, hh, bos, eos, r, tok, valid, row, kc0, vc0, mk0, mv0 = _chunk_program(chunks_ptr, H, K, V, BKS, BV, 1, BT,
+                                                                             tl.program_id(0) // NK)
+    kc = kb * BKS + tl.arange(0, BKS)
+    mk = valid[:, None] & (kc < K)[None, :]
     sbase = (c.to(tl.int64) * H + hh) * (K * V)
-    dqh = tl.full([BT, BK], 0.0, tl.float32)
-    dkd = tl.full([BT, BK], 0.0, tl.float32)
-    dw = tl.full([BT, BK], 0.0, tl.float32)
+    dqh = tl.full([BT, BKS], 0.0, tl.float32)
+    dkd = tl.full([BT, BKS], 0.0, tl.float32)
+    dw = tl.full([BT, BKS], 0.0, tl.float32)
     dp = tl.full([BT, BT], 0.0, tl.float32)
-    hdh = tl.full([BK], 0.0, tl.float32)
+    hdh = tl.full([BKS], 0.0, tl.float32)
     for j in tl.static_range(NV):
         vc = j * BV + tl.arange(0, BV)
         mv = valid[:, None] & (vc < V)[None, :]
@@ -389,7 +398,8 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
         dqh += _mm(do, tl.trans(h), PREC, DT, DA)
         dkd += _mm(vn, tl.trans(dh), PREC, DT, DA)
         dw -= _mm(dvn, tl.trans(h), PREC, DT, DA)
-        dp += _mm(do, tl.trans(vn), PREC, DT, DA)
+        if kb == 0:
+            dp += _mm(do, tl.trans(vn), PREC, DT, DA)
         hdh += tl.sum(h * dh, 1)
     last = tl.minimum(bos + BT, eos) - 1
     GL = tl.load(G_ptr + (last.to(tl.int64) * H + hh) * K + kc, mask=kc < K, other=0.0)
@@ -408,8 +418,9 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
     tl.store(dk_ptr + offs, decay * dkd, mask=mk)
     tl.store(dw_ptr + offs, dw, mask=mk)
     tl.store(dG_ptr + offs, dG, mask=mk)
-    lower = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
-    tl.store(dp_ptr + row[:, None] * BT + r[None, :], tl.where(lower, dp * scale, 0.0), mask=valid[:, None])
+    if kb == 0:
+        lower = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
+        tl.store(dp_ptr + row[:, None] * BT + r[None, :], tl.where(lower, dp * scale, 0.0), mask=valid[:, None])
 
 
 # lint: allow-function TP001,TP007 -- [16, K] block tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6)
@@ -523,8 +534,8 @@ def _kda_da_apply_kernel(da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_p
 # ----------------------------------------------------------------------------------------
 
 # 4 warps for the block-by-block kernels (7, 9b, 10b: 0-240 B of spills per thread, sm_90a); 8 for
-# the whole-chunk ones, 9 (three [64, K] fp32 accumulators and dP: 6548 B of spills at 4 warps,
-# 1620 at 8) and 10 (1424 -> 336 B)
+# the whole-chunk ones, 9 (three [64, 64] fp32 accumulators and dP: 2204 B of spills at 4 warps,
+# 596 at 8) and 10 (1424 -> 336 B)
 _LAUNCH_BACKWARD = dict(num_warps=4)
 _LAUNCH_CHUNK = dict(num_warps=8)
 
@@ -547,12 +558,13 @@ def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
+    BKS, NK = _key_split(K)
     dq, dk, dw, dG = (new_empty((Ntok, H, K), _F32, q.device) for _ in range(4))
     dp = new_empty((Ntok, H, BT), _F32, q.device)
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
-        _kda_dqkwg_kernel[(plan.NC, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, dp, plan.chunks, H, scale,
-                                        K, V, BK, BV, NV, BT, PREC, DT, DA, **_LAUNCH_CHUNK)
+        _kda_dqkwg_kernel[(plan.NC * NK, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, dp, plan.chunks, H, scale,
+                                             K, V, BKS, BV, NV, BT, PREC, DT, DA, **_LAUNCH_CHUNK)
     return dq, dk, dw, dG, dp
 
 
