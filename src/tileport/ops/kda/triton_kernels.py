@@ -339,10 +339,10 @@ def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, sc
                 for t in range(16):
                     tt = bos + jb * 16 + t
                     rt = tt.to(tl.int64) * H + hh
-                    kt = (tt < eos) & (kc < K)
-                    qrow = tl.load(q_ptr + rt * K + kc, mask=kt, other=0.0).to(tl.float32)
-                    Gt = tl.load(G_ptr + rt * K + kc, mask=kt, other=0.0)
-                    keep = ((r16 <= t) & okj)[:, None] & kt[None, :]
+                    mt = (tt < eos) & (kc < K)
+                    qrow = tl.load(q_ptr + rt * K + kc, mask=mt, other=0.0).to(tl.float32)
+                    Gt = tl.load(G_ptr + rt * K + kc, mask=mt, other=0.0)
+                    keep = ((r16 <= t) & okj)[:, None] & mt[None, :]
                     col = tl.sum(kj * qrow[None, :] * tl.exp(tl.where(keep, (Gt[None, :] - Gj).to(tl.float32),
                                                                         float("-inf"))), 1)
                     Pt += tl.where(r16[None, :] == t, col[:, None], 0.0)
@@ -352,8 +352,8 @@ def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, sc
                 Gi = tl.load(G_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0)
                 qi = tl.load(q_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
                 xq = qi * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
-                kt_ = kj * tl.exp(tl.where(mkj & (tr < eos), (Gr[None, :] - Gj).to(tl.float32), float("-inf")))
-                Pt = _mm(kt_, tl.trans(xq), PREC, DT, DA)  # [s in block jb, t in block ib]
+                ks = kj * tl.exp(tl.where(mkj & (tr < eos), (Gr[None, :] - Gj).to(tl.float32), float("-inf")))
+                Pt = _mm(ks, tl.trans(xq), PREC, DT, DA)  # [s in block jb, t in block ib]
             acc += _mm(Pt, doi, PREC, DT, DA)
         tl.store(dvl_ptr + rowj[:, None] * V + vc[None, :], acc * scale, mask=okj[:, None] & (vc < V)[None, :])
 
