@@ -1,4 +1,5 @@
-"""A/B of the KDA Triton forward's DIAGONAL_FORM (stage 3 and the output kernel) on the H200, at
+"""A/B of the KDA Triton backend's DIAGONAL_FORM (forward: stage 3 and the output kernel; backward:
+dv_local and the gated products) on the H200, at
 S1 (B=8, T=4096, H=16, K=V=128, bf16): "exact" (pairwise exponents in every diagonal sub-block) against
 "factored" (reference-row factors where a sub-block's gates span at most SPAN_MAX), with
 logsigmoid(N(0, 1)) gates (the bench's: the factored branch everywhere) and with steep gates
@@ -34,4 +35,24 @@ for name, g in gates.items():
         err = ((o - base).norm() / base.norm().clamp_min(1e-30)).item()
         ms = triton.testing.do_bench(fwd, warmup=5, rep=40, return_mode="median") if dev == "cuda" else float("nan")
         print(f"kda forward gates={name:10} diagonal {form:8}: {ms:.3f} ms, vs exact {err:.2e}", flush=True)
+kk.DIAGONAL_FORM = "exact"
+
+# the backward (Triton since the fifth session) in both forms: its dv_local and gated products take
+# the same DIAGONAL_FORM; same inputs and upstream gradient for both
+do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+for name, g in gates.items():
+    base = None
+    for form in ("exact", "factored"):
+        kk.DIAGONAL_FORM = form
+
+        def bwd():
+            return kk.kda_backward_triton(do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
+
+        grads = bwd()
+        base = grads if base is None else base
+        err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                  for a, b in zip(grads[:5], base[:5]))
+        ms = triton.testing.do_bench(bwd, warmup=3, rep=20, return_mode="median") if dev == "cuda" else float("nan")
+        print(f"kda backward gates={name:10} diagonal {form:8}: {ms:.3f} ms, worst gradient vs exact {err:.2e}",
+              flush=True)
 kk.DIAGONAL_FORM = "exact"

@@ -171,25 +171,27 @@ def _kda_backward_cases():
     Gc = T([Ntok, H, K], f64)
     ch = T([2 * NC], idx)
     prec = dict(PREC=PREC, DT=DT, DA=DA)
-    yield "kda dv_local", kk._kda_dv_local_kernel, dict(
-        q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, do_ptr=tok(V, bf), dvl_ptr=tok(V), chunks_ptr=ch, H=H, scale=0.1,
-        K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64, **prec)
+    for factored in (False, True):  # DIAGONAL_FORM: the factored path is a run-time branch beside the exact one
+        tag = " factored" if factored else ""
+        yield "kda dv_local" + tag, kk._kda_dv_local_kernel, dict(
+            q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, do_ptr=tok(V, bf), dvl_ptr=tok(V), chunks_ptr=ch, H=H, scale=0.1,
+            K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64, FACTORED=factored, **prec)
+        yield "kda dp apply" + tag, kk._kda_dp_apply_kernel, dict(
+            dp_ptr=tok(64), q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, dq_ptr=tok(K), dk_ptr=tok(K), dG_ptr=tok(K),
+            chunks_ptr=ch, H=H, K=K, BK=BK, BT=64, FACTORED=factored, **prec)
+        yield "kda da apply" + tag, kk._kda_da_apply_kernel, dict(
+            da_ptr=tok(64), k_ptr=tok(K), beta_ptr=T([Ntok, H], bf), G_ptr=Gc, dkp_ptr=tok(K), dGp_ptr=tok(K),
+            dbp_ptr=T([Ntok, H], f32), dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K), chunks_ptr=ch, H=H,
+            K=K, BK=BK, BT=64, FACTORED=factored, **prec)
     yield "kda dqkwg", kk._kda_dqkwg_kernel, dict(
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
         vn_ptr=tok(V), dvn_ptr=tok(V), do_ptr=tok(V, bf), dq_ptr=tok(K), dk_ptr=tok(K), dw_ptr=tok(K), dG_ptr=tok(K),
         dp_ptr=tok(64), chunks_ptr=ch, H=H, scale=0.1, K=K, V=V, BKS=tk._key_split(K)[0], BV=BV, NV=NV, BT=64, **prec)
-    yield "kda dp apply", kk._kda_dp_apply_kernel, dict(
-        dp_ptr=tok(64), q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, dq_ptr=tok(K), dk_ptr=tok(K), dG_ptr=tok(K),
-        chunks_ptr=ch, H=H, K=K, BK=BK, BT=64, **prec)
     yield "kda wy_bwd", kk._kda_wy_bwd_kernel, dict(
         k_ptr=tok(K), v_ptr=tok(V, bf), beta_ptr=T([Ntok, H], bf), G_ptr=Gc, Ai_ptr=tok(64), w_ptr=tok(K),
         u_ptr=tok(V), dw_ptr=tok(K), dvn_ptr=tok(V), dkp_ptr=tok(K), dGp_ptr=tok(K), da_ptr=tok(64),
         dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
         **prec)
-    yield "kda da apply", kk._kda_da_apply_kernel, dict(
-        da_ptr=tok(64), k_ptr=tok(K), beta_ptr=T([Ntok, H], bf), G_ptr=Gc, dkp_ptr=tok(K), dGp_ptr=tok(K),
-        dbp_ptr=T([Ntok, H], f32), dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K), chunks_ptr=ch, H=H,
-        K=K, BK=BK, BT=64, **prec)
 
 
 KDA_BACKWARD_CASES = list(_kda_backward_cases())

@@ -73,10 +73,11 @@ from tileport.ops.gdn.triton_kernels import (
 __all__ = ["kda_forward_triton", "kda_backward_triton", "chunk_output_kda", "triton_refusal"]
 
 _LAUNCH_OUTPUT = dict(num_warps=4)
-# How stage 3 (GDN's solve kernel, PER_CHANNEL) and the output kernel form each 16-row
-# sub-block's diagonal block: "exact" (pairwise exponents, always) or "factored" (reference-row
-# factors when the sub-block's gates span at most SPAN_MAX, the exact form otherwise). Off until
-# the H200 has run the gate and timed it (scripts/kda_ab.py).
+# How stage 3 (GDN's solve kernel, PER_CHANNEL), the output kernel and the backward's block kernels
+# (dv_local and the gated products of 9b and 10b) form each 16-row sub-block's diagonal block:
+# "exact" (pairwise exponents, always) or "factored" (reference-row factors when the sub-block's
+# gates span at most SPAN_MAX, the exact form otherwise). Off until the H200 has run the gate and
+# timed it (scripts/kda_ab.py).
 DIAGONAL_FORM = "exact"
 
 
@@ -230,10 +231,12 @@ def _block_rows(bos, eos, b, H, hh, kc, K: tl.constexpr):
 # lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
 @triton.jit
 def _gated_rows(m_ptr, x_ptr, G_ptr, bos, eos, b: tl.constexpr, H, hh, K: tl.constexpr, BK: tl.constexpr,
-                BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, STRICT: tl.constexpr):
+                BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, STRICT: tl.constexpr,
+                FACTORED: tl.constexpr, SPAN_MAX: tl.constexpr):
     """R(M, X) for the rows of block b: [16, BK] fp32. M is read from a [Ntok, H, 64] buffer (row t
     of a chunk holds M_t, columns s = 0..63), X from [Ntok, H, K], G fp64 [Ntok, H, K]. STRICT:
-    without the diagonal terms s = t."""
+    without the diagonal terms s = t. FACTORED: a diagonal block whose gates span at most SPAN_MAX
+    is one product through its first row's factors, as the forward's FACTORED_DIAGONAL."""
     r16 = tl.arange(0, 16)
     kc = tl.arange(0, BK)
     okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
@@ -254,6 +257,27 @@ def _gated_rows(m_ptr, x_ptr, G_ptr, bos, eos, b: tl.constexpr, H, hh, K: tl.con
             acc += _mm(mij, xs, PREC, DT, DA)
         acc = acc * tl.exp(tl.where(mkb, (Gb - Gr[None, :]).to(tl.float32), float("-inf")))
     mbb = tl.load(m_ptr + rowb[:, None] * BT + (b * 16 + r16)[None, :], mask=okb[:, None] & okb[None, :], other=0.0)
+    tb = bos + b * 16
+    Gb0 = tl.load(G_ptr + (tb.to(tl.int64) * H + hh) * K + kc, mask=(tb < eos) & (kc < K), other=0.0)
+    span = tl.max(tl.max(tl.where(mkb, tl.abs(Gb - Gb0[None, :]), 0.0), 1), 0)
+    if FACTORED and span <= SPAN_MAX:
+        # (X_s exp(G_b0 - G_s)) then exp(G_t - G_b0): the first factor is at most exp(span)
+        xb = tl.load(x_ptr + rowb[:, None] * K + kc[None, :], mask=mkb, other=0.0).to(tl.float32)
+        xsd = xb * tl.exp(tl.where(mkb, (Gb0[None, :] - Gb).to(tl.float32), float("-inf")))
+        tri = (r16[:, None] > r16[None, :]) if STRICT else (r16[:, None] >= r16[None, :])
+        acc += _mm(tl.where(tri, mbb, 0.0), xsd, PREC, DT, DA) * tl.exp(
+            tl.where(mkb, (Gb - Gb0[None, :]).to(tl.float32), float("-inf")))
+    else:
+        acc = _gated_rows_diagonal(acc, mbb, x_ptr, G_ptr, Gb, okb, bos, eos, b, H, hh, K, BK, STRICT)
+    return acc
+
+
+@triton.jit
+def _gated_rows_diagonal(acc, mbb, x_ptr, G_ptr, Gb, okb, bos, eos, b: tl.constexpr, H, hh, K: tl.constexpr,
+                         BK: tl.constexpr, STRICT: tl.constexpr):
+    """R's diagonal block with the exact pairwise exponents, one column s at a time."""
+    r16 = tl.arange(0, 16)
+    kc = tl.arange(0, BK)
     for s in range(16):  # a run-time loop: unrolled, the sixteen [16, K] updates cost compile time and registers
         ts = bos + b * 16 + s
         rs = ts.to(tl.int64) * H + hh
@@ -270,10 +294,10 @@ def _gated_rows(m_ptr, x_ptr, G_ptr, bos, eos, b: tl.constexpr, H, hh, K: tl.con
 @triton.jit
 def _gated_cols(m_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, b: tl.constexpr, H, hh, K: tl.constexpr, BK: tl.constexpr,
                 BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, YSCALE: tl.constexpr,
-                STRICT: tl.constexpr):
+                STRICT: tl.constexpr, FACTORED: tl.constexpr, SPAN_MAX: tl.constexpr):
     """C(M, Y) for the columns of block b (rows s of the result): [16, BK] fp32. YSCALE: Y's rows
     are scaled by ys_ptr's [Ntok, H] values first (C(diag(beta) M, K) = C(M, diag(beta) K)).
-    STRICT: without the diagonal terms t = s."""
+    STRICT: without the diagonal terms t = s. FACTORED: as in `_gated_rows`."""
     NB: tl.constexpr = BT // 16
     r16 = tl.arange(0, 16)
     kc = tl.arange(0, BK)
@@ -294,6 +318,29 @@ def _gated_cols(m_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, b: tl.constexpr, H, hh, K
         decay = tl.exp(tl.where(mkb & (tr < eos), (Gr[None, :] - Gb).to(tl.float32), float("-inf")))
         acc += decay * _mm(tl.trans(mib), ys, PREC, DT, DA)
     mbb = tl.load(m_ptr + rowb[:, None] * BT + (b * 16 + r16)[None, :], mask=okb[:, None] & okb[None, :], other=0.0)
+    tb = bos + b * 16
+    Gb0 = tl.load(G_ptr + (tb.to(tl.int64) * H + hh) * K + kc, mask=(tb < eos) & (kc < K), other=0.0)
+    span = tl.max(tl.max(tl.where(mkb, tl.abs(Gb - Gb0[None, :]), 0.0), 1), 0)
+    if FACTORED and span <= SPAN_MAX:
+        # (Y_t exp(G_t - G_b0)) then exp(G_b0 - G_s): the second factor is at most exp(span)
+        yb = tl.load(y_ptr + rowb[:, None] * K + kc[None, :], mask=mkb, other=0.0).to(tl.float32)
+        if YSCALE:
+            yb = yb * tl.load(ys_ptr + rowb, mask=okb, other=0.0).to(tl.float32)[:, None]
+        ysd = yb * tl.exp(tl.where(mkb, (Gb - Gb0[None, :]).to(tl.float32), float("-inf")))
+        tri = (r16[:, None] > r16[None, :]) if STRICT else (r16[:, None] >= r16[None, :])  # [t, s]
+        acc += _mm(tl.trans(tl.where(tri, mbb, 0.0)), ysd, PREC, DT, DA) * tl.exp(
+            tl.where(mkb, (Gb0[None, :] - Gb).to(tl.float32), float("-inf")))
+    else:
+        acc = _gated_cols_diagonal(acc, mbb, y_ptr, ys_ptr, G_ptr, Gb, okb, bos, eos, b, H, hh, K, BK, YSCALE, STRICT)
+    return acc
+
+
+@triton.jit
+def _gated_cols_diagonal(acc, mbb, y_ptr, ys_ptr, G_ptr, Gb, okb, bos, eos, b: tl.constexpr, H, hh,
+                         K: tl.constexpr, BK: tl.constexpr, YSCALE: tl.constexpr, STRICT: tl.constexpr):
+    """C's diagonal block with the exact pairwise exponents, one row t at a time."""
+    r16 = tl.arange(0, 16)
+    kc = tl.arange(0, BK)
     for t in range(16):
         tt = bos + b * 16 + t
         rt = tt.to(tl.int64) * H + hh
@@ -312,10 +359,13 @@ def _gated_cols(m_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, b: tl.constexpr, H, hh, K
 @triton.jit
 def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                         BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+                         BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                         FACTORED: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0):
     """7 (per-channel gates): dVl = scale P^T dO, P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) (t >= s),
     by 16-row blocks: dVl_j = sum_{i >= j} P_ij^T dO_i; grid (NC * V/BV, H). P^T is formed as its
-    own product (keys times queries), never as tl.trans of a dot result (see GDN's stage 9)."""
+    own product (keys times queries), never as tl.trans of a dot result (see GDN's stage 9).
+    FACTORED: a diagonal block whose gates span at most SPAN_MAX is one product through its first
+    row's factors (the forward's FACTORED_DIAGONAL); the exact pairwise form otherwise."""
     NB: tl.constexpr = BT // 16
     c = tl.program_id(0) // NV
     jv = tl.program_id(0) % NV
@@ -334,7 +384,10 @@ def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, sc
             oki, rowi, mki = _block_rows(bos, eos, ib, H, hh, kc, K)
             doi = tl.load(do_ptr + rowi[:, None] * V + vc[None, :], mask=oki[:, None] & (vc < V)[None, :],
                           other=0.0).to(tl.float32)
-            if ib == jb:
+            tr = bos + ib * 16
+            Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=(tr < eos) & (kc < K), other=0.0)
+            span = tl.max(tl.max(tl.where(mkj, tl.abs(Gj - Gr[None, :]), 0.0), 1), 0)
+            if ib == jb and not (FACTORED and span <= SPAN_MAX):
                 Pt = tl.full([16, 16], 0.0, tl.float32)  # [s, t]
                 for t in range(16):
                     tt = bos + jb * 16 + t
@@ -347,13 +400,15 @@ def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, sc
                                                                         float("-inf"))), 1)
                     Pt += tl.where(r16[None, :] == t, col[:, None], 0.0)
             else:
-                tr = bos + ib * 16
-                Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=(tr < eos) & (kc < K), other=0.0)
+                # through block ib's first row r: exp(G_r - G_s) <= 1 for an earlier block, at most
+                # exp(span) for the diagonal block (FACTORED), masked to s <= t there
                 Gi = tl.load(G_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0)
                 qi = tl.load(q_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
                 xq = qi * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
                 ks = kj * tl.exp(tl.where(mkj & (tr < eos), (Gr[None, :] - Gj).to(tl.float32), float("-inf")))
                 Pt = _mm(ks, tl.trans(xq), PREC, DT, DA)  # [s in block jb, t in block ib]
+                if ib == jb:
+                    Pt = tl.where(r16[:, None] <= r16[None, :], Pt, 0.0)
             acc += _mm(Pt, doi, PREC, DT, DA)
         tl.store(dvl_ptr + rowj[:, None] * V + vc[None, :], acc * scale, mask=okj[:, None] & (vc < V)[None, :])
 
@@ -427,7 +482,7 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
 @triton.jit
 def _kda_dp_apply_kernel(dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr, chunks_ptr, H,
                          K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                         DA: tl.constexpr):
+                         DA: tl.constexpr, FACTORED: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0):
     """9b: the pair terms of dQ, dK and dG from 9's dP, in place on 9's fp32 partials, one 16-row
     block at a time (grid (NC, H)): with R = R(dP, K) and C = C(dP, Q) over s < t (strict) and
     d = the diagonal of dP,
@@ -442,8 +497,9 @@ def _kda_dp_apply_kernel(dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr, ch
     kc = tl.arange(0, BK)
     for b in tl.static_range(NB):
         okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
-        R = _gated_rows(dp_ptr, k_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True)
-        C = _gated_cols(dp_ptr, q_ptr, q_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, False, True)
+        R = _gated_rows(dp_ptr, k_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, FACTORED, SPAN_MAX)
+        C = _gated_cols(dp_ptr, q_ptr, q_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, False, True,
+                        FACTORED, SPAN_MAX)
         offs = rowb[:, None] * K + kc[None, :]
         qb = tl.load(q_ptr + offs, mask=mkb, other=0.0).to(tl.float32)
         kb = tl.load(k_ptr + offs, mask=mkb, other=0.0).to(tl.float32)
@@ -499,7 +555,8 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
 @triton.jit
 def _kda_da_apply_kernel(da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_ptr, dk_ptr, dbeta_ptr, dg_ptr,
                          chunks_ptr, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-                         DT: tl.constexpr, DA: tl.constexpr):
+                         DT: tl.constexpr, DA: tl.constexpr, FACTORED: tl.constexpr = False,
+                         SPAN_MAX: tl.constexpr = 40.0):
     """10b: the pair terms through A = strict_lower(diag(beta) Gam(K, K)) and the final dK, dbeta,
     dg, one 16-row block at a time from the chunk's last (grid (NC, H)): with R = R(dA, K) and
     C = C(dA, diag(beta) K),
@@ -514,8 +571,9 @@ def _kda_da_apply_kernel(da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_p
     carry = tl.full([BK], 0.0, tl.float32)
     for b in tl.static_range(NB - 1, -1, -1):
         okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
-        R = _gated_rows(da_ptr, k_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True)
-        C = _gated_cols(da_ptr, k_ptr, beta_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, True)
+        R = _gated_rows(da_ptr, k_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, FACTORED, SPAN_MAX)
+        C = _gated_cols(da_ptr, k_ptr, beta_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, True,
+                        FACTORED, SPAN_MAX)
         offs = rowb[:, None] * K + kc[None, :]
         kb = tl.load(k_ptr + offs, mask=mkb, other=0.0).to(tl.float32)
         bb_ = tl.load(beta_ptr + rowb, mask=okb, other=0.0).to(tl.float32)
@@ -549,7 +607,7 @@ def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_dv_local_kernel[(plan.NC * NV, H)](q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
-                                                PREC, DT, DA, **_LAUNCH_BACKWARD)
+                                                PREC, DT, DA, DIAGONAL_FORM == "factored", **_LAUNCH_BACKWARD)
     return dvl
 
 
@@ -574,7 +632,7 @@ def chunk_dp_apply_kda(dp, q, k, G, dq, dk, dG, plan, input_dtype: torch.dtype):
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_dp_apply_kernel[(plan.NC, H)](dp, q, k, G, dq, dk, dG, plan.chunks, H, K, _blocks(K, 1)[0], BT,
-                                           PREC, DT, DA, **_LAUNCH_BACKWARD)
+                                           PREC, DT, DA, DIAGONAL_FORM == "factored", **_LAUNCH_BACKWARD)
 
 
 def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
@@ -603,7 +661,8 @@ def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtyp
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_da_apply_kernel[(plan.NC, H)](da, k, beta, G, dkp, dGp, dbp, dk, dbeta, dg, plan.chunks, H, K,
-                                           _blocks(K, 1)[0], BT, PREC, DT, DA, **_LAUNCH_BACKWARD)
+                                           _blocks(K, 1)[0], BT, PREC, DT, DA, DIAGONAL_FORM == "factored",
+                                           **_LAUNCH_BACKWARD)
     return _done(dk, dk_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
 
