@@ -72,6 +72,21 @@ if _GLUON_ERROR is None:
         tma.async_copy_global_to_shared(h_desc, [(c * H + hh) * K, 0], bar, h_b)
 
     @gluon.jit
+    def _gated_causal(s, G_ptr, t0, eos, H, hh, S_L: gl.constexpr):
+        """P = lower(S * Gam) for the chunk starting at token t0: S [64, 64] (Q K^T, layout S_L)
+        times exp(G_t - G_s) on t >= s and both rows in the sequence (< eos), 0 elsewhere."""
+        BT: gl.constexpr = s.shape[0]
+        r = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
+        cidx = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
+        r_ok = t0 + r < eos
+        c_ok = t0 + cidx < eos
+        Gr = gl.load(G_ptr + (t0 + r).to(gl.int64) * H + hh, mask=r_ok, other=0.0)
+        Gc = gl.load(G_ptr + (t0 + cidx).to(gl.int64) * H + hh, mask=c_ok, other=0.0)
+        m = (r[:, None] >= cidx[None, :]) & r_ok[:, None] & c_ok[None, :]
+        gam = gl.exp(gl.where(m, (Gr[:, None] - Gc[None, :]).to(gl.float32), float("-inf")))  # 0 off the mask
+        return gl.where(m, s * gam, 0.0)
+
+    @gluon.jit
     def _chunk_output(q_b, k_b, vn_b, h_b, G_ptr, o_ptr, chunks_ptr, item, H, scale, eps,
                       K: gl.constexpr, V: gl.constexpr, L2NORM_Q: gl.constexpr):
         """O of work item `item` from its tiles, already in shared memory: S = Q K^T and Q h by
@@ -97,15 +112,7 @@ if _GLUON_ERROR is None:
         s = warpgroup_mma(q_b, k_b.permute((1, 0)), gl.zeros([BT, BT], gl.float32, S_L))
         o = warpgroup_mma(q_b, h_b, gl.zeros([BT, V], gl.float32, O_L))
 
-        r = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
-        cidx = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
-        r_ok = bos + r < eos
-        c_ok = bos + cidx < eos
-        Gr = gl.load(G_ptr + (bos + r).to(gl.int64) * H + hh, mask=r_ok, other=0.0)
-        Gc = gl.load(G_ptr + (bos + cidx).to(gl.int64) * H + hh, mask=c_ok, other=0.0)
-        m = (r[:, None] >= cidx[None, :]) & r_ok[:, None] & c_ok[None, :]
-        gam = gl.exp(gl.where(m, (Gr[:, None] - Gc[None, :]).to(gl.float32), float("-inf")))  # 0 off the mask
-        P = gl.where(m, s * gam, 0.0)
+        P = _gated_causal(s, G_ptr, bos, eos, H, hh, S_L)
 
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, O_L))
         co = gl.arange(0, V, layout=gl.SliceLayout(0, O_L))
@@ -300,14 +307,7 @@ if _GLUON_ERROR is None:
             fence_async_shared()
             gl.thread_barrier()
 
-            r = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
-            cidx = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
-            rs_ok = t0 + r < eos
-            cs_ok = t0 + cidx < eos
-            Gr = gl.load(G_ptr + (t0 + r).to(gl.int64) * H + hh, mask=rs_ok, other=0.0)
-            Gc = gl.load(G_ptr + (t0 + cidx).to(gl.int64) * H + hh, mask=cs_ok, other=0.0)
-            m = (r[:, None] >= cidx[None, :]) & rs_ok[:, None] & cs_ok[None, :]
-            P = gl.where(m, sqk * gl.exp(gl.where(m, (Gr[:, None] - Gc[None, :]).to(gl.float32), float("-inf"))), 0.0)
+            P = _gated_causal(sqk, G_ptr, t0, eos, H, hh, S_L)
             ro = gl.arange(0, BT, layout=gl.SliceLayout(1, V_L))
             ro_ok = t0 + ro < eos
             Go = gl.load(G_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0)

@@ -164,17 +164,23 @@ def _descriptors_fit(tensors, row_elems: list[int], device: torch.device) -> boo
     return all(t.data_ptr() % 16 == 0 for t in tensors) and all((n * e) % 16 == 0 for n in row_elems)
 
 
+def _group_starts(stacked: torch.Tensor, Ms: list[int]) -> list[int]:
+    """The address of each group's first row in `stacked` [sum M_i, width] (groups in order)."""
+    row_bytes = stacked.shape[1] * stacked.element_size()
+    addrs, row = [], 0
+    for m in Ms:
+        addrs.append(stacked.data_ptr() + row * row_bytes)
+        row += m
+    return addrs
+
+
 def grouped_gemm_forward_triton(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
     """c stacked [sum M_i, N] (row-major, groups in order). a_i [M_i, K], b_i [K, N] contiguous."""
     K, N = b[0].shape
     Ms = [x.shape[0] for x in a]
     c = new_empty((sum(Ms), N), a[0].dtype, a[0].device)
-    offs = [0]
-    for m in Ms:
-        offs.append(offs[-1] + m)
-    e = c.element_size()
     use_desc = _descriptors_fit(list(a) + list(b) + [c], [K, N], c.device)
-    _launch([x.data_ptr() for x in a], [w.data_ptr() for w in b], [c.data_ptr() + o * N * e for o in offs[:-1]],
+    _launch([x.data_ptr() for x in a], [w.data_ptr() for w in b], _group_starts(c, Ms),
             Ms, [K] * len(a), N, (K, 1, N, 1, N), c, use_desc)
     return c
 
@@ -185,16 +191,12 @@ def grouped_gemm_backward_triton(grad_c: torch.Tensor, a: list[torch.Tensor], b:
     K, N = b[0].shape
     Ms = [x.shape[0] for x in a]
     G = len(a)
-    e = grad_c.element_size()
-    offs = [0]
-    for m in Ms:
-        offs.append(offs[-1] + m)
-    dc_addrs = [grad_c.data_ptr() + o * N * e for o in offs[:-1]]
+    dc_addrs = _group_starts(grad_c, Ms)
     da = db = None
     use_desc = _descriptors_fit(list(a) + list(b) + [grad_c], [K, N], grad_c.device)
     if want_da:  # da_i = dc_i @ b_i^T: b_i^T [N, K] is b_i read with strides (1, N)
         da = new_empty((sum(Ms), K), grad_c.dtype, grad_c.device)
-        _launch(dc_addrs, [w.data_ptr() for w in b], [da.data_ptr() + o * K * e for o in offs[:-1]],
+        _launch(dc_addrs, [w.data_ptr() for w in b], _group_starts(da, Ms),
                 Ms, [N] * G, K, (N, 1, 1, N, K), da, use_desc, b_t=True)
     if want_db:  # db_i = a_i^T @ dc_i: a_i^T [K, M_i] is a_i read with strides (1, K)
         db = new_empty((G, K, N), grad_c.dtype, grad_c.device)

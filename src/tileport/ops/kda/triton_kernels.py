@@ -230,45 +230,69 @@ def _block_rows(bos, eos, b, H, hh, kc, K: tl.constexpr):
 
 # lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
 @triton.jit
+def _block_tile(ptr, rows, mk, kc, K: tl.constexpr):
+    """A [16, BK] tile of a [Ntok, H, K] tensor at `rows` (from `_block_rows`), in fp32; 0 off `mk`."""
+    return tl.load(ptr + rows[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _block_gates(G_ptr, bos, eos, b, H, hh, rows, mk, kc, K: tl.constexpr):
+    """Block b's gates G [16, BK] (fp64), its first row G_r [BK] (the block's reference row) and
+    whether that row exists (r_ok: a block past the sequence's end has none, and G_r = 0 there would
+    give exp(-G_s) > 1, so every factor through it is masked with r_ok)."""
+    tr = bos + b * 16
+    r_ok = tr < eos
+    Gb = tl.load(G_ptr + rows[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=r_ok & (kc < K), other=0.0)
+    return Gb, Gr, r_ok
+
+
+@triton.jit
+def _span(Gb, Gr, mk):
+    """max |G - G_r| over a block's valid rows and channels: FACTORED's test (exp(span) must stay finite)."""
+    return tl.max(tl.max(tl.where(mk, tl.abs(Gb - Gr[None, :]), 0.0), 1), 0)
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _m_block(m_ptr, rows_i, ok_i, j, ok_j, BT: tl.constexpr):
+    """The [16, 16] block (row block of rows_i, column block j) of M, stored [Ntok, H, 64]."""
+    return tl.load(m_ptr + rows_i[:, None] * BT + (j * 16 + tl.arange(0, 16))[None, :],
+                   mask=ok_i[:, None] & ok_j[None, :], other=0.0)
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
 def _gated_rows(m_ptr, x_ptr, G_ptr, bos, eos, b: tl.constexpr, H, hh, K: tl.constexpr, BK: tl.constexpr,
                 BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, STRICT: tl.constexpr,
                 FACTORED: tl.constexpr, SPAN_MAX: tl.constexpr):
     """R(M, X) for the rows of block b: [16, BK] fp32. M is read from a [Ntok, H, 64] buffer (row t
     of a chunk holds M_t, columns s = 0..63), X from [Ntok, H, K], G fp64 [Ntok, H, K]. STRICT:
-    without the diagonal terms s = t. FACTORED: a diagonal block whose gates span at most SPAN_MAX
-    is one product through its first row's factors, as the forward's FACTORED_DIAGONAL."""
+    without the diagonal terms s = t. Earlier blocks j < b and, with FACTORED, a diagonal block whose
+    gates span at most SPAN_MAX go through block b's first row r: (M (X_s exp(G_r - G_s))) then
+    exp(G_t - G_r), the first factor <= 1 for j < b and <= exp(span) on the diagonal; otherwise
+    the diagonal block takes the exact pairwise exponents (`_gated_rows_diagonal`)."""
     r16 = tl.arange(0, 16)
     kc = tl.arange(0, BK)
     okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
-    Gb = tl.load(G_ptr + rowb[:, None] * K + kc[None, :], mask=mkb, other=0.0)
+    Gb, Gr, r_ok = _block_gates(G_ptr, bos, eos, b, H, hh, rowb, mkb, kc, K)
     acc = tl.full([16, BK], 0.0, tl.float32)
-    if b > 0:
-        tr = bos + b * 16
-        Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=(tr < eos) & (kc < K), other=0.0)
-        for j in tl.static_range(b):
-            okj, rowj, mkj = _block_rows(bos, eos, j, H, hh, kc, K)
-            Gj = tl.load(G_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0)
-            xj = tl.load(x_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0).to(tl.float32)
-            # (tr < eos: a block past the sequence's end has no reference row, and Gr = 0 there
-            # would give exp(-G_s) > 1)
-            xs = xj * tl.exp(tl.where(mkj & (tr < eos), (Gr[None, :] - Gj).to(tl.float32), float("-inf")))
-            mij = tl.load(m_ptr + rowb[:, None] * BT + (j * 16 + r16)[None, :], mask=okb[:, None] & okj[None, :],
-                          other=0.0)
-            acc += _mm(mij, xs, PREC, DT, DA)
-        acc = acc * tl.exp(tl.where(mkb, (Gb - Gr[None, :]).to(tl.float32), float("-inf")))
-    mbb = tl.load(m_ptr + rowb[:, None] * BT + (b * 16 + r16)[None, :], mask=okb[:, None] & okb[None, :], other=0.0)
-    tb = bos + b * 16
-    Gb0 = tl.load(G_ptr + (tb.to(tl.int64) * H + hh) * K + kc, mask=(tb < eos) & (kc < K), other=0.0)
-    span = tl.max(tl.max(tl.where(mkb, tl.abs(Gb - Gb0[None, :]), 0.0), 1), 0)
-    if FACTORED and span <= SPAN_MAX:
-        # (X_s exp(G_b0 - G_s)) then exp(G_t - G_b0): the first factor is at most exp(span)
-        xb = tl.load(x_ptr + rowb[:, None] * K + kc[None, :], mask=mkb, other=0.0).to(tl.float32)
-        xsd = xb * tl.exp(tl.where(mkb, (Gb0[None, :] - Gb).to(tl.float32), float("-inf")))
+    for j in tl.static_range(b):
+        okj, rowj, mkj = _block_rows(bos, eos, j, H, hh, kc, K)
+        Gj = tl.load(G_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0)
+        xs = _block_tile(x_ptr, rowj, mkj, kc, K) * tl.exp(
+            tl.where(mkj & r_ok, (Gr[None, :] - Gj).to(tl.float32), float("-inf")))
+        acc += _mm(_m_block(m_ptr, rowb, okb, j, okj, BT), xs, PREC, DT, DA)
+    mbb = _m_block(m_ptr, rowb, okb, b, okb, BT)
+    to_rows = tl.exp(tl.where(mkb, (Gb - Gr[None, :]).to(tl.float32), float("-inf")))
+    if FACTORED and _span(Gb, Gr, mkb) <= SPAN_MAX:
+        xsd = _block_tile(x_ptr, rowb, mkb, kc, K) * tl.exp(
+            tl.where(mkb, (Gr[None, :] - Gb).to(tl.float32), float("-inf")))
         tri = (r16[:, None] > r16[None, :]) if STRICT else (r16[:, None] >= r16[None, :])
-        acc += _mm(tl.where(tri, mbb, 0.0), xsd, PREC, DT, DA) * tl.exp(
-            tl.where(mkb, (Gb - Gb0[None, :]).to(tl.float32), float("-inf")))
+        acc = (acc + _mm(tl.where(tri, mbb, 0.0), xsd, PREC, DT, DA)) * to_rows
     else:
-        acc = _gated_rows_diagonal(acc, mbb, x_ptr, G_ptr, Gb, okb, bos, eos, b, H, hh, K, BK, STRICT)
+        acc = _gated_rows_diagonal(acc * to_rows, mbb, x_ptr, G_ptr, Gb, okb, bos, eos, b, H, hh, K, BK, STRICT)
     return acc
 
 
@@ -297,39 +321,33 @@ def _gated_cols(m_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, b: tl.constexpr, H, hh, K
                 STRICT: tl.constexpr, FACTORED: tl.constexpr, SPAN_MAX: tl.constexpr):
     """C(M, Y) for the columns of block b (rows s of the result): [16, BK] fp32. YSCALE: Y's rows
     are scaled by ys_ptr's [Ntok, H] values first (C(diag(beta) M, K) = C(M, diag(beta) K)).
-    STRICT: without the diagonal terms t = s. FACTORED: as in `_gated_rows`."""
+    STRICT: without the diagonal terms t = s. A later block i > b goes through its own first row
+    r: exp(G_r - G_s) (M^T (Y_t exp(G_t - G_r))), both factors <= 1; the diagonal block as in
+    `_gated_rows` (through block b's first row when FACTORED and the span allows)."""
     NB: tl.constexpr = BT // 16
     r16 = tl.arange(0, 16)
     kc = tl.arange(0, BK)
     okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
-    Gb = tl.load(G_ptr + rowb[:, None] * K + kc[None, :], mask=mkb, other=0.0)
+    Gb, Gr, r_ok = _block_gates(G_ptr, bos, eos, b, H, hh, rowb, mkb, kc, K)
     acc = tl.full([16, BK], 0.0, tl.float32)
     for i in tl.static_range(b + 1, NB):
         oki, rowi, mki = _block_rows(bos, eos, i, H, hh, kc, K)
-        tr = bos + i * 16
-        Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=(tr < eos) & (kc < K), other=0.0)
-        Gi = tl.load(G_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0)
-        yi = tl.load(y_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
+        Gi, Gri, ri_ok = _block_gates(G_ptr, bos, eos, i, H, hh, rowi, mki, kc, K)
+        yi = _block_tile(y_ptr, rowi, mki, kc, K)
         if YSCALE:
             yi = yi * tl.load(ys_ptr + rowi, mask=oki, other=0.0).to(tl.float32)[:, None]
-        ys = yi * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
-        mib = tl.load(m_ptr + rowi[:, None] * BT + (b * 16 + r16)[None, :], mask=oki[:, None] & okb[None, :],
-                      other=0.0)  # [t in block i, s in block b]
-        decay = tl.exp(tl.where(mkb & (tr < eos), (Gr[None, :] - Gb).to(tl.float32), float("-inf")))
-        acc += decay * _mm(tl.trans(mib), ys, PREC, DT, DA)
-    mbb = tl.load(m_ptr + rowb[:, None] * BT + (b * 16 + r16)[None, :], mask=okb[:, None] & okb[None, :], other=0.0)
-    tb = bos + b * 16
-    Gb0 = tl.load(G_ptr + (tb.to(tl.int64) * H + hh) * K + kc, mask=(tb < eos) & (kc < K), other=0.0)
-    span = tl.max(tl.max(tl.where(mkb, tl.abs(Gb - Gb0[None, :]), 0.0), 1), 0)
-    if FACTORED and span <= SPAN_MAX:
-        # (Y_t exp(G_t - G_b0)) then exp(G_b0 - G_s): the second factor is at most exp(span)
-        yb = tl.load(y_ptr + rowb[:, None] * K + kc[None, :], mask=mkb, other=0.0).to(tl.float32)
+        ys = yi * tl.exp(tl.where(mki, (Gi - Gri[None, :]).to(tl.float32), float("-inf")))
+        decay = tl.exp(tl.where(mkb & ri_ok, (Gri[None, :] - Gb).to(tl.float32), float("-inf")))
+        acc += decay * _mm(tl.trans(_m_block(m_ptr, rowi, oki, b, okb, BT)), ys, PREC, DT, DA)
+    mbb = _m_block(m_ptr, rowb, okb, b, okb, BT)  # [t, s]
+    if FACTORED and _span(Gb, Gr, mkb) <= SPAN_MAX:
+        yb = _block_tile(y_ptr, rowb, mkb, kc, K)
         if YSCALE:
             yb = yb * tl.load(ys_ptr + rowb, mask=okb, other=0.0).to(tl.float32)[:, None]
-        ysd = yb * tl.exp(tl.where(mkb, (Gb - Gb0[None, :]).to(tl.float32), float("-inf")))
-        tri = (r16[:, None] > r16[None, :]) if STRICT else (r16[:, None] >= r16[None, :])  # [t, s]
+        ysd = yb * tl.exp(tl.where(mkb, (Gb - Gr[None, :]).to(tl.float32), float("-inf")))
+        tri = (r16[:, None] > r16[None, :]) if STRICT else (r16[:, None] >= r16[None, :])
         acc += _mm(tl.trans(tl.where(tri, mbb, 0.0)), ysd, PREC, DT, DA) * tl.exp(
-            tl.where(mkb, (Gb0[None, :] - Gb).to(tl.float32), float("-inf")))
+            tl.where(mkb, (Gr[None, :] - Gb).to(tl.float32), float("-inf")))
     else:
         acc = _gated_cols_diagonal(acc, mbb, y_ptr, ys_ptr, G_ptr, Gb, okb, bos, eos, b, H, hh, K, BK, YSCALE, STRICT)
     return acc
@@ -355,17 +373,28 @@ def _gated_cols_diagonal(acc, mbb, y_ptr, ys_ptr, G_ptr, Gb, okb, bos, eos, b: t
     return acc
 
 
-# lint: allow-function TP001,TP007 -- [16, K] block tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+# lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _scores_t(q_ptr, kj, Gj, mkj, rowi, mki, Gi, Gr, r_ok, kc, K: tl.constexpr, PREC: tl.constexpr,
+              DT: tl.constexpr, DA: tl.constexpr):
+    """P^T for key block j against query block i through block i's first row r: [16 (s), 16 (t)] =
+    (K_j exp(G_r - G_j)) (Q_i exp(G_i - G_r))^T, formed as its own product (keys times queries),
+    never as tl.trans of a dot result (see GDN's stage 9)."""
+    xq = _block_tile(q_ptr, rowi, mki, kc, K) * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
+    ks = kj * tl.exp(tl.where(mkj & r_ok, (Gr[None, :] - Gj).to(tl.float32), float("-inf")))
+    return _mm(ks, tl.trans(xq), PREC, DT, DA)
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
 @triton.jit
 def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                          BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                          FACTORED: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0):
     """7 (per-channel gates): dVl = scale P^T dO, P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) (t >= s),
-    by 16-row blocks: dVl_j = sum_{i >= j} P_ij^T dO_i; grid (NC * V/BV, H). P^T is formed as its
-    own product (keys times queries), never as tl.trans of a dot result (see GDN's stage 9).
-    FACTORED: a diagonal block whose gates span at most SPAN_MAX is one product through its first
-    row's factors (the forward's FACTORED_DIAGONAL); the exact pairwise form otherwise."""
+    by 16-row blocks: dVl_j = sum_{i >= j} P_ij^T dO_i; grid (NC * V/BV, H). P_ij^T through block
+    i's first row (`_scores_t`) for i > j and, with FACTORED, for a diagonal block whose gates span
+    at most SPAN_MAX (the forward's FACTORED_DIAGONAL); the exact pairwise form otherwise."""
     NB: tl.constexpr = BT // 16
     c = tl.program_id(0) // NV
     jv = tl.program_id(0) % NV
@@ -377,38 +406,32 @@ def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, sc
     vc = jv * BV + tl.arange(0, BV)
     for jb in tl.static_range(NB):
         okj, rowj, mkj = _block_rows(bos, eos, jb, H, hh, kc, K)
-        Gj = tl.load(G_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0)
-        kj = tl.load(k_ptr + rowj[:, None] * K + kc[None, :], mask=mkj, other=0.0).to(tl.float32)
+        Gj, Grj, rj_ok = _block_gates(G_ptr, bos, eos, jb, H, hh, rowj, mkj, kc, K)
+        kj = _block_tile(k_ptr, rowj, mkj, kc, K)
         acc = tl.full([16, BV], 0.0, tl.float32)
         for ib in tl.static_range(jb, NB):
             oki, rowi, mki = _block_rows(bos, eos, ib, H, hh, kc, K)
             doi = tl.load(do_ptr + rowi[:, None] * V + vc[None, :], mask=oki[:, None] & (vc < V)[None, :],
                           other=0.0).to(tl.float32)
-            tr = bos + ib * 16
-            Gr = tl.load(G_ptr + (tr.to(tl.int64) * H + hh) * K + kc, mask=(tr < eos) & (kc < K), other=0.0)
-            span = tl.max(tl.max(tl.where(mkj, tl.abs(Gj - Gr[None, :]), 0.0), 1), 0)
-            if ib == jb and not (FACTORED and span <= SPAN_MAX):
-                Pt = tl.full([16, 16], 0.0, tl.float32)  # [s, t]
-                for t in range(16):
-                    tt = bos + jb * 16 + t
-                    rt = tt.to(tl.int64) * H + hh
-                    mt = (tt < eos) & (kc < K)
-                    qrow = tl.load(q_ptr + rt * K + kc, mask=mt, other=0.0).to(tl.float32)
-                    Gt = tl.load(G_ptr + rt * K + kc, mask=mt, other=0.0)
-                    keep = ((r16 <= t) & okj)[:, None] & mt[None, :]
-                    col = tl.sum(kj * qrow[None, :] * tl.exp(tl.where(keep, (Gt[None, :] - Gj).to(tl.float32),
-                                                                        float("-inf"))), 1)
-                    Pt += tl.where(r16[None, :] == t, col[:, None], 0.0)
+            if ib == jb:
+                if FACTORED and _span(Gj, Grj, mkj) <= SPAN_MAX:
+                    Pt = tl.where(r16[:, None] <= r16[None, :],
+                                  _scores_t(q_ptr, kj, Gj, mkj, rowj, mkj, Gj, Grj, rj_ok, kc, K, PREC, DT, DA), 0.0)
+                else:
+                    Pt = tl.full([16, 16], 0.0, tl.float32)  # [s, t]
+                    for t in range(16):
+                        tt = bos + jb * 16 + t
+                        rt = tt.to(tl.int64) * H + hh
+                        mt = (tt < eos) & (kc < K)
+                        qrow = tl.load(q_ptr + rt * K + kc, mask=mt, other=0.0).to(tl.float32)
+                        Gt = tl.load(G_ptr + rt * K + kc, mask=mt, other=0.0)
+                        keep = ((r16 <= t) & okj)[:, None] & mt[None, :]
+                        col = tl.sum(kj * qrow[None, :] * tl.exp(tl.where(keep, (Gt[None, :] - Gj).to(tl.float32),
+                                                                            float("-inf"))), 1)
+                        Pt += tl.where(r16[None, :] == t, col[:, None], 0.0)
             else:
-                # through block ib's first row r: exp(G_r - G_s) <= 1 for an earlier block, at most
-                # exp(span) for the diagonal block (FACTORED), masked to s <= t there
-                Gi = tl.load(G_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0)
-                qi = tl.load(q_ptr + rowi[:, None] * K + kc[None, :], mask=mki, other=0.0).to(tl.float32)
-                xq = qi * tl.exp(tl.where(mki, (Gi - Gr[None, :]).to(tl.float32), float("-inf")))
-                ks = kj * tl.exp(tl.where(mkj & (tr < eos), (Gr[None, :] - Gj).to(tl.float32), float("-inf")))
-                Pt = _mm(ks, tl.trans(xq), PREC, DT, DA)  # [s in block jb, t in block ib]
-                if ib == jb:
-                    Pt = tl.where(r16[:, None] <= r16[None, :], Pt, 0.0)
+                Gi, Gri, ri_ok = _block_gates(G_ptr, bos, eos, ib, H, hh, rowi, mki, kc, K)
+                Pt = _scores_t(q_ptr, kj, Gj, mkj, rowi, mki, Gi, Gri, ri_ok, kc, K, PREC, DT, DA)
             acc += _mm(Pt, doi, PREC, DT, DA)
         tl.store(dvl_ptr + rowj[:, None] * V + vc[None, :], acc * scale, mask=okj[:, None] & (vc < V)[None, :])
 
