@@ -16,6 +16,8 @@ precision). Accuracy: T against a float64 inverse of (I + A) over a sample of ch
 of the tile form against the block form.
 """
 
+import os
+
 import torch
 import triton
 import triton.testing
@@ -30,6 +32,9 @@ torch.manual_seed(0)
 BK, BV, NV = tk._blocks(K, V)
 DT, DA = tk._dot_types(torch.bfloat16)
 plan = tk.make_plan(B, T, None, dev)
+# GDN_AB_SECTIONS picks what to time (comma-separated; default all): solve, output, states, forward, backward
+SECTIONS = os.environ.get("GDN_AB_SECTIONS", "solve,output,states,forward,backward").split(",")
+DEFAULTS = (tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM, tk.BACKWARD_PRODUCTS)
 Ntok = B * T
 
 
@@ -81,160 +86,165 @@ def rel(a, b):
 
 # the block form as the bench ran it (8 warps: its 4-warp candidate spills), the tile form at
 # tf32x3 (what 16-bit inputs run) on 8 and 4 warps, and at one-pass tf32 for its precision
-variants = [("blocks", "ieee", 8), ("tile", "tf32x3", 8), ("tile", "tf32x3", 4), ("tile", "tf32", 8),
-            ("tile", "tf32", 4)]  # the last: NORMALISED_KEYS_PREC = "tf32" as the forward would run it
-for normalised in (True, False):
-    k, v, beta, G = inputs(normalised)
-    Tref = t_reference(k, beta, G)
-    print(f"\n== keys {'l2-normalised' if normalised else 'raw N(0,1)'}; |T| max {Tref.abs().max().item():.3g}")
-    for backward in (False, True):
-        base = None
-        for form, prec, warps in variants:
-            try:
-                fn, Ai, w, u = launch(form, prec, warps, backward, k, v, beta, G)
-            except Exception as exc:  # a candidate that fails to compile or launch is a result
-                print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:150]}")
-                continue
-            ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
-            acc = ""
-            if backward:
-                Tk = Ai[: 64 * len(Tref), 0].reshape(len(Tref), 64, 64)
-                acc += f" T vs fp64 {rel(Tk, Tref):.2e}"
-            if base is None:
-                base = (w, u)
-            else:
-                acc += f" W vs blocks {rel(w, base[0]):.2e} U vs blocks {rel(u, base[1]):.2e}"
-            print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: {ms:.3f} ms{acc}", flush=True)
+if "solve" in SECTIONS:
+    variants = [("blocks", "ieee", 8), ("tile", "tf32x3", 8), ("tile", "tf32x3", 4), ("tile", "tf32", 8),
+                ("tile", "tf32", 4)]  # the last: NORMALISED_KEYS_PREC = "tf32" as the forward would run it
+    for normalised in (True, False):
+        k, v, beta, G = inputs(normalised)
+        Tref = t_reference(k, beta, G)
+        print(f"\n== keys {'l2-normalised' if normalised else 'raw N(0,1)'}; |T| max {Tref.abs().max().item():.3g}")
+        for backward in (False, True):
+            base = None
+            for form, prec, warps in variants:
+                try:
+                    fn, Ai, w, u = launch(form, prec, warps, backward, k, v, beta, G)
+                except Exception as exc:  # a candidate that fails to compile or launch is a result
+                    print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:150]}")
+                    continue
+                ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+                acc = ""
+                if backward:
+                    Tk = Ai[: 64 * len(Tref), 0].reshape(len(Tref), 64, 64)
+                    acc += f" T vs fp64 {rel(Tk, Tref):.2e}"
+                if base is None:
+                    base = (w, u)
+                else:
+                    acc += f" W vs blocks {rel(w, base[0]):.2e} U vs blocks {rel(u, base[1]):.2e}"
+                print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: {ms:.3f} ms{acc}", flush=True)
 
 
-# --------------------------------------------------------------------------------------------
 # stage 6: the output kernel's forms, on the forward's own intermediates
-print("\n== output (stage 6), l2-normalised keys, q normalised in the kernel")
-q = torch.randn(Ntok, H, K, device=dev, dtype=torch.bfloat16)
-k, v, beta, _ = inputs(True)
-g = torch.nn.functional.logsigmoid(torch.randn(Ntok, H, device=dev))
-tk.SOLVE_FORM = "blocks"
-q_raw, kn, G, _Ai, _w, _u, h, vn, _ht = tk._recompute(q, k, v, g, beta, None, False, plan, False, for_backward=False)
-scale = K ** -0.5
-DT, DA = tk._dot_types(torch.bfloat16)
-base = None
-for o_cfg in tk.OUTPUT_OPTIONS:
-    cfg = dict(o_cfg)
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    o = torch.empty(Ntok, H, V, device=dev, dtype=torch.bfloat16)
-    n_items = plan.NC * triton.cdiv(V, cfg["BV"])
-    progs = max(1, min(n_items, cfg["PER_SM"] * tk._sm_count(o.device) // H)) if cfg["PER_SM"] else n_items
+if "output" in SECTIONS or "states" in SECTIONS:  # the forward's intermediates, for both
+    q = torch.randn(Ntok, H, K, device=dev, dtype=torch.bfloat16)
+    k, v, beta, _ = inputs(True)
+    g = torch.nn.functional.logsigmoid(torch.randn(Ntok, H, device=dev))
+    tk.SOLVE_FORM = "blocks"
+    q_raw, kn, G, _Ai, _w, _u, h, vn, _ht = tk._recompute(q, k, v, g, beta, None, False, plan, False, for_backward=False)
+    tk.SOLVE_FORM = DEFAULTS[0]
+    scale = K ** -0.5
+if "output" in SECTIONS:
+    print("\n== output (stage 6), l2-normalised keys, q normalised in the kernel")
+    DT, DA = tk._dot_types(torch.bfloat16)
+    base = None
+    for o_cfg in tk.OUTPUT_OPTIONS:
+        cfg = dict(o_cfg)
+        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+        o = torch.empty(Ntok, H, V, device=dev, dtype=torch.bfloat16)
+        n_items = plan.NC * triton.cdiv(V, cfg["BV"])
+        progs = max(1, min(n_items, cfg["PER_SM"] * tk._sm_count(o.device) // H)) if cfg["PER_SM"] else n_items
 
-    def run(o=o, cfg=cfg, warps=warps, stages=stages, progs=progs):
-        tk._output_kernel.fn[(progs, H)](q_raw, kn, G, h, vn, o, plan.chunks, H, plan.NC, scale, tk.L2NORM_EPS,
-                                         K=K, V=V, BK=BK, BT=64, DT=DT, DA=DA, L2NORM_Q=True, num_warps=warps,
-                                         num_stages=stages, **cfg)
-    try:
-        run()
-    except Exception as exc:
-        print(f"triton {o_cfg}: FAILED {type(exc).__name__}: {str(exc)[:150]}")
-        continue
-    ms = triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
-    base = o if base is None else base
-    print(f"triton {o_cfg}: {ms:.3f} ms, vs the first {rel(o, base):.2e}", flush=True)
-if dev == "cuda":
-    from tileport.ops.gdn import gluon_kernels as gk
-
-    for form in ("one-shot", "persistent"):
-        gk.OUTPUT_FORM = form
+        def run(o=o, cfg=cfg, warps=warps, stages=stages, progs=progs):
+            tk._output_kernel.fn[(progs, H)](q_raw, kn, G, h, vn, o, plan.chunks, H, plan.NC, scale, tk.L2NORM_EPS,
+                                             K=K, V=V, BK=BK, BT=64, DT=DT, DA=DA, L2NORM_Q=True, num_warps=warps,
+                                             num_stages=stages, **cfg)
         try:
-            fn = lambda: gk.chunk_output_gluon(q_raw, kn, G, h, vn, scale, plan, torch.bfloat16, True)  # noqa: E731
-            o = fn()
-            ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-            print(f"gluon {form}: {ms:.3f} ms, vs triton's first {rel(o, base):.2e}", flush=True)
+            run()
         except Exception as exc:
-            print(f"gluon {form}: FAILED {type(exc).__name__}: {str(exc)[:150]}")
-    gk.OUTPUT_FORM = "one-shot"
+            print(f"triton {o_cfg}: FAILED {type(exc).__name__}: {str(exc)[:150]}")
+            continue
+        ms = triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+        base = o if base is None else base
+        print(f"triton {o_cfg}: {ms:.3f} ms, vs the first {rel(o, base):.2e}", flush=True)
+    if dev == "cuda":
+        from tileport.ops.gdn import gluon_kernels as gk
+
+        for form in ("one-shot", "persistent"):
+            gk.OUTPUT_FORM = form
+            try:
+                fn = lambda: gk.chunk_output_gluon(q_raw, kn, G, h, vn, scale, plan, torch.bfloat16, True)  # noqa: E731
+                o = fn()
+                ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+                print(f"gluon {form}: {ms:.3f} ms, vs triton's first {rel(o, base):.2e}", flush=True)
+            except Exception as exc:
+                print(f"gluon {form}: FAILED {type(exc).__name__}: {str(exc)[:150]}")
+        gk.OUTPUT_FORM = "one-shot"
 
 
-# --------------------------------------------------------------------------------------------
 # stages 5 + 6: split against fused, autotuned as the forward runs them
-print("\n== states + output (stages 5 and 6): split vs fused")
-_Ai, w, u = tk.chunk_solve_wu(kn, v, beta, G, plan, compact=True)
+if "states" in SECTIONS:
+    print("\n== states + output (stages 5 and 6): split vs fused")
+    _Ai, w, u = tk.chunk_solve_wu(kn, v, beta, G, plan, compact=True)
 
 
-def split():
-    h_, vn_, _ = tk.chunk_states(kn, w, u, G, None, plan, False)
-    return tk.chunk_output(q_raw, kn, G, h_, vn_, scale, plan, torch.bfloat16, l2norm_q=True)
+    def split():
+        h_, vn_, _ = tk.chunk_states(kn, w, u, G, None, plan, False)
+        return tk.chunk_output(q_raw, kn, G, h_, vn_, scale, plan, torch.bfloat16, l2norm_q=True)
 
 
-def fused():
-    return tk.chunk_states(kn, w, u, G, None, plan, False, q=q_raw, scale=scale, out_dtype=torch.bfloat16,
-                           l2norm_q=True)[0]
+    def fused():
+        return tk.chunk_states(kn, w, u, G, None, plan, False, q=q_raw, scale=scale, out_dtype=torch.bfloat16,
+                               l2norm_q=True)[0]
 
 
-def gluon_fused():
-    from tileport.ops.gdn import gluon_kernels as gk
+    def gluon_fused():
+        from tileport.ops.gdn import gluon_kernels as gk
 
-    return gk.chunk_states_output_gluon(q_raw, kn, w, u, G, None, plan, False, scale, torch.bfloat16, True)[0]
-
-
-o_split = split()
-for name, fn in (("split", split), ("fused", fused), ("gluon fused", gluon_fused)):
-    if name == "gluon fused" and dev != "cuda":
-        continue  # Gluon kernels don't run under the interpreter
-    try:
-        o = fn()
-        ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
-        print(f"states+output {name}: {ms:.3f} ms, vs split {rel(o, o_split):.2e}", flush=True)
-    except Exception as exc:  # report and go on: a new kernel's failure says nothing about the others
-        print(f"states+output {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return gk.chunk_states_output_gluon(q_raw, kn, w, u, G, None, plan, False, scale, torch.bfloat16, True)[0]
 
 
-# --------------------------------------------------------------------------------------------
+    o_split = split()
+    for name, fn in (("split", split), ("fused", fused), ("gluon fused", gluon_fused)):
+        if name == "gluon fused" and dev != "cuda":
+            continue  # Gluon kernels don't run under the interpreter
+        try:
+            o = fn()
+            ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+            print(f"states+output {name}: {ms:.3f} ms, vs split {rel(o, o_split):.2e}", flush=True)
+        except Exception as exc:  # report and go on: a new kernel's failure says nothing about the others
+            print(f"states+output {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+
 # the whole forward (fused stages 5+6, as tileport's default runs it) with the switches still off:
 # one-pass tf32 in stage 3 for normalised keys, and keys normalised on load instead of stage 1;
 # at S1 and at B=1 T=32768 (16 sequential programs per V block in the fused states kernel)
-print("\n== whole forward (SOLVE_FORM tile): STATES_FORM, NORMALISED_KEYS_PREC, L2NORM_K_FORM")
-tk.SOLVE_FORM = "tile"
-for b_, t_ in ((B, T), (1, B * T)):
-    qf = torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16)
-    kf = torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16)
-    vf = torch.randn(b_, t_, H, V, device=dev, dtype=torch.bfloat16)
-    gf = torch.nn.functional.logsigmoid(torch.randn(b_, t_, H, device=dev))
-    bf_ = torch.sigmoid(torch.randn(b_, t_, H, device=dev)).to(torch.bfloat16)
-    base = None
-    for states, prec, l2form in (("split", "tf32x3", "stage-1"), ("fused", "tf32x3", "stage-1"),
-                                 ("fused", "tf32", "stage-1"), ("fused", "tf32x3", "in-kernel"),
-                                 ("fused", "tf32", "in-kernel")):
-        tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = states, prec, l2form
+if "forward" in SECTIONS:
+    print("\n== whole forward (SOLVE_FORM tile): STATES_FORM, NORMALISED_KEYS_PREC, L2NORM_K_FORM")
+    tk.SOLVE_FORM = "tile"
+    for b_, t_ in ((B, T), (1, B * T)):
+        qf = torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16)
+        kf = torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16)
+        vf = torch.randn(b_, t_, H, V, device=dev, dtype=torch.bfloat16)
+        gf = torch.nn.functional.logsigmoid(torch.randn(b_, t_, H, device=dev))
+        bf_ = torch.sigmoid(torch.randn(b_, t_, H, device=dev)).to(torch.bfloat16)
+        base = None
+        for states, prec, l2form in (("split", "tf32x3", "stage-1"), ("fused", "tf32x3", "stage-1"),
+                                     ("fused", "tf32", "stage-1"), ("fused", "tf32x3", "in-kernel"),
+                                     ("fused", "tf32", "in-kernel")):
+            tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = states, prec, l2form
 
-        def fwd():
-            return tk.gdn_forward_triton(qf, kf, vf, gf, bf_, K ** -0.5, None, False, True, None)[0]
+            def fwd():
+                return tk.gdn_forward_triton(qf, kf, vf, gf, bf_, K ** -0.5, None, False, True, None)[0]
 
-        o = fwd()
-        base = o if base is None else base
-        ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
-        print(f"forward B={b_} T={t_} states {states} prec={prec:6} l2norm k {l2form:9}: {ms:.3f} ms, "
-              f"vs the first {rel(o, base):.2e}", flush=True)
-tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = "fused", "tf32x3", "stage-1"
+            o = fwd()
+            base = o if base is None else base
+            ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+            print(f"forward B={b_} T={t_} states {states} prec={prec:6} l2norm k {l2form:9}: {ms:.3f} ms, "
+                  f"vs the first {rel(o, base):.2e}", flush=True)
+    tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[:4]
 
-# --------------------------------------------------------------------------------------------
-# the backward's products (BACKWARD_PRODUCTS): "bf16x3" (the default since the fifth session: dg
-# and dbeta held to their bound) against "bf16" (rounded operands, the form the bench timed at
-# f7de67f: 8.14 ms at S1), the whole backward of the bench's inputs, once each, same inputs
-print("\n== whole backward: BACKWARD_PRODUCTS")
-qf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-kf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-vf = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
-gf = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev))
-bf_ = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
-do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
-grads = {}
-for products in ("bf16", "bf16x3"):
-    tk.BACKWARD_PRODUCTS = products
 
-    def bwd():
-        return tk.gdn_backward_triton(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
+# the backward's products (BACKWARD_PRODUCTS): "bf16" (rounded operands, the form the bench timed
+# at f7de67f: 8.14 ms at S1; dg and dbeta over their bound on ~1 in 130 draws), "bf16x3" (three
+# bf16 products of fp32 operands: 15.3 ms at 667cd8c) and "tf32" (one tf32 product of fp32
+# operands), the whole backward of the bench's inputs, once each, same inputs
+if "backward" in SECTIONS:
+    print("\n== whole backward: BACKWARD_PRODUCTS")
+    qf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    kf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    vf = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    gf = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev))
+    bf_ = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
+    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    grads = {}
+    for products in ("bf16", "bf16x3", "tf32"):
+        tk.BACKWARD_PRODUCTS = products
 
-    grads[products] = bwd()
-    ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median") if dev == "cuda" else float("nan")
-    diff = "" if products == "bf16" else ", vs bf16: " + " ".join(
-        f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[products], grads["bf16"]))
-    print(f"backward S1 products={products:6}: {ms:.3f} ms{diff}", flush=True)
-tk.BACKWARD_PRODUCTS = "bf16x3"
+        def bwd():
+            return tk.gdn_backward_triton(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
+
+        grads[products] = bwd()
+        ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median") if dev == "cuda" else float("nan")
+        diff = "" if products == "bf16" else ", vs bf16: " + " ".join(
+            f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[products], grads["bf16"]))
+        print(f"backward S1 products={products:6}: {ms:.3f} ms{diff}", flush=True)
+    tk.BACKWARD_PRODUCTS = DEFAULTS[4]

@@ -43,7 +43,9 @@ def test_each_autotune_candidate(kernel, index, case_id, device, seed, monkeypat
 # The whole frozen gate (tests/test_gdn_parity.py) runs the default forms of stages 3 and 5+6;
 # these run it again in the other form of each, so both stay correct and either can be chosen.
 OTHER_SOLVE_FORM = {"tile": "blocks", "blocks": "tile"}[tk.SOLVE_FORM]
-OTHER_STATES_FORM = {"fused": "split", "split": "fused"}[tk.STATES_FORM]
+# (STATES_FORM "auto" picks by the number of (sequence, head) pairs: the gate's small cases run
+# split and its full-size GPU cases fused, so "the other form" here is the one the small cases skip)
+OTHER_STATES_FORM = "split" if tk.states_form(1) == "fused" else "fused"
 # 16-bit cases only: fp32 takes the block form of stage 3 whatever the switch says (ragged T,
 # varlen with empty and length-1 sequences, gates near 0 and very negative, binary beta, K = 128)
 SIXTEEN_BIT_CASES = [c for c, spec in CASES.items() if spec[5] in ("bf16", "fp16")]
@@ -85,17 +87,40 @@ def test_fused_states_output_each_candidate(index, device, seed, monkeypatch):
     _run_and_check("triton", "varlen-bf16-l2", device, seed)
 
 
-# The l2-normalised 16-bit cases of the frozen gate with the forward's stage 3 in one-pass tf32
-# (NORMALISED_KEYS_PREC): off by default until the H200 has passed this and timed it. Under the
+def test_states_form_choice(monkeypatch):
+    monkeypatch.setattr(tk, "STATES_FORM", "auto")
+    assert tk.states_form(tk.FUSED_STATES_MIN_PAIRS) == "fused"
+    assert tk.states_form(tk.FUSED_STATES_MIN_PAIRS - 1) == "split"
+    for form in ("fused", "split"):
+        monkeypatch.setattr(tk, "STATES_FORM", form)
+        assert tk.states_form(1) == tk.states_form(10**6) == form
+
+
+# The l2-normalised 16-bit cases of the frozen gate with the forward's stage 3 in the other
+# precision of NORMALISED_KEYS_PREC (one-pass "tf32", the default, or "tf32x3"). Under the
 # interpreter the products are exact whatever the precision, so only the GPU run tests the tf32.
 L2_SIXTEEN_BIT_CASES = [c for c in SIXTEEN_BIT_CASES if CASES[c][8]]
+OTHER_NORMALISED_KEYS_PREC = {"tf32": "tf32x3", "tf32x3": "tf32"}[tk.NORMALISED_KEYS_PREC]
 
 
 @pytest.mark.parametrize("case_id", L2_SIXTEEN_BIT_CASES)
-def test_one_pass_tf32_solve_with_normalised_keys(case_id, device, seed, monkeypatch):
+def test_other_solve_precision_with_normalised_keys(case_id, device, seed, monkeypatch):
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
-    monkeypatch.setattr(tk, "NORMALISED_KEYS_PREC", "tf32")
+    monkeypatch.setattr(tk, "NORMALISED_KEYS_PREC", OTHER_NORMALISED_KEYS_PREC)
+    _run_and_check("triton", case_id, device, seed)
+
+
+# The 16-bit cases of the frozen gate with the backward's products in the other precise form
+# (BACKWARD_PRODUCTS: "tf32" or "bf16x3", both on fp32 operands; "bf16" is not a form the gate
+# can hold: dg and dbeta of the K = 128 case exceed their bound on ~1 in 130 draws).
+OTHER_BACKWARD_PRODUCTS = {"tf32": "bf16x3", "bf16x3": "tf32"}[tk.BACKWARD_PRODUCTS]
+
+
+@pytest.mark.parametrize("case_id", SIXTEEN_BIT_CASES)
+def test_other_backward_products(case_id, device, seed, monkeypatch):
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "BACKWARD_PRODUCTS", OTHER_BACKWARD_PRODUCTS)
     _run_and_check("triton", case_id, device, seed)
 
 

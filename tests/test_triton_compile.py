@@ -1,5 +1,5 @@
 """GDN's and KDA's Triton kernels on the forward's hot path compile for sm_90a on a CPU-only machine, in the launch forms
-the forward uses, within a spill budget; GDN's backward kernels compile in their bf16x3 form.
+the forward uses, within a spill budget; GDN's backward kernels compile in their BACKWARD_PRODUCTS form.
 
 The interpreter runs the parity gate but never compiles: a kernel it accepts can still fail to
 lower on the GPU (the Gluon output kernel's int64 TMA coordinates did, 2026-11-29), and 3D dots
@@ -109,8 +109,8 @@ def test_gdn_fused_states_output_compiles_for_sm90a(l2norm_k):
 
 def _backward_cases():
     """GDN's backward kernels as the backward of bf16 inputs launches them: the products dg and
-    dbeta read at `_products(bf16, True)`'s precision ("bf16x3" on fp32 operands, which triton
-    lowers to three bf16 tensor-core products)."""
+    dbeta read at `_products(bf16, True)`'s precision (BACKWARD_PRODUCTS on fp32 operands: "tf32",
+    one tf32 tensor-core product, or "bf16x3", three bf16 ones)."""
     BK, BV, NV = tk._blocks(K, V)
     BKS, NK = tk._key_split(K)
     N = 8
@@ -151,13 +151,15 @@ BACKWARD_CASES = list(_backward_cases())
 @pytest.mark.parametrize("case", BACKWARD_CASES, ids=[c[0] for c in BACKWARD_CASES])
 def test_gdn_backward_compiles_for_sm90a(case):
     name, fn, launch, args = case
-    assert args["PREC"] == "bf16x3", "the backward of bf16 inputs should multiply at bf16x3 (BACKWARD_PRODUCTS)"
+    prec = tk.BACKWARD_PRODUCTS
+    assert args["PREC"] == prec in ("tf32", "bf16x3"), "the backward of bf16 inputs should multiply fp32 operands at BACKWARD_PRODUCTS"
     report = compile_case(CompileCase(f"gdn {name}", fn, args, num_warps=launch["num_warps"],
                                       options={"num_stages": launch["num_stages"]}))
     print(f"\n{report.summary()}")
     assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
-    # bf16x3 lowers to bf16 tensor-core products: an fp32 product on FMA units would have none
-    assert any("bf16" in line for line in report.ptx.splitlines() if "mma" in line), "no bf16 tensor-core product"
+    # tf32 lowers to tf32 tensor-core products, bf16x3 to bf16 ones: an fp32 product on FMA units would have none
+    kind = "tf32" if prec == "tf32" else "bf16"
+    assert any(kind in line for line in report.ptx.splitlines() if "mma" in line), f"no {kind} tensor-core product"
 
 
 def _kda_backward_cases():

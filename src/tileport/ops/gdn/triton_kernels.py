@@ -45,8 +45,8 @@ bf16 and fp16 inputs (tensor cores; bf16 rather than fp16 because gate products 
 underflow fp16's range with very negative gates), and stay fp32 with input_precision="ieee" for
 fp32 inputs (no tf32). The backward of 16-bit inputs keeps the l2-normalised q and k in fp32 and
 forms the products that dg and dbeta read (the recompute's recurrence in stage 5, stages 7, 8 and
-9 whole, most of 10) from fp32 operands as three bf16 products (`_mm`, "bf16x3", error ~2^-16
-instead of bf16's 2^-9): dg and dbeta are small differences of large sums (at a chunk's end dg
+9 whole, most of 10) from fp32 operands as one tf32 product (`_mm`, "tf32", error ~2^-11 per
+operand instead of bf16's 2^-9; "bf16x3", three bf16 products, ~2^-16, is the option): dg and dbeta are small differences of large sums (at a chunk's end dg
 holds exp(G_L) sum(h * dh) over K*V entries), and bf16 operands there put them past their 3e-2
 bound on ~1 in 130 draws of the gate's K = 128 case (`BACKWARD_PRODUCTS`; docs/perf/gdn.md).
 The 16x16 triangular inverses and their block merge are always fp32 "ieee". The gate
@@ -168,24 +168,27 @@ def _dot_types(dtype: torch.dtype) -> tuple:
     return DT, DA
 
 
-# The backward's products for 16-bit inputs: "bf16x3" (fp32 operands, three bf16 tensor-core
-# products each; the recompute's solve keeps its tf32x3) or "bf16" (the forward's: operands rounded
-# to bf16). "bf16x3" since 2026-11-29: with "bf16", dbeta and dg of the frozen gate's
-# K128-bf16-l2 case exceeded their 3e-2 bound on ~1 in 130 fresh draws (3.2e-2, 4.1e-2, 3.0e-2
-# seen, CI included); with every product and the normalised keys exact they are ~1e-6, and the
-# stages that mattered were states (h), dqkwg, dstates, wy_bwd and stage 1's bf16 keys
-# (docs/perf/gdn.md, "The backward's precision"). Read at each call, so a benchmark can time both.
-BACKWARD_PRODUCTS = "bf16x3"
+# The backward's products for 16-bit inputs: "tf32" (fp32 operands, one tf32 tensor-core product
+# each), "bf16x3" (fp32 operands, three bf16 products each) or "bf16" (the forward's: operands
+# rounded to bf16); the recompute's solve keeps its tf32x3 whatever this says. With "bf16", dbeta
+# and dg of the frozen gate's K128-bf16-l2 case exceeded their 3e-2 bound on ~1 in 130 fresh draws
+# (3.2e-2, 4.1e-2, 3.0e-2 seen, CI included); the stages that mattered were states (h), dqkwg,
+# dstates, wy_bwd and stage 1's bf16 keys (docs/perf/gdn.md, "The gate gradients' precision").
+# "bf16x3" fixed that but cost the backward 8.18 -> 15.30 ms at S1 (H200, 667cd8c); "tf32" since
+# then: on those three draws dg <= 0.06 and dbeta <= 0.18 of their bounds with tf32 emulated by
+# truncation on the CPU (bf16: up to 1.37 and 1.07). Read at each call, so a benchmark can time each.
+BACKWARD_PRODUCTS = "tf32"
 
 
 def _products(dtype: torch.dtype, for_backward: bool = False) -> tuple:
     """(DT, DA, PREC) for a kernel's matmuls on inputs of `dtype`: `_dot_types` (the rounding of
     every plain tl.dot's operands) and the precision PREC of the products that go through `_mm`:
-    "ieee" (rounded like the rest) in the forward and for fp32 inputs; "bf16x3" in the backward of
-    16-bit inputs with BACKWARD_PRODUCTS = "bf16x3" ("bf16x3-emulated" under the interpreter,
-    whose tl.dot ignores input_precision and would multiply fp32 operands exactly)."""
-    if for_backward and dtype != torch.float32 and BACKWARD_PRODUCTS == "bf16x3":
-        return (*_dot_types(dtype), "bf16x3-emulated" if interpreter_enabled() else "bf16x3")
+    "ieee" (rounded like the rest) in the forward and for fp32 inputs; BACKWARD_PRODUCTS ("tf32"
+    or "bf16x3") in the backward of 16-bit inputs ("...-emulated" under the interpreter, whose
+    tl.dot ignores input_precision and would multiply fp32 operands exactly)."""
+    if for_backward and dtype != torch.float32 and BACKWARD_PRODUCTS in ("bf16x3", "tf32"):
+        prec = BACKWARD_PRODUCTS
+        return (*_dot_types(dtype), prec + "-emulated" if interpreter_enabled() else prec)
     return (*_dot_types(dtype), "ieee")
 
 
@@ -199,8 +202,8 @@ def _products(dtype: torch.dtype, for_backward: bool = False) -> tuple:
 # one helper is `_op`, which every matmul operand goes through: rounded to DT, the input dtype
 # (what the tensor cores see), and handed to tl.dot as DA (= DT, except bf16 under the
 # interpreter: fp32, rounded by bits). The backward multiplies through `_mm`, whose precision
-# PREC is "ieee" (the operands' exact products) or, for the backward of 16-bit inputs, "bf16x3"
-# on fp32 operands (`_products`).
+# PREC is "ieee" (the operands' exact products) or, for the backward of 16-bit inputs, "tf32"
+# or "bf16x3" on fp32 operands (`_products`).
 # Row offsets into [Ntok, H, D] tensors are int64 (`row` = token * H + head).
 # ----------------------------------------------------------------------------------------
 
@@ -275,9 +278,11 @@ def _mm(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
     kept fp32, each split as x = hi + lo, hi = bf16(x), lo = bf16(x - hi), and multiplied as
     lo.hi + hi.lo + hi.hi on bf16 tensor cores: triton's own decomposition; relative error ~2^-16
     per product against bf16 operands' 2^-9, for 3x the tensor-core work and the registers of
-    fp32 operands), or "bf16x3-emulated": the same three products formed explicitly under the
-    interpreter (the splits rounded to nearest as `_op` does). The backward calls it for the
-    products that dg and dbeta depend on (`_products`)."""
+    fp32 operands), "tf32" (one tensor-core product of the fp32 operands' top 10 mantissa bits:
+    error ~2^-10 per operand, a third of bf16x3's tensor-core work), or "bf16x3-emulated" /
+    "tf32-emulated": the same products formed explicitly under the interpreter, whose tl.dot
+    ignores input_precision (bf16x3's splits rounded to nearest as `_op` does; tf32 truncated).
+    The backward calls it for the products that dg and dbeta depend on (`_products`)."""
     if PREC == "bf16x3-emulated":
         ca = a * 65537.0
         ah = ca - (ca - a)
@@ -291,8 +296,14 @@ def _mm(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
         bl = cb - (cb - bl)
         r = tl.dot(al, bh, input_precision="ieee") + tl.dot(ah, bl, input_precision="ieee")
         r = tl.dot(ah, bh, r, input_precision="ieee")
-    elif PREC == "bf16x3":
-        r = tl.dot(a, b, input_precision="bf16x3")
+    elif PREC == "tf32-emulated":
+        # the tensor cores read an fp32 operand's top 19 bits (sign, exponent, 10 mantissa bits):
+        # truncation, the coarser of the two roundings a tf32 product may see
+        at = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        bt = (b.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        r = tl.dot(at, bt, input_precision="ieee")
+    elif PREC == "bf16x3" or PREC == "tf32":
+        r = tl.dot(a, b, input_precision=PREC)
     else:
         r = tl.dot(_op(a, DT, DA), _op(b, DT, DA), input_precision=PREC)
     return r
@@ -708,7 +719,7 @@ def _states_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, cu
     0.8 GB written and read back at S1, the larger half of the forward's bytes (docs/perf/gdn.md,
     "Path to issue 5's 0.46 ms"). Q K^T is formed once per V block. L2NORM_K: k is raw and
     normalised on load (`_load_keys`), as in `_solve_wu_tile_kernel`. PREC: `_mm`'s precision for
-    the recurrence's two products (the backward's recompute: "bf16x3" on fp32 operands)."""
+    the recurrence's two products (the backward's recompute: BACKWARD_PRODUCTS on fp32 operands)."""
     n, hh, bos, eos, c0, nc, r, kc, vc, smask, sblk = _sequence_program(cu_ptr, choff_ptr, H, K, V, BK, BV, BT)
     h = _state_or_zeros(h0_ptr, n, hh, H, sblk, smask, K, V, BK, BV, HAS_H0)
     for i in range(0, nc):
@@ -1170,9 +1181,10 @@ SOLVE_FORM = "tile"
 # |A_ij| = beta_i |k_i . k_j| exp(G_i - G_j) <= 1) and W, U are stored in bf16: "tf32x3" (three
 # tf32 passes, the default) or "tf32" (one). scripts/gdn_ab.py at 31eb250 (S1, normalised keys):
 # W from one-pass tf32 within 4e-8 (normwise) of the exact block form after the bf16 rounding,
-# the same as tf32x3's (raw N(0, 1) keys: 6e-3, which is why raw keys never take it). "tf32" is
-# not the default until the H200 has run the frozen gate with it and timed it (4 warps).
-NORMALISED_KEYS_PREC = "tf32x3"
+# the same as tf32x3's (raw N(0, 1) keys: 6e-3, which is why raw keys never take it). "tf32"
+# since the H200 A/B at 667cd8c: stage 3 0.451 ms against 0.594 (4 warps), the whole forward at
+# S1 1.036 against 1.181, o within 1e-4 (normwise) of the tf32x3 forward.
+NORMALISED_KEYS_PREC = "tf32"
 
 
 def solve_form(dtype: torch.dtype, per_channel: bool) -> str:
@@ -1344,7 +1356,7 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    if STATES_FORM == "fused":
+    if states_form(plan.N * H) == "fused":
         # stage 1 for k only when the kernels can't normalise it on load (L2NORM_K_FORM)
         in_kernel = (use_qk_l2norm_in_kernel and L2NORM_K_FORM == "in-kernel"
                      and solve_form(q.dtype, False) == "tile")
@@ -1362,12 +1374,23 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
 
 
 # The forward's stages 5 and 6: "split" (`_states_kernel` stores h and Vn, `_output_kernel` reads
-# them) or "fused" (`_states_kernel` with FUSE_OUTPUT: h and Vn never leave the chip). Read at
-# each call, so scripts/gdn_ab.py can time both. "fused" since the H200 A/B at 31eb250: 0.516 ms
-# against 0.562 split at S1, and the whole frozen gate passed fused there
-# (tests/test_gdn_tuning.py::test_fused_states_output_form). The backward keeps the split states
-# kernel (it needs h).
-STATES_FORM = "fused"
+# them), "fused" (`_states_kernel` with FUSE_OUTPUT: h and Vn never leave the chip), or "auto":
+# fused when there are at least FUSED_STATES_MIN_PAIRS (sequence, head) pairs, split otherwise.
+# Read at each call, so scripts/gdn_ab.py can time each. H200, gdn_ab.py at 667cd8c, whole
+# forward: S1 (128 pairs) fused 1.181 ms against split 1.230; B=1 T=32768 (16 pairs) fused 3.078
+# against split 1.890: with few pairs the fused kernel's longer per-chunk chain runs on few SMs
+# (16 x 4 V blocks = 64 programs) while the split output kernel spreads over every chunk. The
+# threshold lies between 16 and 128 pairs (not measured in between); 64 is half the SMs' worth of
+# programs at BV = 32. The backward keeps the split states kernel (it needs h).
+STATES_FORM = "auto"
+FUSED_STATES_MIN_PAIRS = 64
+
+
+def states_form(pairs: int) -> str:
+    """"fused" or "split" for a forward over `pairs` (sequence, head) pairs (STATES_FORM)."""
+    if STATES_FORM == "auto":
+        return "fused" if pairs >= FUSED_STATES_MIN_PAIRS else "split"
+    return STATES_FORM
 
 # Where the fused forward normalises k (use_qk_l2norm_in_kernel): "stage-1" (`l2norm_fwd` writes
 # the normalised keys, 0.062 ms at S1 on the H200, 5031cf0, and the two kernels read them) or

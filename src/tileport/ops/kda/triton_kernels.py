@@ -35,7 +35,8 @@ intermediates), then
 
 R(M, X) and C(M, Y), the gated products in both directions, follow the exponent rule above
 (`_gated_rows`, `_gated_cols`); tests/kda_chunk_algebra.py holds the same algebra in float64.
-Precision as GDN's backward: the products go through `_mm` at bf16x3 for 16-bit inputs.
+Precision as GDN's backward: the products go through `_mm` at GDN's BACKWARD_PRODUCTS (tf32) for
+16-bit inputs.
 
 Interpreter workarounds (bf16 dots and stores) are GDN's: `_op`, `_out`, `_done`.
 """
