@@ -244,6 +244,21 @@ def test_commit_from_environment_without_git(tmp_path, monkeypatch):
     assert loop.commit_id(tmp_path) == "feedbee"
 
 
+def test_commit_from_environment_over_a_stale_git(repo, capsys, monkeypatch):
+    # the device copy's .git lags the tree: the row names TILEPORT_COMMIT and claims no change list
+    assert run(repo, "start", "fake") == 0
+    (repo / "src" / "tileport" / "ops" / "fake" / "kernels.py").write_text("# new kernel\n")
+    monkeypatch.setenv("TILEPORT_COMMIT", "feedbee")
+    assert loop.commit_id(repo) == "feedbee"
+    assert run(repo, "try", "x", "--op", "fake", "--gate-cmd", "true", "--no-bench") == 0
+    row = loop.read_log(doc(repo))[-1]
+    assert row["commit"] == "feedbee" and "uncommitted" not in row["commit"]
+    assert "stale" in row["change"] and "kernels.py" not in row["change"]
+    head = loop._git(repo, "rev-parse", "HEAD")
+    monkeypatch.setenv("TILEPORT_COMMIT", head[:7])  # the same commit as HEAD: git's own answer stands
+    assert loop.commit_id(repo).startswith(head[:7])
+
+
 def test_pytest_summary_and_id_axes():
     out = "FAILED tests/t.py::test_a[x] - AssertionError\n1 failed, 75 passed, 27 skipped, 153 warnings in 5.78s\n"
     assert loop.pytest_summary(out) == "1 failed, 75 passed, 27 skipped"

@@ -109,11 +109,26 @@ def _git(cwd: Path, *args: str) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
+def _device_commit(root: Path) -> str | None:
+    """TILEPORT_COMMIT when it names another commit than the tree's git HEAD: the device machine's
+    copy of the tree carries a stale .git (seen 2026-11-29: HEAD at the previous session's last
+    commit, so every change since looked uncommitted), and scripts/gpu-check passes the real one."""
+    named = os.environ.get("TILEPORT_COMMIT")
+    sha = _git(root, "rev-parse", "HEAD")
+    if named and not (sha and sha.startswith(named)):
+        return named
+    return None
+
+
 def commit_id(root: Path) -> str:
-    """Short HEAD (+uncommitted when src/ or tests/ differ from it), else TILEPORT_COMMIT, else 'unknown'."""
+    """TILEPORT_COMMIT where the tree's git is stale or missing (`_device_commit`), else short HEAD
+    (+uncommitted when src/ or tests/ differ from it), else 'unknown'."""
+    named = _device_commit(root)
+    if named:
+        return named
     sha = _git(root, "rev-parse", "--short", "HEAD")
     if not sha:
-        return os.environ.get("TILEPORT_COMMIT") or "unknown"
+        return "unknown"
     dirty = _git(root, "status", "--porcelain", "--untracked-files=no", "--", "src", "tests")
     return sha + ("+uncommitted" if dirty else "")
 
@@ -495,6 +510,8 @@ def format_bench(record: dict, op: str) -> tuple[str, bool]:
 
 
 def _changed_sources(op: Op, base: str) -> str:
+    if _device_commit(op.root):
+        return f"(at {_device_commit(op.root)}; this copy's git is stale: change not recorded)"
     names = _git(op.root, "diff", "--name-only", base, "--", "src")
     untracked = _git(op.root, "ls-files", "--others", "--exclude-standard", "--", "src")
     if names is None:
