@@ -259,6 +259,28 @@ def test_commit_from_environment_over_a_stale_git(repo, capsys, monkeypatch):
     assert loop.commit_id(repo).startswith(head[:7])
 
 
+def test_report_says_what_changed_since_the_gated_commit(repo, capsys, monkeypatch):
+    monkeypatch.delenv("TILEPORT_COMMIT", raising=False)
+    assert run(repo, "start", "fake") == 0
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "contract")
+    assert run(repo, "try", "x", "--op", "fake", "--gate-cmd", "true", "--no-bench") == 0
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "row")
+    (repo / "src" / "tileport" / "helper.py").write_text("# shared, not the op's\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "helper")
+    capsys.readouterr()
+    assert run(repo, "report", "fake") == 0
+    out = capsys.readouterr().out
+    assert "src/tileport/helper.py; none of them this op's code or contract" in out
+    (repo / "src" / "tileport" / "ops" / "fake" / "kernels.py").write_text("# the op's\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "kernel")
+    assert run(repo, "report", "fake") == 0
+    assert "1 of them this op's code or contract: src/tileport/ops/fake/kernels.py" in capsys.readouterr().out
+
+
 def test_pytest_summary_and_id_axes():
     out = "FAILED tests/t.py::test_a[x] - AssertionError\n1 failed, 75 passed, 27 skipped, 153 warnings in 5.78s\n"
     assert loop.pytest_summary(out) == "1 failed, 75 passed, 27 skipped"

@@ -509,6 +509,23 @@ def format_bench(record: dict, op: str) -> tuple[str, bool]:
     return f"bench {args.get('dtype', '?')}, {head}: " + "; ".join(entries), failed
 
 
+def _changed_since(op: Op, gated: str, contract: dict | None) -> str | None:
+    """What changed under src/ and tests/ between the last gated commit and HEAD, and whether any
+    of it is this op's code or contract: a reviewer's first question about an ungated HEAD."""
+    ref = gated.split()[0].split("+")[0]
+    names = _git(op.root, "diff", "--name-only", ref, "HEAD", "--", "src", "tests")
+    if names is None:
+        return None
+    files = [f for f in names.splitlines() if f]
+    if not files:
+        return f"since {ref}: nothing changed under src/ or tests/"
+    mine = [f for f in files if f"/ops/{op.name}/" in f or f in (contract or {}).get("files", {})]
+    more = f" and {len(files) - 8} more" if len(files) > 8 else ""
+    verdict = (f"{len(mine)} of them this op's code or contract: " + ", ".join(mine[:8])) if mine else \
+        "none of them this op's code or contract"
+    return f"since {ref}, changed under src/ and tests/: " + ", ".join(files[:8]) + more + f"; {verdict}"
+
+
 def _changed_sources(op: Op, base: str) -> str:
     if _device_commit(op.root):
         return f"(at {_device_commit(op.root)}; this copy's git is stale: change not recorded)"
@@ -810,6 +827,9 @@ def cmd_report(args) -> int:
         head = commit_id(op.root)
         if lr["commit"] != head:
             out.append(f"HEAD is {head}: the gate has not run on it through the loop")
+            since = _changed_since(op, lr["commit"], contract)
+            if since:
+                out.append(since)
             risks.append(f"HEAD {head} not gated (last gated row: {lr['commit']})")
         failed = [r["version"] for r in loop_rows if r["outcome"].startswith("GATE FAILED")]
         if failed:
