@@ -248,6 +248,7 @@ def test_warm_up_runs_worker_processes_and_reports_failures(capsys, monkeypatch)
     bench.warm_up(["rms_norm", "not-an-op"], args, workers=2)
     out = capsys.readouterr().out
     assert "4 (op, system) pairs" in out and "2 processes at a time" in out and "compiled in" in out
+    assert "slowest: " in out and " s, " in out.split("slowest: ")[1].split("\n")[0]  # where the time went
     assert "not-an-op/torch (rc 2" in out and "not-an-op/triton (rc 2" in out
     assert "rms_norm/" not in out.split("compiled in")[1]
 

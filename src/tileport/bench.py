@@ -44,7 +44,7 @@ def add_arguments(p) -> None:
     p.add_argument("--base", default=None, help="also run a git ref (in a worktree, subprocess) and print before/after")
     p.add_argument("--warm-workers", type=int, default=None,
                    help="GPU: compile every (op, system)'s kernels first in this many parallel processes "
-                        "(default: half the CPU cores; 0: no warm-up)")
+                        "(default: every CPU core but one; 0: no warm-up)")
     p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # the warm-up's worker processes
 
 
@@ -259,7 +259,9 @@ def warm_up(ops: list[str], args, workers: int) -> None:
     single-threaded in one process while 15 of 16 cores idled, and the anchor-shape run of every
     op did not fit the device tool's 600 s per call. Kernels compiled here are loaded from
     Triton's on-disk cache by the timed run; its autotuners still benchmark their configs there,
-    on a quiet GPU."""
+    on a quiet GPU. H200 at df3acc3: 28 pairs took 265 s on 8 processes (half the cores, the old
+    default) and the whole-op bench ran past its call's limit; the slowest pairs are printed so the
+    next run knows where the time goes."""
     t0 = time.time()
     cmd = [sys.executable, "-m", "tileport", "bench", "--warm-only", "--modes", args.modes, "--dtype", args.dtype]
     if args.shapes:
@@ -268,20 +270,23 @@ def warm_up(ops: list[str], args, workers: int) -> None:
     for op in ops:
         suite, *_, systems, wanted = _op_plan(op, args, True)
         jobs += [(op, name) for name in wanted if name in systems]
-    pending, running, failed = list(jobs), [], []
+    pending, running, failed, took = list(jobs), [], [], []
     print(f"compiling the kernels of {len(jobs)} (op, system) pairs first, {workers} processes at a time ...", flush=True)
     while pending or running:
         while pending and len(running) < workers:
             op, name = pending.pop(0)
-            running.append((f"{op}/{name}", subprocess.Popen(cmd + ["--op", op, "--backends", name], stdout=subprocess.PIPE,
-                                                             stderr=subprocess.STDOUT, text=True)))
+            running.append((f"{op}/{name}", time.time(), subprocess.Popen(
+                cmd + ["--op", op, "--backends", name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         time.sleep(0.5)
-        for job, proc in list(running):
+        for entry in list(running):
+            job, started, proc = entry
             if proc.poll() is not None:
-                running.remove((job, proc))
+                running.remove(entry)
+                took.append((time.time() - started, job))
                 out = proc.stdout.read()
                 if proc.returncode != 0:
                     failed.append(f"{job} (rc {proc.returncode}: {out.strip()[-200:]})")
+    print("slowest: " + ", ".join(f"{job} {sec:.0f} s" for sec, job in sorted(took, reverse=True)[:6]), flush=True)
     note = f"; the warm-up of {', '.join(failed)} failed (the timed run compiles those itself)" if failed else ""
     print(f"compiled in {time.time() - t0:.0f} s{note}", flush=True)
 
@@ -563,7 +568,7 @@ def run(args) -> int:
         return 0
     info = machine_info()
     print(f"machine: {info.get('gpu') or 'CPU only'}  torch {info['torch']}  triton {info['triton']}  commit {info.get('commit')}")
-    workers = args.warm_workers if args.warm_workers is not None else max(1, (os.cpu_count() or 2) // 2)
+    workers = args.warm_workers if args.warm_workers is not None else max(1, (os.cpu_count() or 2) - 1)
     if gpu and workers > 0:
         warm_up(ops, args, workers)
     ceilings = measure_ceilings(gpu)
