@@ -96,18 +96,19 @@ def test_states_form_choice(monkeypatch):
         assert tk.states_form(1) == tk.states_form(10**6) == form
 
 
-# The l2-normalised 16-bit cases of the frozen gate with the forward's stage 3 in the other
-# precision of NORMALISED_KEYS_PREC (one-pass "tf32", the default, or "tf32x3"). Under the
-# interpreter the products are exact whatever the precision, so only the GPU run tests the tf32.
+# The l2-normalised 16-bit cases of the frozen gate with the forward's stage 3 in each other
+# precision of NORMALISED_KEYS_PREC ("tf32x3", one-pass "tf32", "bf16"). Under the interpreter the
+# tf32 products are exact, so only the GPU run tests them; "bf16" is rounded explicitly on both.
 L2_SIXTEEN_BIT_CASES = [c for c in SIXTEEN_BIT_CASES if CASES[c][8]]
-OTHER_NORMALISED_KEYS_PREC = {"tf32": "tf32x3", "tf32x3": "tf32"}[tk.NORMALISED_KEYS_PREC]
+OTHER_NORMALISED_KEYS_PRECS = [p for p in ("tf32x3", "tf32", "bf16") if p != tk.NORMALISED_KEYS_PREC]
 
 
+@pytest.mark.parametrize("prec", OTHER_NORMALISED_KEYS_PRECS)
 @pytest.mark.parametrize("case_id", L2_SIXTEEN_BIT_CASES)
-def test_other_solve_precision_with_normalised_keys(case_id, device, seed, monkeypatch):
+def test_other_solve_precision_with_normalised_keys(case_id, prec, device, seed, monkeypatch):
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
-    monkeypatch.setattr(tk, "NORMALISED_KEYS_PREC", OTHER_NORMALISED_KEYS_PREC)
+    monkeypatch.setattr(tk, "NORMALISED_KEYS_PREC", prec)
     _run_and_check("triton", case_id, device, seed)
 
 

@@ -45,6 +45,10 @@ FORMS = [
     # (NORMALISED_KEYS_PREC) and keys normalised on load (L2NORM_K_FORM). 8 warps: at 4 (the
     # autotuner's pick on the H200, 0.601 ms) every tile variant spills, 260-444 B (sm_90a, 2026-11-29)
     ("tile-tf32-l2k", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32", eps=1e-6, L2NORM_K=True), 8, 0),
+    # the forward's default for normalised keys since df3acc3 (NORMALISED_KEYS_PREC = "tf32"), and
+    # its next candidate, the [64, 64] products in one bf16 pass (half the shared memory: 24 KB)
+    ("tile-tf32", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32"), 8, 0),
+    ("tile-bf16", tk._solve_wu_tile_kernel.fn, dict(PREC="bf16"), 8, 0),
 ]
 
 

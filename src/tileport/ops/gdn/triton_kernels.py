@@ -575,6 +575,18 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
 SOLVE_WU_TILE_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1))
 
 
+@triton.jit
+def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """a @ b for the tile solve's fp32 [64, 64] tiles at PREC: "bf16" (both rounded to bf16 by
+    `_op`, then one bf16 tensor-core pass; under the interpreter the rounding is explicit, so the CPU
+    gate sees what the GPU computes), else tl.dot's own input_precision ("tf32", "tf32x3", "ieee")."""
+    if PREC == "bf16":
+        r = tl.dot(_op(a, DT, DA), _op(b, DT, DA), input_precision="ieee")
+    else:
+        r = tl.dot(a, b, input_precision=PREC)
+    return r
+
+
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K"])
 @triton.jit
@@ -598,8 +610,9 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     chain is 7 batched 16x16 products, 4 [64, 64] ones and 1 + NV output products, each of 64
     rows (a full MMA tile for 4 warps). Explicit where Triton would choose: the 16-row diagonal
     blocks (their inverse must be exact, and 16^3 per block is cheap on FMA units); PREC, the
-    precision of the fp32 [64, 64] products: "tf32x3" (three tf32 tensor-core passes, error near
-    fp32's) for 16-bit inputs, "ieee" for fp32 inputs. EXACT_WU and STORE_T as in
+    precision of the fp32 [64, 64] products (`_tile_dot`): "tf32x3" (three tf32 tensor-core passes,
+    error near fp32's) for 16-bit inputs, one-pass "tf32" or "bf16" for the forward's normalised
+    keys (NORMALISED_KEYS_PREC), "ieee" for fp32 inputs. EXACT_WU and STORE_T as in
     `_solve_wu_kernel`. L2NORM_K: k is raw and each load normalises it (`_load_keys`), so stage 1
     need not write the normalised keys (the forward's FUSED_L2NORM_K)."""
     c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, tl.program_id(0))
@@ -619,22 +632,22 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     eye16 = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
     Dd = _unit_lower_inverse16(Ad, tl.broadcast_to(eye16[None, :, :], [NB, 16, 16]))
     D = tl.reshape(tl.where(same, tl.reshape(Dd, [NB, 16, 1, 16]), 0.0), [BT, BT])
-    M = tl.dot(D, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0), input_precision=PREC)
+    M = _tile_dot(D, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0), PREC, DT, DA)
     Tm = D  # Horner: T = (I - M + M^2 - M^3) D = D - M (D - M (D - M D)), three tiles live
     for _ in tl.static_range(NB - 1):
-        Tm = D - tl.dot(M, Tm, input_precision=PREC)
+        Tm = D - _tile_dot(M, Tm, PREC, DT, DA)
     WT: tl.constexpr = tl.float32 if EXACT_WU else DT  # W/U operand rounding (see _solve_wu_kernel)
     WA: tl.constexpr = tl.float32 if EXACT_WU else DA
     Top = _op(Tm, WT, WA)
     # k loaded again (an L1/L2 hit) rather than held through the solve: registers
     kt = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
-    w = tl.dot(Top, _op(kt * (b * tl.exp(g.to(tl.float32)))[:, None], WT, WA), input_precision=PREC)
+    w = _tile_dot(Top, _op(kt * (b * tl.exp(g.to(tl.float32)))[:, None], WT, WA), PREC, WT, WA)
     tl.store(w_ptr + row[:, None] * K + kc[None, :], _rounded_for(w, w_ptr, DA), mask=mk)
     for jv in tl.static_range(NV):
         vc = jv * BV + tl.arange(0, BV)
         mv = valid[:, None] & (vc < V)[None, :]
         vt = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
-        u = tl.dot(Top, _op(vt * b[:, None], WT, WA), input_precision=PREC)
+        u = _tile_dot(Top, _op(vt * b[:, None], WT, WA), PREC, WT, WA)
         tl.store(u_ptr + row[:, None] * V + vc[None, :], _rounded_for(u, u_ptr, DA), mask=mv)
     if STORE_T:
         tl.store(Ai_ptr + row[:, None] * BT + r[None, :], Tm, mask=valid[:, None])
@@ -1183,7 +1196,10 @@ SOLVE_FORM = "tile"
 # W from one-pass tf32 within 4e-8 (normwise) of the exact block form after the bf16 rounding,
 # the same as tf32x3's (raw N(0, 1) keys: 6e-3, which is why raw keys never take it). "tf32"
 # since the H200 A/B at 667cd8c: stage 3 0.451 ms against 0.594 (4 warps), the whole forward at
-# S1 1.036 against 1.181, o within 1e-4 (normwise) of the tf32x3 forward.
+# S1 1.036 against 1.181, o within 1e-4 (normwise) of the tf32x3 forward. "bf16" (the products'
+# fp32 operands rounded to bf16, one bf16 pass: half tf32's tensor-core time and no fp32 operand
+# tiles) is the next step; it passes the 16-bit gate under the interpreter (which rounds as the GPU
+# does) and is not yet timed (scripts/gdn_ab.py).
 NORMALISED_KEYS_PREC = "tf32"
 
 
