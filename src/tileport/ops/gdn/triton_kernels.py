@@ -178,16 +178,20 @@ def _dot_types(dtype: torch.dtype) -> tuple:
 # then: on those three draws dg <= 0.06 and dbeta <= 0.18 of their bounds with tf32 emulated by
 # truncation on the CPU (bf16: up to 1.37 and 1.07). Read at each call, so a benchmark can time each.
 BACKWARD_PRODUCTS = "tf32"
+# Per-stage exceptions to BACKWARD_PRODUCTS ("bf16", "tf32" or "bf16x3" by stage name: "keys" (the
+# normalised q, k the backward keeps), "states" (the recompute's recurrence), "dv_local",
+# "dstates", "dqkwg", "wy_bwd"), for measuring which stages need the fp32 operands.
+BACKWARD_PRODUCTS_BY_STAGE: dict = {}
 
 
-def _products(dtype: torch.dtype, for_backward: bool = False) -> tuple:
+def _products(dtype: torch.dtype, for_backward: bool = False, stage: str | None = None) -> tuple:
     """(DT, DA, PREC) for a kernel's matmuls on inputs of `dtype`: `_dot_types` (the rounding of
     every plain tl.dot's operands) and the precision PREC of the products that go through `_mm`:
     "ieee" (rounded like the rest) in the forward and for fp32 inputs; BACKWARD_PRODUCTS ("tf32"
     or "bf16x3") in the backward of 16-bit inputs ("...-emulated" under the interpreter, whose
     tl.dot ignores input_precision and would multiply fp32 operands exactly)."""
-    if for_backward and dtype != torch.float32 and BACKWARD_PRODUCTS in ("bf16x3", "tf32"):
-        prec = BACKWARD_PRODUCTS
+    prec = BACKWARD_PRODUCTS_BY_STAGE.get(stage, BACKWARD_PRODUCTS)
+    if for_backward and dtype != torch.float32 and prec in ("bf16x3", "tf32"):
         return (*_dot_types(dtype), prec + "-emulated" if interpreter_enabled() else prec)
     return (*_dot_types(dtype), "ieee")
 
@@ -1229,7 +1233,7 @@ def chunk_states(k, w, u, G, h0, plan: ChunkPlan, output_final_state: bool, q=No
         o = None
     ht = new_empty((plan.N, H, K, V), _F32, k.device) if output_final_state else None
     if plan.N:
-        DT, DA, PREC = _products(input_dtype or k.dtype, for_backward)
+        DT, DA, PREC = _products(input_dtype or k.dtype, for_backward, "states")
         # vn stands in for the pointers a form does not use (h0, ht when absent; h, q, o when split/fused)
         _states_kernel[lambda meta: (plan.N * H, cdiv(V, meta["BV"]))](
             k, w, u, G, h0 if h0 is not None else vn, h if h is not None else vn, vn, ht if ht is not None else vn,
@@ -1269,7 +1273,7 @@ def chunk_dv_local(q, k, G, do, scale: float, plan: ChunkPlan, input_dtype: torc
     dvl = new_empty((Ntok, H, V), _F32, q.device)
     if plan.NC:
         _dv_local_kernel[(plan.NC * NV, H)](q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
-                                           *_products(input_dtype or q.dtype, True), **_LAUNCH["dv_local"])
+                                           *_products(input_dtype or q.dtype, True, "dv_local"), **_LAUNCH["dv_local"])
     return dvl
 
 
@@ -1284,7 +1288,7 @@ def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_
     dvn = new_empty((Ntok, H, V), _F32, q.device)
     dh0 = new_empty((plan.N, H, K, V), _F32, q.device) if want_dh0 else None
     if plan.N:
-        DT, DA, PREC = _products(input_dtype or q.dtype, True)
+        DT, DA, PREC = _products(input_dtype or q.dtype, True, "dstates")
         _dstates_kernel[lambda meta: (plan.N * H, cdiv(V, meta["BV"]))](
             q, k, w, G, do, dvl, dht if dht is not None else dh, dh, dvn, dh0 if dh0 is not None else dh,
             plan.cu, plan.chunk_offsets, H, _programs_bucket(plan.N * H), scale, K=K, V=V, BK=BK, BT=BT,
@@ -1313,7 +1317,7 @@ def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_d
     dG = new_empty((NK, Ntok, H), _F32, q.device)
     if plan.NC:
         _dqkwg_kernel[(plan.NC * NK, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, plan.chunks, H, scale, Ntok * H,
-                                         K, V, BKS, BV, NV, BT, *_products(input_dtype or q.dtype, True),
+                                         K, V, BKS, BV, NV, BT, *_products(input_dtype or q.dtype, True, "dqkwg"),
                                          **_LAUNCH["dqkwg"])
     return _done(dq, dq_dtype), dk, dw, dG
 
@@ -1331,7 +1335,7 @@ def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
     dg = _out((Ntok, H), dg_dtype, k.device)
     if plan.NC:
         _wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, dk, dv, dbeta, dg, plan.chunks, H,
-                                     Ntok * H, K, V, BK, BV, NV, BT, *_products(input_dtype or k.dtype, True),
+                                     Ntok * H, K, V, BK, BV, NV, BT, *_products(input_dtype or k.dtype, True, "wy_bwd"),
                                      dGp.shape[0],
                                      **_LAUNCH["wy_bwd"])
     return _done(dk, dk_dtype), _done(dv, dv_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
@@ -1353,7 +1357,7 @@ def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, o
     backward's normalised q and k are fp32 when its products are (`_products`)."""
     dtype = q.dtype
     if use_qk_l2norm_in_kernel:
-        kept = _F32 if for_backward and _products(dtype, True)[2] != "ieee" else dtype
+        kept = _F32 if for_backward and _products(dtype, True, "keys")[2] != "ieee" else dtype
         k = l2norm_fwd(k, kept)
         if for_backward:
             q = l2norm_fwd(q, kept)
