@@ -77,7 +77,8 @@ def cases():
         k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], dt), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
         w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
         dGp_ptr=T([2, Ntok, H], f32), dk_ptr=tok(K), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], dt), dg_ptr=T([Ntok, H], f32),
-        chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=tk._key_split(K)[1], **bwd)
+        chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=tk._key_split(K)[1],
+        BKW=min(bwd["BK"], tk.WY_BWD_KEY_BLOCK), **bwd)
 
 
 for name, fn, launch, args in cases():

@@ -76,7 +76,8 @@ report("gdn wy_bwd 8w", tk._wy_bwd_kernel, dict(
     k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
     w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
     dGp_ptr=T([NK, Ntok, H], f32), dk_ptr=tok(K), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], bf), dg_ptr=T([Ntok, H], f32),
-    chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=NK, **common), L["wy_bwd"]["num_warps"], NC * H)
+    chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=NK, BKW=min(common["BK"], tk.WY_BWD_KEY_BLOCK),
+    **common), L["wy_bwd"]["num_warps"], NC * H)
 report("gdn solve_wu blocks recompute 8w", tk._solve_wu_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf),
     G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], idx), V=V, BV=BV,
     NV=NV, PER_CHANNEL=False, STORE_T=True, EXACT_WU=True, **common), 8, NC * H)

@@ -997,7 +997,8 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
 def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr,
                    dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H, dGp_stride,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                   BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr, NKP: tl.constexpr):
+                   BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr, NKP: tl.constexpr,
+                   BKW: tl.constexpr):
     """10: back through W, U, T and A. With dU = dVn and dW from 9:  dU' = T^T dU,  dW' = T^T dW,
         dA = strict_lower(-(dU' U^T + dW' W^T))      (T = (I + A)^-1)
         dV = diag(beta) dU'
@@ -1007,7 +1008,12 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     and dg = the reverse cumulative sum of dG inside the chunk (dG starts as the sum of 9's NKP
     partials, one per block of K). B^T comes from its own product
     dA^T = strict_upper(-(W dW'^T + U dU'^T)), with dW'^T = dW^T T and dU'^T = dU^T T formed from
-    loaded tiles: no tl.trans of a dot result feeds a dot (see 9)."""
+    loaded tiles: no tl.trans of a dot result feeds a dot (see 9). Grid (NC, H).
+
+    Explicit where Triton would choose: the key columns go in blocks of BKW (every K-side term is
+    a sum over key columns, dW' and dK are column-local), so at most a [64, BKW] tile of W, dW,
+    dW', K or dK is live at once: with fp32 operands (BACKWARD_PRODUCTS) a whole [64, 128] fp32
+    tile per operand is what made this kernel spill. BKW = BK is one block (the earlier form)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     bos = tl.load(chunks_ptr + 2 * c)
@@ -1016,20 +1022,24 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     tok = bos + r
     valid = tok < eos
     row = tok.to(tl.int64) * H + hh
-    kc = tl.arange(0, BK)
-    mk = valid[:, None] & (kc < K)[None, :]
+    NKW: tl.constexpr = BK // BKW
     Tm = tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
     Tt = tl.trans(Tm)
+    Tr = _op(Tm, DT, DA)
     beta = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
-    dw = tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
     # dbeta and dG read dA, dU' (rowsum(V * dU')), dW' and K K^T: those products go through
     # `_mm`; dA^T, dU'^T and dK's two products feed dK alone and stay plain products of
     # rounded operands
-    dA = -_mm(_mm(Tt, dw, PREC, DT, DA), tl.trans(w), PREC, DT, DA)
-    Tr = _op(Tm, DT, DA)
-    dAt = -tl.dot(_op(w, DT, DA), _op(tl.dot(tl.trans(_op(dw, DT, DA)), Tr, input_precision="ieee"), DT, DA),
-                  input_precision="ieee")
+    dA = tl.full([BT, BT], 0.0, tl.float32)
+    dAt = tl.full([BT, BT], 0.0, tl.float32)
+    for kb in tl.static_range(NKW):
+        kc = kb * BKW + tl.arange(0, BKW)
+        mk = valid[:, None] & (kc < K)[None, :]
+        w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+        dw = tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+        dA -= _mm(_mm(Tt, dw, PREC, DT, DA), tl.trans(w), PREC, DT, DA)
+        dAt -= tl.dot(_op(w, DT, DA), _op(tl.dot(tl.trans(_op(dw, DT, DA)), Tr, input_precision="ieee"), DT, DA),
+                      input_precision="ieee")
     vdu = tl.full([BT], 0.0, tl.float32)  # rowsum(V * dU'), accumulated as a vector (not a [BT, BV] tile)
     for j in tl.static_range(NV):
         vc = j * BV + tl.arange(0, BV)
@@ -1043,33 +1053,39 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
         u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
         dA -= _mm(dup, tl.trans(u), PREC, DT, DA)
         dAt -= tl.dot(_op(u, DT, DA), _op(dupT, DT, DA), input_precision="ieee")
-    k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
     G = tl.load(G_ptr + row, mask=valid, other=0.0)
     eg = tl.exp(G.to(tl.float32))
     m = valid[:, None] & valid[None, :] & (r[:, None] > r[None, :])
     gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
     dAg = tl.where(m, dA * gam, 0.0)
-    kk = _mm(k, tl.trans(k), PREC, DT, DA)
-    # dW' = T^T dW again, from a reload, rather than held through the V loop: a [64, K] fp32 tile
-    # live across it spilled (ptxas, sm_90a); the second dot is cheap next to the spills
-    dw = tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
-    dwp = _mm(Tt, dw, PREC, DT, DA)
-    kdw = tl.sum(k * dwp, 1)
-    dbeta = vdu + eg * kdw + tl.sum(dAg * kk, 1)
     B = dAg * beta[:, None]
     mT = valid[:, None] & valid[None, :] & (r[:, None] < r[None, :])
     gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
     Bt = tl.where(mT, dAt * gamT, 0.0) * beta[None, :]  # = B^T
-    dk = tl.load(dkp_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0) + dwp * (beta * eg)[:, None]
-    kd = _op(k, DT, DA)
-    dk += (tl.dot(_op(B, DT, DA), kd, input_precision="ieee")
-           + tl.dot(_op(Bt, DT, DA), kd, input_precision="ieee"))
+    Bop = _op(B, DT, DA)
+    Btop = _op(Bt, DT, DA)
+    kk = tl.full([BT, BT], 0.0, tl.float32)
+    kdw = tl.full([BT], 0.0, tl.float32)
+    for kb in tl.static_range(NKW):
+        kc = kb * BKW + tl.arange(0, BKW)
+        mk = valid[:, None] & (kc < K)[None, :]
+        k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+        kk += _mm(k, tl.trans(k), PREC, DT, DA)
+        # dW' = T^T dW again, from a reload, rather than held through the V loop: a [64, K] fp32
+        # tile live across it spilled (ptxas, sm_90a); the second dot is cheap next to the spills
+        dw = tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+        dwp = _mm(Tt, dw, PREC, DT, DA)
+        kdw += tl.sum(k * dwp, 1)
+        kd = _op(k, DT, DA)
+        dk = (tl.load(dkp_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0) + dwp * (beta * eg)[:, None]
+              + tl.dot(Bop, kd, input_precision="ieee") + tl.dot(Btop, kd, input_precision="ieee"))
+        tl.store(dk_ptr + row[:, None] * K + kc[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mk)
+    dbeta = vdu + eg * kdw + tl.sum(dAg * kk, 1)
     M = B * kk
     dG = beta * eg * kdw + tl.sum(M, 1) - tl.sum(M, 0)
     for kb in tl.static_range(NKP):
         dG += tl.load(dGp_ptr + kb * dGp_stride + row, mask=valid, other=0.0)
     dg = tl.cumsum(dG, 0, reverse=True)
-    tl.store(dk_ptr + row[:, None] * K + kc[None, :], dk.to(dk_ptr.dtype.element_ty), mask=mk)
     tl.store(dbeta_ptr + row, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
     tl.store(dg_ptr + row, dg.to(dg_ptr.dtype.element_ty), mask=valid)
 
@@ -1083,6 +1099,10 @@ _F32 = torch.float32
 # Launch settings of the chunk-parallel backward kernels (dstates is autotuned, see `_tuned`).
 # dqkwg and wy_bwd: 8 warps spill least on sm_90a (280 and 472 B at K = V = 128; 4 warps: 1400
 # and 1736 B).
+# wy_bwd's block of key columns (`_wy_bwd_kernel`'s BKW): 64, or BK for the whole [64, K] tiles
+# at once as before the sixth session (sm_90a spills per thread at K = V = 128, 8 warps, tf32
+# products: see docs/perf/gdn.md log row 17).
+WY_BWD_KEY_BLOCK = 64
 _LAUNCH = {
     "dv_local": dict(num_warps=4),
     "dqkwg": dict(num_warps=8),
@@ -1336,8 +1356,7 @@ def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
     if plan.NC:
         _wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, dk, dv, dbeta, dg, plan.chunks, H,
                                      Ntok * H, K, V, BK, BV, NV, BT, *_products(input_dtype or k.dtype, True, "wy_bwd"),
-                                     dGp.shape[0],
-                                     **_LAUNCH["wy_bwd"])
+                                     dGp.shape[0], min(BK, WY_BWD_KEY_BLOCK), **_LAUNCH["wy_bwd"])
     return _done(dk, dk_dtype), _done(dv, dv_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
 
