@@ -239,15 +239,19 @@ if "backward" in SECTIONS:
     bf_ = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
     do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
     grads = {}
-    for products in ("bf16", "bf16x3", "tf32"):
-        tk.BACKWARD_PRODUCTS = products
+    block = tk.WY_BWD_KEY_BLOCK
+    # (products, wy_bwd's block of key columns): the last row is wy_bwd's whole-tile form (log row 17)
+    for products, wy_block in (("bf16", block), ("bf16x3", block), ("tf32", block), ("tf32", 128)):
+        tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK = products, wy_block
+        name = f"{products}, wy_bwd BKW={min(wy_block, K)}"
 
         def bwd():
             return tk.gdn_backward_triton(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
 
-        grads[products] = bwd()
+        grads[name] = bwd()
         ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median") if dev == "cuda" else float("nan")
-        diff = "" if products == "bf16" else ", vs bf16: " + " ".join(
-            f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[products], grads["bf16"]))
-        print(f"backward S1 products={products:6}: {ms:.3f} ms{diff}", flush=True)
-    tk.BACKWARD_PRODUCTS = DEFAULTS[4]
+        first = next(iter(grads))
+        diff = "" if name == first else f", vs {first}: " + " ".join(
+            f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[name], grads[first]))
+        print(f"backward S1 products={name:22}: {ms:.3f} ms{diff}", flush=True)
+    tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK = DEFAULTS[4], block
