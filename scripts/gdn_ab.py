@@ -33,7 +33,9 @@ BK, BV, NV = tk._blocks(K, V)
 DT, DA = tk._dot_types(torch.bfloat16)
 plan = tk.make_plan(B, T, None, dev)
 # GDN_AB_SECTIONS picks what to time (comma-separated; default all): solve, output, states, forward, backward
-SECTIONS = os.environ.get("GDN_AB_SECTIONS", "solve,output,states,forward,backward").split(",")
+SECTIONS = [x.strip() for x in os.environ.get("GDN_AB_SECTIONS", "solve,output,states,forward,backward").split(",")]
+if set(SECTIONS) - {"solve", "output", "states", "forward", "backward"}:
+    raise SystemExit(f"GDN_AB_SECTIONS: unknown {sorted(set(SECTIONS) - {'solve', 'output', 'states', 'forward', 'backward'})}")
 DEFAULTS = (tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM, tk.BACKWARD_PRODUCTS)
 Ntok = B * T
 
@@ -84,8 +86,9 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-# the block form as the bench ran it (8 warps: its 4-warp candidate spills), the tile form at
-# tf32x3 (what 16-bit inputs run) on 8 and 4 warps, and at one-pass tf32 for its precision
+# the block form (8 warps: its 4-warp candidate spills), the tile form at tf32x3 (raw keys and the
+# backward's recompute) on 8 and 4 warps, and at one-pass tf32 (the forward's default with
+# normalised keys since df3acc3) and bf16 (its candidate, log row 16)
 if "solve" in SECTIONS:
     variants = [("blocks", "ieee", 8), ("tile", "tf32x3", 8), ("tile", "tf32x3", 4), ("tile", "tf32", 8),
                 ("tile", "tf32", 4), ("tile", "bf16", 8), ("tile", "bf16", 4)]  # tf32, bf16: NORMALISED_KEYS_PREC
@@ -196,9 +199,9 @@ if "states" in SECTIONS:
             print(f"states+output {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
-# the whole forward (fused stages 5+6, as tileport's default runs it) with the switches still off:
-# one-pass tf32 in stage 3 for normalised keys, and keys normalised on load instead of stage 1;
-# at S1 and at B=1 T=32768 (16 sequential programs per V block in the fused states kernel)
+# the whole forward in each form of stages 5+6 (STATES_FORM "auto" picks fused at S1, split at
+# B=1 T=32768) and each precision of stage 3 for normalised keys (NORMALISED_KEYS_PREC: tf32x3,
+# tf32 the default, bf16 the candidate), at S1 and at B=1 T=32768
 if "forward" in SECTIONS:
     print("\n== whole forward (SOLVE_FORM tile): STATES_FORM, NORMALISED_KEYS_PREC, L2NORM_K_FORM")
     tk.SOLVE_FORM = "tile"
@@ -240,10 +243,12 @@ if "backward" in SECTIONS:
     do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
     grads = {}
     block = tk.WY_BWD_KEY_BLOCK
-    # (products, wy_bwd's block of key columns): the last row is wy_bwd's whole-tile form (log row 17)
+    # (products, wy_bwd's block of key columns): the last row is wy_bwd in one block of all K columns,
+    # the products of the kernel before log row 17 though not its code (the real "before" is
+    # df3acc3's 11.77 ms in this table)
     for products, wy_block in (("bf16", block), ("bf16x3", block), ("tf32", block), ("tf32", 128)):
         tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK = products, wy_block
-        name = f"{products}, wy_bwd BKW={min(wy_block, K)}"
+        name = f"{products}, wy_bwd BKW={min(wy_block, BK)}"
 
         def bwd():
             return tk.gdn_backward_triton(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)

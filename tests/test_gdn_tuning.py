@@ -43,8 +43,9 @@ def test_each_autotune_candidate(kernel, index, case_id, device, seed, monkeypat
 # The whole frozen gate (tests/test_gdn_parity.py) runs the default forms of stages 3 and 5+6;
 # these run it again in the other form of each, so both stay correct and either can be chosen.
 OTHER_SOLVE_FORM = {"tile": "blocks", "blocks": "tile"}[tk.SOLVE_FORM]
-# (STATES_FORM "auto" picks by the number of (sequence, head) pairs: the gate's small cases run
-# split and its full-size GPU cases fused, so "the other form" here is the one the small cases skip)
+# (STATES_FORM "auto" picks by the number of (sequence, head) pairs: the CPU cases and most GPU ones
+# run split, of the full-size cases S1 (128 pairs) and varlen T=8192 (96) fused and B=1 T=32768 (16)
+# split; so "the other form" here is the one the small cases skip)
 OTHER_STATES_FORM = "split" if tk.states_form(1) == "fused" else "fused"
 # 16-bit cases only: fp32 takes the block form of stage 3 whatever the switch says (ragged T,
 # varlen with empty and length-1 sequences, gates near 0 and very negative, binary beta, K = 128)

@@ -281,6 +281,14 @@ def test_report_says_what_changed_since_the_gated_commit(repo, capsys, monkeypat
     assert "1 of them this op's code or contract: src/tileport/ops/fake/kernels.py" in capsys.readouterr().out
 
 
+def test_an_ops_code_includes_the_op_folders_it_imports(repo):
+    other = repo / "src" / "tileport" / "ops" / "other"
+    other.mkdir()
+    (other / "kernels.py").write_text("# shared kernels\n")
+    (repo / "src" / "tileport" / "ops" / "fake" / "kernels.py").write_text("from ..other import kernels\n")
+    assert loop.Op(repo, "fake").code_dirs() == ["src/tileport/ops/fake/", "src/tileport/ops/other/"]
+
+
 def test_pytest_summary_and_id_axes():
     out = "FAILED tests/t.py::test_a[x] - AssertionError\n1 failed, 75 passed, 27 skipped, 153 warnings in 5.78s\n"
     assert loop.pytest_summary(out) == "1 failed, 75 passed, 27 skipped"

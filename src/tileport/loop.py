@@ -90,6 +90,16 @@ class Op:
     def contract_files(self) -> list[str]:
         return [self.rel(self.reference), *self.test_files()]
 
+    def code_dirs(self) -> list[str]:
+        """The op's folder and every other op folder its modules import (KDA runs GDN's kernels):
+        a change in any of them changes the op."""
+        ops = self.root / "src" / "tileport" / "ops"
+        names = {self.name}
+        for f in self.op_dir.glob("*.py"):
+            text = f.read_text(errors="replace")
+            names |= set(re.findall(r"(?:from|import)\s+(?:tileport\.ops\.|\.\.)(\w+)", text))
+        return sorted(self.rel(ops / n) + "/" for n in names if (ops / n).is_dir())
+
     def gate_command(self) -> list[str]:
         return [sys.executable, "-m", "pytest", *PYTEST_ARGS, *self.test_files()]
 
@@ -513,13 +523,16 @@ def _changed_since(op: Op, gated: str, contract: dict | None) -> str | None:
     """What changed under src/ and tests/ between the last gated commit and HEAD, and whether any
     of it is this op's code or contract: a reviewer's first question about an ungated HEAD."""
     ref = gated.split()[0].split("+")[0]
+    if _device_commit(op.root):
+        return None  # this copy's git is stale: its HEAD is not the tree's
     names = _git(op.root, "diff", "--name-only", ref, "HEAD", "--", "src", "tests")
     if names is None:
         return None
     files = [f for f in names.splitlines() if f]
     if not files:
         return f"since {ref}: nothing changed under src/ or tests/"
-    mine = [f for f in files if f"/ops/{op.name}/" in f or f in (contract or {}).get("files", {})]
+    dirs = op.code_dirs()
+    mine = [f for f in files if any(f.startswith(d) for d in dirs) or f in (contract or {}).get("files", {})]
     more = f" and {len(files) - 8} more" if len(files) > 8 else ""
     verdict = (f"{len(mine)} of them this op's code or contract: " + ", ".join(mine[:8])) if mine else \
         "none of them this op's code or contract"

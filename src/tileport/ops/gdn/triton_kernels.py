@@ -45,10 +45,11 @@ bf16 and fp16 inputs (tensor cores; bf16 rather than fp16 because gate products 
 underflow fp16's range with very negative gates), and stay fp32 with input_precision="ieee" for
 fp32 inputs (no tf32). The backward of 16-bit inputs keeps the l2-normalised q and k in fp32 and
 forms the products that dg and dbeta read (the recompute's recurrence in stage 5, stages 7, 8 and
-9 whole, most of 10) from fp32 operands as one tf32 product (`_mm`, "tf32", error ~2^-11 per
-operand instead of bf16's 2^-9; "bf16x3", three bf16 products, ~2^-16, is the option): dg and dbeta are small differences of large sums (at a chunk's end dg
-holds exp(G_L) sum(h * dh) over K*V entries), and bf16 operands there put them past their 3e-2
-bound on ~1 in 130 draws of the gate's K = 128 case (`BACKWARD_PRODUCTS`; docs/perf/gdn.md).
+9 whole, most of 10) from fp32 operands as one tf32 product (`_mm`, "tf32", error <= 2^-10 per
+operand instead of bf16's 2^-9; "bf16x3", three bf16 products, ~2^-16, is the option): dg and
+dbeta are small differences of large sums (at a chunk's end dg holds exp(G_L) sum(h * dh) over
+K*V entries), and bf16 operands there put them past their 3e-2 bound on ~1 in 130 draws of the
+gate's K = 128 case (`BACKWARD_PRODUCTS`; docs/perf/gdn.md).
 The 16x16 triangular inverses and their block merge are always fp32 "ieee". The gate
 cumsum G is kept in fp64 and every exponent is formed as an fp64 difference (G_t - G_s, G_L - G)
 before it is rounded to fp32: after a few steps of -20, G is in the hundreds, where an fp32 G
@@ -180,8 +181,11 @@ def _dot_types(dtype: torch.dtype) -> tuple:
 BACKWARD_PRODUCTS = "tf32"
 # Per-stage exceptions to BACKWARD_PRODUCTS ("bf16", "tf32" or "bf16x3" by stage name: "keys" (the
 # normalised q, k the backward keeps), "states" (the recompute's recurrence), "dv_local",
-# "dstates", "dqkwg", "wy_bwd"), for measuring which stages need the fp32 operands.
+# "dstates", "dqkwg", "wy_bwd"), for measuring which stages need the fp32 operands. KDA's backward
+# shares "states" (its recompute runs GDN's chunk_states) and otherwise reads BACKWARD_PRODUCTS.
 BACKWARD_PRODUCTS_BY_STAGE: dict = {}
+BACKWARD_STAGES = ("keys", "states", "dv_local", "dstates", "dqkwg", "wy_bwd")
+_BACKWARD_FORMS = ("bf16", "tf32", "bf16x3")
 
 
 def _products(dtype: torch.dtype, for_backward: bool = False, stage: str | None = None) -> tuple:
@@ -191,6 +195,9 @@ def _products(dtype: torch.dtype, for_backward: bool = False, stage: str | None 
     or "bf16x3") in the backward of 16-bit inputs ("...-emulated" under the interpreter, whose
     tl.dot ignores input_precision and would multiply fp32 operands exactly)."""
     prec = BACKWARD_PRODUCTS_BY_STAGE.get(stage, BACKWARD_PRODUCTS)
+    if prec not in _BACKWARD_FORMS or not set(BACKWARD_PRODUCTS_BY_STAGE) <= set(BACKWARD_STAGES):
+        raise ValueError(f"BACKWARD_PRODUCTS {BACKWARD_PRODUCTS!r} / BACKWARD_PRODUCTS_BY_STAGE "
+                         f"{BACKWARD_PRODUCTS_BY_STAGE!r}: forms are {_BACKWARD_FORMS}, stages {BACKWARD_STAGES}")
     if for_backward and dtype != torch.float32 and prec in ("bf16x3", "tf32"):
         return (*_dot_types(dtype), prec + "-emulated" if interpreter_enabled() else prec)
     return (*_dot_types(dtype), "ieee")
@@ -276,6 +283,14 @@ def _op(x, DT: tl.constexpr, DA: tl.constexpr):
 
 
 @triton.jit
+def _tf32_truncated(x):
+    """fp32 x cut to tf32 (sign, exponent, the top 10 mantissa bits; -8192 = 0xFFFFE000): what the
+    tensor cores read of an fp32 operand when nothing rounds it first, the coarser of the two
+    roundings a tf32 product may see. The interpreter's stand-in for input_precision="tf32"."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mm(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
     """a @ b for fp32 a and b, fp32 accumulate, at precision PREC: "ieee" (the operands rounded
     to DT by `_op`, then multiplied exactly: what every other tl.dot here does), "bf16x3" (a and b
@@ -283,8 +298,8 @@ def _mm(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
     lo.hi + hi.lo + hi.hi on bf16 tensor cores: triton's own decomposition; relative error ~2^-16
     per product against bf16 operands' 2^-9, for 3x the tensor-core work and the registers of
     fp32 operands), "tf32" (one tensor-core product of the fp32 operands' top 10 mantissa bits:
-    error ~2^-10 per operand, a third of bf16x3's tensor-core work), or "bf16x3-emulated" /
-    "tf32-emulated": the same products formed explicitly under the interpreter, whose tl.dot
+    error <= 2^-10 per operand truncated, 2^-11 rounded; a third of bf16x3's tensor-core work),
+    or "bf16x3-emulated" / "tf32-emulated": the same products formed explicitly under the interpreter, whose tl.dot
     ignores input_precision (bf16x3's splits rounded to nearest as `_op` does; tf32 truncated).
     The backward calls it for the products that dg and dbeta depend on (`_products`)."""
     if PREC == "bf16x3-emulated":
@@ -301,11 +316,7 @@ def _mm(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
         r = tl.dot(al, bh, input_precision="ieee") + tl.dot(ah, bl, input_precision="ieee")
         r = tl.dot(ah, bh, r, input_precision="ieee")
     elif PREC == "tf32-emulated":
-        # the tensor cores read an fp32 operand's top 19 bits (sign, exponent, 10 mantissa bits):
-        # truncation, the coarser of the two roundings a tf32 product may see
-        at = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-        bt = (b.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-        r = tl.dot(at, bt, input_precision="ieee")
+        r = tl.dot(_tf32_truncated(a), _tf32_truncated(b), input_precision="ieee")
     elif PREC == "bf16x3" or PREC == "tf32":
         r = tl.dot(a, b, input_precision=PREC)
     else:
@@ -583,9 +594,12 @@ SOLVE_WU_TILE_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_
 def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
     """a @ b for the tile solve's fp32 [64, 64] tiles at PREC: "bf16" (both rounded to bf16 by
     `_op`, then one bf16 tensor-core pass; under the interpreter the rounding is explicit, so the CPU
-    gate sees what the GPU computes), else tl.dot's own input_precision ("tf32", "tf32x3", "ieee")."""
+    gate sees what the GPU computes), "tf32-emulated" (the interpreter's one-pass tf32, truncated
+    as `_mm` does), else tl.dot's own input_precision ("tf32", "tf32x3", "ieee")."""
     if PREC == "bf16":
         r = tl.dot(_op(a, DT, DA), _op(b, DT, DA), input_precision="ieee")
+    elif PREC == "tf32-emulated":
+        r = tl.dot(_tf32_truncated(a), _tf32_truncated(b), input_precision="ieee")
     else:
         r = tl.dot(a, b, input_precision=PREC)
     return r
@@ -1013,7 +1027,9 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     Explicit where Triton would choose: the key columns go in blocks of BKW (every K-side term is
     a sum over key columns, dW' and dK are column-local), so at most a [64, BKW] tile of W, dW,
     dW', K or dK is live at once: with fp32 operands (BACKWARD_PRODUCTS) a whole [64, 128] fp32
-    tile per operand is what made this kernel spill. BKW = BK is one block (the earlier form)."""
+    tile per operand is what made this kernel spill. BKW = BK is one block: the products of the
+    kernel before the sixth session, though not its code (ptxas: 1876 B of spills per thread at
+    tf32 against that kernel's 1624 B)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     bos = tl.load(chunks_ptr + 2 * c)
@@ -1099,9 +1115,9 @@ _F32 = torch.float32
 # Launch settings of the chunk-parallel backward kernels (dstates is autotuned, see `_tuned`).
 # dqkwg and wy_bwd: 8 warps spill least on sm_90a (280 and 472 B at K = V = 128; 4 warps: 1400
 # and 1736 B).
-# wy_bwd's block of key columns (`_wy_bwd_kernel`'s BKW): 64, or BK for the whole [64, K] tiles
-# at once as before the sixth session (sm_90a spills per thread at K = V = 128, 8 warps, tf32
-# products: see docs/perf/gdn.md log row 17).
+# wy_bwd's block of key columns (`_wy_bwd_kernel`'s BKW; a power of two, >= 16): 64, or >= BK for
+# the whole [64, K] tiles in one block (sm_90a spills per thread at K = V = 128, 8 warps, tf32
+# products: docs/perf/gdn.md log row 17).
 WY_BWD_KEY_BLOCK = 64
 _LAUNCH = {
     "dv_local": dict(num_warps=4),
@@ -1197,6 +1213,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         prec = "ieee" if dtype == torch.float32 else "tf32x3"
         if prec == "tf32x3" and (keys_normalised or l2norm_k) and compact and not store_T:
             prec = NORMALISED_KEYS_PREC
+            if prec == "tf32" and interpreter_enabled():
+                prec = "tf32-emulated"  # the interpreter's tl.dot ignores input_precision
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
                                             NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k)
     else:
@@ -1216,7 +1234,7 @@ SOLVE_FORM = "tile"
 
 # The tile form's [64, 64] fp32 products in the forward when the keys are l2-normalised (so
 # |A_ij| = beta_i |k_i . k_j| exp(G_i - G_j) <= 1) and W, U are stored in bf16: "tf32x3" (three
-# tf32 passes, the default) or "tf32" (one). scripts/gdn_ab.py at 31eb250 (S1, normalised keys):
+# tf32 passes), "tf32" (one; the default) or "bf16" (one, operands rounded to bf16). scripts/gdn_ab.py at 31eb250 (S1, normalised keys):
 # W from one-pass tf32 within 4e-8 (normwise) of the exact block form after the bf16 rounding,
 # the same as tf32x3's (raw N(0, 1) keys: 6e-3, which is why raw keys never take it). "tf32"
 # since the H200 A/B at 667cd8c: stage 3 0.451 ms against 0.594 (4 warps), the whole forward at
@@ -1342,6 +1360,13 @@ def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_d
     return _done(dq, dq_dtype), dk, dw, dG
 
 
+def _wy_key_block(BK: int) -> int:
+    block = WY_BWD_KEY_BLOCK
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"WY_BWD_KEY_BLOCK must be a power of two >= 16, got {block}")
+    return min(BK, block)
+
+
 def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
                  dk_dtype: torch.dtype, dv_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dtype: torch.dtype,
                  input_dtype: torch.dtype | None = None):
@@ -1356,7 +1381,7 @@ def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
     if plan.NC:
         _wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, dk, dv, dbeta, dg, plan.chunks, H,
                                      Ntok * H, K, V, BK, BV, NV, BT, *_products(input_dtype or k.dtype, True, "wy_bwd"),
-                                     dGp.shape[0], min(BK, WY_BWD_KEY_BLOCK), **_LAUNCH["wy_bwd"])
+                                     dGp.shape[0], _wy_key_block(BK), **_LAUNCH["wy_bwd"])
     return _done(dk, dk_dtype), _done(dv, dv_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
 
@@ -1419,8 +1444,8 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
 # forward: S1 (128 pairs) fused 1.181 ms against split 1.230; B=1 T=32768 (16 pairs) fused 3.078
 # against split 1.890: with few pairs the fused kernel's longer per-chunk chain runs on few SMs
 # (16 x 4 V blocks = 64 programs) while the split output kernel spreads over every chunk. The
-# threshold lies between 16 and 128 pairs (not measured in between); 64 is half the SMs' worth of
-# programs at BV = 32. The backward keeps the split states kernel (it needs h).
+# threshold lies between 16 and 128 pairs (not measured in between); 64 pairs, about half the
+# H200's 132 SMs, is a guess in that range. The backward keeps the split states kernel (it needs h).
 STATES_FORM = "auto"
 FUSED_STATES_MIN_PAIRS = 64
 
