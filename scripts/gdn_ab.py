@@ -36,7 +36,7 @@ plan = tk.make_plan(B, T, None, dev)
 SECTIONS = [x.strip() for x in os.environ.get("GDN_AB_SECTIONS", "solve,output,states,forward,backward").split(",")]
 if set(SECTIONS) - {"solve", "output", "states", "forward", "backward"}:
     raise SystemExit(f"GDN_AB_SECTIONS: unknown {sorted(set(SECTIONS) - {'solve', 'output', 'states', 'forward', 'backward'})}")
-DEFAULTS = (tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM, tk.BACKWARD_PRODUCTS)
+DEFAULTS = (tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM, tk.BACKWARD_PRODUCTS, tk.WU_FORM)
 Ntok = B * T
 
 
@@ -226,6 +226,15 @@ if "forward" in SECTIONS:
             ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
             print(f"forward B={b_} T={t_} states {states} prec={prec:6} l2norm k {l2form:9}: {ms:.3f} ms, "
                   f"vs the first {rel(o, base):.2e}", flush=True)
+        # stage 3 in two kernels (WU_FORM "split", log row 18) with the default 5+6 form and precision
+        tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[1:4]
+        for wu_form in ("fused", "split"):
+            tk.WU_FORM = wu_form
+            o = fwd()
+            ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+            print(f"forward B={b_} T={t_} defaults, WU_FORM {wu_form}: {ms:.3f} ms, vs the first {rel(o, base):.2e}",
+                  flush=True)
+        tk.WU_FORM = DEFAULTS[5]
     tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[:4]
 
 

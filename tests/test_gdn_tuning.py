@@ -138,3 +138,41 @@ def test_keys_normalised_in_kernel(case_id, device, seed, monkeypatch):
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
     monkeypatch.setattr(tk, "L2NORM_K_FORM", "in-kernel")
     _run_and_check("triton", case_id, device, seed)
+
+
+# The gate's 16-bit cases with the forward's stage 3 in the other WU_FORM ("fused": T, W and U
+# in one kernel; "split": T, then W and U in column blocks from T stored in bf16).
+OTHER_WU_FORM = {"fused": "split", "split": "fused"}[tk.WU_FORM]
+
+
+@pytest.mark.parametrize("case_id", SIXTEEN_BIT_CASES)
+def test_other_wu_form(case_id, device, seed, monkeypatch):
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
+    monkeypatch.setattr(tk, "WU_FORM", OTHER_WU_FORM)
+    _run_and_check("triton", case_id, device, seed)
+
+
+def test_wu_forms_compute_the_same_values(device, monkeypatch):
+    # the same roundings in both forms: bitwise equal under the interpreter (varlen with an empty
+    # and a length-1 sequence, V = 80 which no column block divides, l2-normalised keys)
+    import torch
+
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
+    g = torch.Generator().manual_seed(11)
+    T, H, K, V = 200, 2, 128, 80
+    q, k = (torch.randn(1, T, H, K, generator=g).bfloat16().to(device) for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=g).bfloat16().to(device)
+    gate = torch.nn.functional.logsigmoid(torch.randn(1, T, H, generator=g)).to(device)
+    beta = torch.sigmoid(torch.randn(1, T, H, generator=g)).bfloat16().to(device)
+    cu = torch.tensor([0, 1, 64, 64, 130, 200], device=device)
+    outs = {}
+    for form in ("fused", "split"):
+        monkeypatch.setattr(tk, "WU_FORM", form)
+        outs[form] = tk.gdn_forward_triton(q, k, v, gate, beta, K ** -0.5, None, True, True, cu)
+    if device == "cpu":
+        assert torch.equal(outs["fused"][0], outs["split"][0]) and torch.equal(outs["fused"][1], outs["split"][1])
+    else:  # the tensor cores may order a product's partial sums differently in the two kernels
+        for a, b in zip(outs["fused"], outs["split"]):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3

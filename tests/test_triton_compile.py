@@ -51,6 +51,21 @@ FORMS = [
 ]
 
 
+def test_gdn_split_solve_compiles_for_sm90a():
+    """WU_FORM "split": the tile kernel storing T alone in bf16 and the column-block W/U kernel."""
+    t_only = dict(_args(False), PREC="tf32", STORE_T=True, WITH_WU=False, Ai_ptr=T([Ntok, H, 64], bf))
+    wu = dict(t_ptr=T([Ntok, H, 64], bf), x_ptr=T([Ntok, H, K], bf), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64),
+              out_ptr=T([Ntok, H, K], bf), chunks_ptr=T([2 * NC], idx), H=H, D=K, BC=64, NCB=K // 64, BT=64,
+              DT=tl.bfloat16, DA=tl.bfloat16, GATED=True)
+    for name, fn, args, warps in (("T only", tk._solve_wu_tile_kernel.fn, t_only, 8),
+                                  ("W/U from T", tk._wu_from_t_kernel, wu, tk.WU_FROM_T_LAUNCH["num_warps"])):
+        report = compile_case(CompileCase(f"gdn solve split: {name}", fn, args, num_warps=warps, options={"num_stages": 1}))
+        print(f"\n{report.summary()}")
+        assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+        assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
+        assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"
+
+
 # tf32 and bf16 are the forward's precisions only (the recompute keeps tf32x3): no recompute case
 SOLVE_CASES = [(f, backward) for f in FORMS for backward in (False, True)
                if not (backward and f[0] in ("tile-tf32", "tile-bf16"))]

@@ -606,12 +606,13 @@ def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K"])
+@triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K", "WITH_WU"])
 @triton.jit
 def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                           BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr,
-                          STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, eps=1e-6, L2NORM_K: tl.constexpr = False):
+                          STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, eps=1e-6, L2NORM_K: tl.constexpr = False,
+                          WITH_WU: tl.constexpr = True):
     """3, the same T, W and U as `_solve_wu_kernel` (scalar gates only), in whole [64, 64] tiles
     rather than a chain of 16x16 blocks; grid (NC, H).
 
@@ -632,7 +633,8 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     error near fp32's) for 16-bit inputs, one-pass "tf32" or "bf16" for the forward's normalised
     keys (NORMALISED_KEYS_PREC), "ieee" for fp32 inputs. EXACT_WU and STORE_T as in
     `_solve_wu_kernel`. L2NORM_K: k is raw and each load normalises it (`_load_keys`), so stage 1
-    need not write the normalised keys (the forward's FUSED_L2NORM_K)."""
+    need not write the normalised keys (the forward's FUSED_L2NORM_K). WITH_WU = False (WU_FORM
+    "split"): T alone, stored (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U."""
     c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, tl.program_id(0))
     NB: tl.constexpr = BT // 16
     tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
@@ -654,21 +656,53 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     Tm = D  # Horner: T = (I - M + M^2 - M^3) D = D - M (D - M (D - M D)), three tiles live
     for _ in tl.static_range(NB - 1):
         Tm = D - _tile_dot(M, Tm, PREC, DT, DA)
-    WT: tl.constexpr = tl.float32 if EXACT_WU else DT  # W/U operand rounding (see _solve_wu_kernel)
-    WA: tl.constexpr = tl.float32 if EXACT_WU else DA
-    Top = _op(Tm, WT, WA)
-    # k loaded again (an L1/L2 hit) rather than held through the solve: registers
-    kt = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
-    w = _tile_dot(Top, _op(kt * (b * tl.exp(g.to(tl.float32)))[:, None], WT, WA), PREC, WT, WA)
-    tl.store(w_ptr + row[:, None] * K + kc[None, :], _rounded_for(w, w_ptr, DA), mask=mk)
-    for jv in tl.static_range(NV):
-        vc = jv * BV + tl.arange(0, BV)
-        mv = valid[:, None] & (vc < V)[None, :]
-        vt = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
-        u = _tile_dot(Top, _op(vt * b[:, None], WT, WA), PREC, WT, WA)
-        tl.store(u_ptr + row[:, None] * V + vc[None, :], _rounded_for(u, u_ptr, DA), mask=mv)
+    if WITH_WU:
+        WT: tl.constexpr = tl.float32 if EXACT_WU else DT  # W/U operand rounding (see _solve_wu_kernel)
+        WA: tl.constexpr = tl.float32 if EXACT_WU else DA
+        Top = _op(Tm, WT, WA)
+        # k loaded again (an L1/L2 hit) rather than held through the solve: registers
+        kt = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
+        w = _tile_dot(Top, _op(kt * (b * tl.exp(g.to(tl.float32)))[:, None], WT, WA), PREC, WT, WA)
+        tl.store(w_ptr + row[:, None] * K + kc[None, :], _rounded_for(w, w_ptr, DA), mask=mk)
+        for jv in tl.static_range(NV):
+            vc = jv * BV + tl.arange(0, BV)
+            mv = valid[:, None] & (vc < V)[None, :]
+            vt = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+            u = _tile_dot(Top, _op(vt * b[:, None], WT, WA), PREC, WT, WA)
+            tl.store(u_ptr + row[:, None] * V + vc[None, :], _rounded_for(u, u_ptr, DA), mask=mv)
     if STORE_T:
-        tl.store(Ai_ptr + row[:, None] * BT + r[None, :], Tm, mask=valid[:, None])
+        tl.store(Ai_ptr + row[:, None] * BT + r[None, :], _rounded_for(Tm, Ai_ptr, DA), mask=valid[:, None])
+
+
+# lint: allow-function TP001,TP007 -- [64, 64] chunk tiles of [T, H, D] tensors, as in the solve kernels: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _wu_from_t_kernel(t_ptr, x_ptr, beta_ptr, G_ptr, out_ptr, chunks_ptr, H, D: tl.constexpr, BC: tl.constexpr,
+                      NCB: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, GATED: tl.constexpr):
+    """3b (WU_FORM "split"): one [64, BC] column block of W = T diag(beta exp(G)) K (GATED) or of
+    U = T diag(beta) V for a chunk, from the T that `_solve_wu_tile_kernel` stored in bf16 (WITH_WU
+    = False); grid (NC * NCB, H), NCB blocks of BC columns of D. The same rounding as the fused form
+    (T and the scaled tile rounded to bf16, fp32 accumulation, the result rounded as stored), so
+    W and U are the fused form's. Explicit where Triton would choose: the column blocks, which
+    give every chunk NCB independent programs instead of one serial chain."""
+    item = tl.program_id(0)
+    c = item // NCB
+    j = item % NCB
+    hh = tl.program_id(1)
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, BT)
+    tok = bos + r
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    cols = j * BC + tl.arange(0, BC)
+    m = valid[:, None] & (cols < D)[None, :]
+    t = tl.load(t_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    f = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
+    if GATED:
+        f = f * tl.exp(tl.load(G_ptr + row, mask=valid, other=0.0).to(tl.float32))
+    x = tl.load(x_ptr + row[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    y = tl.dot(_op(t, DT, DA), _op(x * f[:, None], DT, DA), input_precision="ieee")
+    tl.store(out_ptr + row[:, None] * D + cols[None, :], _rounded_for(y, out_ptr, DA), mask=m)
 
 
 @triton.jit
@@ -1215,6 +1249,17 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
             prec = NORMALISED_KEYS_PREC
             if prec == "tf32" and interpreter_enabled():
                 prec = "tf32-emulated"  # the interpreter's tl.dot ignores input_precision
+        if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k):
+            # 3a: T alone, in bf16 as W and U's products read it; 3b: W and U in column blocks
+            Tb = new_empty((Ntok, H, BT), inter, k.device)
+            _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Tb, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA,
+                                                prec, True, False, L2NORM_EPS, False, False)
+            for x, out, gated in ((k, w, True), (v, u, False)):
+                D = x.shape[-1]
+                BC = min(64, max(16, next_pow2(D)))
+                _wu_from_t_kernel[(plan.NC * cdiv(D, BC), H)](Tb, x, beta, G, out, plan.chunks, H, D, BC, cdiv(D, BC),
+                                                              BT, DT, DA, gated, **WU_FROM_T_LAUNCH)
+            return Ai, w, u
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
                                             NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k)
     else:
@@ -1230,6 +1275,14 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
 # recompute 1.451 against 2.239, W and U within 1e-7 of the block form; the 16-bit frozen gate
 # passed in this form there (tests/test_gdn_tuning.py::test_tile_solve_form).
 SOLVE_FORM = "tile"
+
+# The forward's tile form in one kernel ("fused": T, W and U per chunk in one serial chain) or two
+# ("split": `_solve_wu_tile_kernel` with WITH_WU = False stores T in bf16, 8 KB per chunk-head,
+# then `_wu_from_t_kernel` forms W and U in [64, 64] column blocks, NC * (K + V) / 64 independent
+# programs). Same values (the same roundings). Off until timed on the H200 (log row 18): the fused
+# kernel is latency-bound at 2 CTAs per SM (0.451 ms at S1 against a 0.13 ms byte floor).
+WU_FORM = "fused"
+WU_FROM_T_LAUNCH = dict(num_warps=4, num_stages=1)
 
 
 # The tile form's [64, 64] fp32 products in the forward when the keys are l2-normalised (so
