@@ -684,18 +684,9 @@ def _wu_from_t_kernel(t_ptr, x_ptr, beta_ptr, G_ptr, out_ptr, chunks_ptr, H, D: 
     (T and the scaled tile rounded to bf16, fp32 accumulation, the result rounded as stored), so
     W and U are the fused form's. Explicit where Triton would choose: the column blocks, which
     give every chunk NCB independent programs instead of one serial chain."""
-    item = tl.program_id(0)
-    c = item // NCB
-    j = item % NCB
-    hh = tl.program_id(1)
-    bos = tl.load(chunks_ptr + 2 * c)
-    eos = tl.load(chunks_ptr + 2 * c + 1)
-    r = tl.arange(0, BT)
-    tok = bos + r
-    valid = tok < eos
-    row = tok.to(tl.int64) * H + hh
-    cols = j * BC + tl.arange(0, BC)
-    m = valid[:, None] & (cols < D)[None, :]
+    # the chunk program with D as its "V" and the column blocks as its V blocks: cols, m
+    c, hh, bos, eos, r, tok, valid, row, _, cols, _, m = _chunk_program(chunks_ptr, H, D, D, BC, BC, NCB, BT,
+                                                                        tl.program_id(0))
     t = tl.load(t_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     f = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
     if GATED:
