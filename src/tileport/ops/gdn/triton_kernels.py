@@ -955,15 +955,9 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     term of dG is a sum over key columns, the D' terms taken by block 0 alone), and 10 adds the
     partials."""
     NK: tl.constexpr = (K + BKS - 1) // BKS
-    c = tl.program_id(0) // NK
     kb = tl.program_id(0) % NK
-    hh = tl.program_id(1)
-    bos = tl.load(chunks_ptr + 2 * c)
-    eos = tl.load(chunks_ptr + 2 * c + 1)
-    r = tl.arange(0, BT)
-    tok = bos + r
-    valid = tok < eos
-    row = tok.to(tl.int64) * H + hh
+    c, hh, bos, eos, r, tok, valid, row, _, _, _, _ = _chunk_program(chunks_ptr, H, K, V, BKS, BV, 1, BT,
+                                                                     tl.program_id(0) // NK)
     kc = kb * BKS + tl.arange(0, BKS)
     mk = valid[:, None] & (kc < K)[None, :]
     sbase = (c.to(tl.int64) * H + hh) * (K * V)
@@ -1055,14 +1049,8 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     tile per operand is what made this kernel spill. BKW = BK is one block: the products of the
     kernel before the sixth session, though not its code (ptxas: 1876 B of spills per thread at
     tf32 against that kernel's 1624 B)."""
-    c = tl.program_id(0)
-    hh = tl.program_id(1)
-    bos = tl.load(chunks_ptr + 2 * c)
-    eos = tl.load(chunks_ptr + 2 * c + 1)
-    r = tl.arange(0, BT)
-    tok = bos + r
-    valid = tok < eos
-    row = tok.to(tl.int64) * H + hh
+    c, hh, bos, eos, r, tok, valid, row, _, _, _, _ = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT,
+                                                                     tl.program_id(0))
     NKW: tl.constexpr = BK // BKW
     Tm = tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
     Tt = tl.trans(Tm)
