@@ -226,15 +226,15 @@ if "forward" in SECTIONS:
             ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
             print(f"forward B={b_} T={t_} states {states} prec={prec:6} l2norm k {l2form:9}: {ms:.3f} ms, "
                   f"vs the first {rel(o, base):.2e}", flush=True)
-        # stage 3 in two kernels (WU_FORM "split", log row 18) with the default 5+6 form and precision
+        # stage 3 in two kernels (WU_FORM "split", log row 18) with the default 5+6 form, at tf32 and bf16 (row 16)
         tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[1:4]
-        for wu_form in ("fused", "split"):
-            tk.WU_FORM = wu_form
+        for wu_form, prec in (("fused", DEFAULTS[2]), ("split", DEFAULTS[2]), ("fused", "bf16"), ("split", "bf16")):
+            tk.WU_FORM, tk.NORMALISED_KEYS_PREC = wu_form, prec
             o = fwd()
             ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
-            print(f"forward B={b_} T={t_} defaults, WU_FORM {wu_form}: {ms:.3f} ms, vs the first {rel(o, base):.2e}",
-                  flush=True)
-        tk.WU_FORM = DEFAULTS[5]
+            print(f"forward B={b_} T={t_} defaults, WU_FORM {wu_form} prec={prec:6}: {ms:.3f} ms, "
+                  f"vs the first {rel(o, base):.2e}", flush=True)
+        tk.WU_FORM, tk.NORMALISED_KEYS_PREC = DEFAULTS[5], DEFAULTS[2]
     tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[:4]
 
 

@@ -2,7 +2,7 @@
 "measure", for Nsight Compute (issue 5 asks an ncu summary of the final kernels):
 
     ncu --nvtx --nvtx-include "measure/" --set basic --csv --page details \\
-        python3 scripts/ncu_op.py gdn triton [--mode fwd|fwdbwd]
+        python3 scripts/ncu_op.py gdn triton [--mode fwd|fwdbwd] [--switch WU_FORM=split ...]
 
 Warm-up calls (compiling and autotuning, which launch every candidate) run before the range, so
 ncu profiles only the kernels of the measured call. `scripts/gpu-check ncu` runs it for GDN.
@@ -19,8 +19,19 @@ ap = argparse.ArgumentParser()
 ap.add_argument("op", choices=sorted(OPS))
 ap.add_argument("system", nargs="?", default="triton")
 ap.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
+ap.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
+                help="set a module-level switch of the op's triton_kernels first (e.g. WU_FORM=split); repeatable")
 args = ap.parse_args()
 suite = importlib.import_module(OPS[args.op])
+if args.switch:
+    kernels = importlib.import_module(f"tileport.ops.{args.op}.triton_kernels")
+    for item in args.switch:
+        name, _, value = item.partition("=")
+        if not hasattr(kernels, name):
+            raise SystemExit(f"--switch: {kernels.__name__} has no {name}")
+        old = getattr(kernels, name)
+        setattr(kernels, name, type(old)(value))
+        print(f"{kernels.__name__}.{name} = {getattr(kernels, name)!r} (was {old!r})")
 inputs = suite.make_inputs(suite.STANDARD[0], torch.bfloat16, "cuda", torch)
 leaves = suite.differentiable(inputs)
 for t in leaves:
