@@ -214,7 +214,8 @@ if "forward" in SECTIONS:
         base = None
         for states, prec, l2form in (("split", "tf32x3", "stage-1"), ("fused", "tf32x3", "stage-1"),
                                      ("fused", "tf32", "stage-1"), ("fused", "bf16", "stage-1"),
-                                     ("split", "tf32", "stage-1"), ("split", "bf16", "stage-1")):
+                                     ("split", "tf32", "stage-1"), ("split", "bf16", "stage-1"),
+                                     ("fused", "bf16", "stage-3")):  # log row 19
             # (L2NORM_K_FORM "in-kernel" measured slower at 667cd8c: 1.224 vs 1.181 ms; no longer timed)
             tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = states, prec, l2form
 
@@ -228,8 +229,9 @@ if "forward" in SECTIONS:
                   f"vs the first {rel(o, base):.2e}", flush=True)
         # stage 3 in two kernels (WU_FORM "split", log row 18) with the default 5+6 form, at tf32 and bf16 (row 16)
         tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[1:4]
-        for wu_form, prec in (("fused", DEFAULTS[2]), ("split", DEFAULTS[2]), ("fused", "bf16"), ("split", "bf16")):
+        for wu_form, prec in (("fused", "tf32"), ("split", "tf32"), ("fused", "bf16"), ("split", "bf16")):
             tk.WU_FORM, tk.NORMALISED_KEYS_PREC = wu_form, prec
+            tk.L2NORM_K_FORM = "stage-1"  # the split form takes normalised keys only
             o = fwd()
             ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
             print(f"forward B={b_} T={t_} defaults, WU_FORM {wu_form} prec={prec:6}: {ms:.3f} ms, "

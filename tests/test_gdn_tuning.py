@@ -126,18 +126,72 @@ def test_other_backward_products(case_id, device, seed, monkeypatch):
     _run_and_check("triton", case_id, device, seed)
 
 
-# The frozen gate's l2-normalised cases with the fused forward normalising k inside stage 3 and
-# the states kernel (L2NORM_K_FORM; fp32 cases keep stage 1: their stage 3 is the block form).
+# The frozen gate's l2-normalised cases with the fused forward normalising k in each other place
+# (L2NORM_K_FORM: "in-kernel", stage 3 and the states kernel normalise on load; "stage-3", stage 3
+# normalises on load and stores the keys for the states kernel; fp32 cases keep stage 1: their
+# stage 3 is the block form).
 L2_CASES = [c for c, spec in CASES.items() if spec[8]]
+OTHER_L2NORM_K_FORMS = [f for f in tk.L2NORM_K_FORMS if f != tk.L2NORM_K_FORM]
 
 
+@pytest.mark.parametrize("form", OTHER_L2NORM_K_FORMS)
 @pytest.mark.parametrize("case_id", L2_CASES)
-def test_keys_normalised_in_kernel(case_id, device, seed, monkeypatch):
+def test_keys_normalised_elsewhere(case_id, form, device, seed, monkeypatch):
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "STATES_FORM", "fused")
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
-    monkeypatch.setattr(tk, "L2NORM_K_FORM", "in-kernel")
+    monkeypatch.setattr(tk, "L2NORM_K_FORM", form)
     _run_and_check("triton", case_id, device, seed)
+
+
+def _varlen_bf16_inputs(device, seed_value=11):
+    """varlen with an empty and a length-1 sequence, V = 80 (no column block divides it)"""
+    import torch
+
+    g = torch.Generator().manual_seed(seed_value)
+    T, H, K, V = 200, 2, 128, 80
+    q, k = (torch.randn(1, T, H, K, generator=g).bfloat16().to(device) for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=g).bfloat16().to(device)
+    gate = torch.nn.functional.logsigmoid(torch.randn(1, T, H, generator=g)).to(device)
+    beta = torch.sigmoid(torch.randn(1, T, H, generator=g)).bfloat16().to(device)
+    cu = torch.tensor([0, 1, 64, 64, 130, 200], device=device)
+    return q, k, v, gate, beta, cu
+
+
+def _assert_same_forward(a_out, b_out, device):
+    """bitwise under the interpreter; on a GPU the tensor cores may order a product's partial sums
+    differently in two kernels"""
+    import torch
+
+    if device == "cpu":
+        for a, b in zip(a_out, b_out):
+            assert torch.equal(a, b)
+    else:
+        for a, b in zip(a_out, b_out):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3
+
+
+def test_l2norm_k_forms_compute_the_same_values(device, monkeypatch):
+    # stage 3 stores the keys it normalised on load exactly as stage 1 would have: same forward
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
+    monkeypatch.setattr(tk, "STATES_FORM", "fused")
+    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
+    outs = {}
+    for form in ("stage-1", "stage-3"):
+        monkeypatch.setattr(tk, "L2NORM_K_FORM", form)
+        outs[form] = tk.gdn_forward_triton(q, k, v, gate, beta, k.shape[-1] ** -0.5, None, True, True, cu)
+    _assert_same_forward(outs["stage-3"], outs["stage-1"], device)
+
+
+def test_unknown_l2norm_k_form_is_refused(device, monkeypatch):
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
+    monkeypatch.setattr(tk, "STATES_FORM", "fused")
+    monkeypatch.setattr(tk, "L2NORM_K_FORM", "stage-2")
+    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
+    with pytest.raises(ValueError, match="L2NORM_K_FORM"):
+        tk.gdn_forward_triton(q, k, v, gate, beta, k.shape[-1] ** -0.5, None, True, True, cu)
 
 
 # The gate's 16-bit cases with the forward's stage 3 in the other WU_FORM ("fused": T, W and U
@@ -150,29 +204,18 @@ def test_other_wu_form(case_id, device, seed, monkeypatch):
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
     monkeypatch.setattr(tk, "WU_FORM", OTHER_WU_FORM)
+    monkeypatch.setattr(tk, "L2NORM_K_FORM", "stage-1")  # the split form takes normalised keys only
     _run_and_check("triton", case_id, device, seed)
 
 
 def test_wu_forms_compute_the_same_values(device, monkeypatch):
-    # the same roundings in both forms: bitwise equal under the interpreter (varlen with an empty
-    # and a length-1 sequence, V = 80 which no column block divides, l2-normalised keys)
-    import torch
-
+    # the same roundings in both forms (l2-normalised keys)
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
-    g = torch.Generator().manual_seed(11)
-    T, H, K, V = 200, 2, 128, 80
-    q, k = (torch.randn(1, T, H, K, generator=g).bfloat16().to(device) for _ in range(2))
-    v = torch.randn(1, T, H, V, generator=g).bfloat16().to(device)
-    gate = torch.nn.functional.logsigmoid(torch.randn(1, T, H, generator=g)).to(device)
-    beta = torch.sigmoid(torch.randn(1, T, H, generator=g)).bfloat16().to(device)
-    cu = torch.tensor([0, 1, 64, 64, 130, 200], device=device)
+    monkeypatch.setattr(tk, "L2NORM_K_FORM", "stage-1")  # the split form takes normalised keys only
+    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
     outs = {}
     for form in ("fused", "split"):
         monkeypatch.setattr(tk, "WU_FORM", form)
-        outs[form] = tk.gdn_forward_triton(q, k, v, gate, beta, K ** -0.5, None, True, True, cu)
-    if device == "cpu":
-        assert torch.equal(outs["fused"][0], outs["split"][0]) and torch.equal(outs["fused"][1], outs["split"][1])
-    else:  # the tensor cores may order a product's partial sums differently in the two kernels
-        for a, b in zip(outs["fused"], outs["split"]):
-            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3
+        outs[form] = tk.gdn_forward_triton(q, k, v, gate, beta, k.shape[-1] ** -0.5, None, True, True, cu)
+    _assert_same_forward(outs["fused"], outs["split"], device)

@@ -48,6 +48,10 @@ FORMS = [
     # its next candidate, the [64, 64] products in one bf16 pass (half the shared memory: 24 KB)
     ("tile-tf32", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32"), 8, 0),
     ("tile-bf16", tk._solve_wu_tile_kernel.fn, dict(PREC="bf16"), 8, 0),
+    # the forward's default since the seventh session: bf16 products, the raw keys normalised on load
+    # and stored for the states kernel (L2NORM_K_FORM "stage-3"), at 4 warps, the H200's pick
+    ("tile-bf16-l2k-store", tk._solve_wu_tile_kernel.fn,
+     dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True), 4, 256),
 ]
 
 
@@ -68,7 +72,7 @@ def test_gdn_split_solve_compiles_for_sm90a():
 
 # tf32 and bf16 are the forward's precisions only (the recompute keeps tf32x3): no recompute case
 SOLVE_CASES = [(f, backward) for f in FORMS for backward in (False, True)
-               if not (backward and f[0] in ("tile-tf32", "tile-bf16"))]
+               if not (backward and f[0] in ("tile-tf32", "tile-bf16", "tile-bf16-l2k-store"))]
 
 
 @pytest.mark.parametrize("form,backward", SOLVE_CASES,

@@ -606,13 +606,14 @@ def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K", "WITH_WU"])
+@triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K", "WITH_WU",
+                                                            "STORE_KN"])
 @triton.jit
 def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                           BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr,
                           STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, eps=1e-6, L2NORM_K: tl.constexpr = False,
-                          WITH_WU: tl.constexpr = True):
+                          WITH_WU: tl.constexpr = True, kn_ptr=None, STORE_KN: tl.constexpr = False):
     """3, the same T, W and U as `_solve_wu_kernel` (scalar gates only), in whole [64, 64] tiles
     rather than a chain of 16x16 blocks; grid (NC, H).
 
@@ -633,14 +634,19 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     error near fp32's) for 16-bit inputs, one-pass "tf32" or "bf16" for the forward's normalised
     keys (NORMALISED_KEYS_PREC), "ieee" for fp32 inputs. EXACT_WU and STORE_T as in
     `_solve_wu_kernel`. L2NORM_K: k is raw and each load normalises it (`_load_keys`), so stage 1
-    need not write the normalised keys (the forward's FUSED_L2NORM_K). WITH_WU = False (WU_FORM
-    "split"): T alone, stored (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U."""
+    need not write the normalised keys (L2NORM_K_FORM "in-kernel" and "stage-3"); STORE_KN: it also
+    stores them to kn_ptr, as stage 1 would have (L2NORM_K_FORM "stage-3": the states kernel reads
+    them, and stage 1's kernel is not launched). WITH_WU = False (WU_FORM "split"): T alone, stored
+    (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U."""
     c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, tl.program_id(0))
     NB: tl.constexpr = BT // 16
     tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
     b = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(G_ptr + row, mask=valid, other=0.0)
-    kd = _op(_load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA), DT, DA)
+    kd = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
+    if STORE_KN:  # the values stage 1 stores (`_load_keys` rounds as it does): exact in kn's dtype
+        tl.store(kn_ptr + row[:, None] * K + kc[None, :], kd.to(kn_ptr.dtype.element_ty), mask=mk)
+    kd = _op(kd, DT, DA)
     kk = tl.dot(kd, tl.trans(kd), input_precision="ieee")
     strict = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
     A = kk * b[:, None] * tl.exp(tl.where(strict, (g[:, None] - g[None, :]).to(tl.float32), float("-inf")))
@@ -1201,13 +1207,15 @@ def _intermediate_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
 
 def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compact: bool = False,
                    exact_wu: bool = False, keys_normalised: bool = False, l2norm_k: bool = False,
-                   factored_diagonal: bool = False, input_dtype: torch.dtype | None = None):
+                   factored_diagonal: bool = False, input_dtype: torch.dtype | None = None,
+                   kn_out: torch.Tensor | None = None):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
     normalises it (the tile form only; keys_normalised is then implied). factored_diagonal (KDA):
     the kernel's FACTORED_DIAGONAL. input_dtype: the op's input dtype where k is not in it (the
-    backward's fp32 normalised keys), which picks the form, the rounding and the precision."""
+    backward's fp32 normalised keys), which picks the form, the rounding and the precision.
+    kn_out (with l2norm_k): where the kernel also stores the normalised keys, k's shape and dtype."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1222,6 +1230,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     form = solve_form(dtype, G.dim() == 3)
     if l2norm_k and form != "tile":
         raise ValueError("l2norm_k needs the tile form of stage 3 (16-bit inputs, SOLVE_FORM = 'tile')")
+    if kn_out is not None and not (l2norm_k and kn_out.shape == k.shape and kn_out.dtype == k.dtype):
+        raise ValueError("kn_out needs l2norm_k and k's shape and dtype")
     if form == "tile":
         prec = "ieee" if dtype == torch.float32 else "tf32x3"
         if prec == "tf32x3" and (keys_normalised or l2norm_k) and compact and not store_T:
@@ -1240,7 +1250,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
                                                               BT, DT, DA, gated, **WU_FROM_T_LAUNCH)
             return Ai, w, u
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
-                                            NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k)
+                                            NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k, True,
+                                            kn_out, kn_out is not None)
     else:
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
                                        DT, DA, G.dim() == 3, store_T, exact_wu, factored_diagonal and G.dim() == 3)
@@ -1258,8 +1269,11 @@ SOLVE_FORM = "tile"
 # The forward's tile form in one kernel ("fused": T, W and U per chunk in one serial chain) or two
 # ("split": `_solve_wu_tile_kernel` with WITH_WU = False stores T in bf16, 8 KB per chunk-head,
 # then `_wu_from_t_kernel` forms W and U in [64, 64] column blocks, NC * (K + V) / 64 independent
-# programs). Same values (the same roundings). Off until timed on the H200 (log row 18): the fused
-# kernel is latency-bound at 2 CTAs per SM (0.451 ms at S1 against a 0.13 ms byte floor).
+# programs). Same values (the same roundings). Only for keys already normalised (not with
+# L2NORM_K_FORM "in-kernel" or "stage-3", where the fused kernel runs). Off: no faster on the H200
+# (log row 18, gdn_ab.py at aeda491: whole forward at S1 1.051 ms against fused 1.047 at tf32,
+# 1.014 against 1.001 at bf16; ncu: the T-only kernel 56% of the fused one, the two W/U kernels at
+# ~72% of DRAM bandwidth add the rest back).
 WU_FORM = "fused"
 WU_FROM_T_LAUNCH = dict(num_warps=4, num_stages=1)
 
@@ -1272,9 +1286,11 @@ WU_FROM_T_LAUNCH = dict(num_warps=4, num_stages=1)
 # since the H200 A/B at 667cd8c: stage 3 0.451 ms against 0.594 (4 warps), the whole forward at
 # S1 1.036 against 1.181, o within 1e-4 (normwise) of the tf32x3 forward. "bf16" (the products'
 # fp32 operands rounded to bf16, one bf16 pass: half tf32's tensor-core time and no fp32 operand
-# tiles) is the next step; it passes the 16-bit gate under the interpreter (which rounds as the GPU
-# does) and is not yet timed (scripts/gdn_ab.py).
-NORMALISED_KEYS_PREC = "tf32"
+# tiles) since the H200 A/B at aeda491 (log row 16): stage 3 0.414 ms against 0.455 (4 warps), the
+# whole forward 1.001-1.005 against 1.047 at S1 and 1.736 against 1.776 at B=1 T=32768, o within
+# 1.4e-4 (normwise) of the tf32x3 forward (tf32: 1.0e-4); the interpreter rounds as the GPU does,
+# so the CPU gate tests this precision.
+NORMALISED_KEYS_PREC = "bf16"
 
 
 def solve_form(dtype: torch.dtype, per_channel: bool) -> str:
@@ -1454,12 +1470,16 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     h0 = initial_state.contiguous() if initial_state is not None else None
     if states_form(plan.N * H) == "fused":
         # stage 1 for k only when the kernels can't normalise it on load (L2NORM_K_FORM)
-        in_kernel = (use_qk_l2norm_in_kernel and L2NORM_K_FORM == "in-kernel"
-                     and solve_form(q.dtype, False) == "tile")
-        kn = l2norm_fwd(kf) if use_qk_l2norm_in_kernel and not in_kernel else kf
+        form = L2NORM_K_FORM if use_qk_l2norm_in_kernel and solve_form(q.dtype, False) == "tile" else "stage-1"
+        in_kernel = form == "in-kernel"
+        kn = l2norm_fwd(kf) if use_qk_l2norm_in_kernel and form == "stage-1" else kf
+        if form not in L2NORM_K_FORMS:
+            raise ValueError(f"L2NORM_K_FORM {L2NORM_K_FORM!r}: forms are {L2NORM_K_FORMS}")
+        kn_out = new_empty(kf.shape, kf.dtype, kf.device) if form == "stage-3" else None
         G = chunk_cumsum(gf, plan)
         _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=use_qk_l2norm_in_kernel,
-                                   l2norm_k=in_kernel)
+                                   l2norm_k=form != "stage-1", kn_out=kn_out)
+        kn = kn_out if kn_out is not None else kn
         o, _, ht = chunk_states(kn, w, u, G, h0, plan, output_final_state, q=qf, scale=scale, out_dtype=q.dtype,
                                 l2norm_q=use_qk_l2norm_in_kernel, l2norm_k=in_kernel)
         return o.view(B, T, H, V), ht
@@ -1491,8 +1511,13 @@ def states_form(pairs: int) -> str:
 # Where the fused forward normalises k (use_qk_l2norm_in_kernel): "stage-1" (`l2norm_fwd` writes
 # the normalised keys, 0.062 ms at S1 on the H200, 5031cf0, and the two kernels read them) or
 # "in-kernel" (stage 3's tile kernel and the fused states kernel normalise the raw keys as they
-# load them: 268 MB less traffic at S1, ~0.06 ms predicted). Off until timed on the H200.
-L2NORM_K_FORM = "stage-1"
+# load them: 268 MB less traffic at S1, ~0.06 ms predicted; measured slower at 667cd8c, 1.224 ms
+# against 1.181, from the extra spills) or "stage-3" (stage 3's tile kernel normalises the raw keys
+# as it loads them and stores them for the states kernel: stage 1's kernel and its second read of
+# k are gone, the states kernel is unchanged; log row 19). The same keys in every form (stage 3
+# rounds them as stage 1 does): bitwise-equal forwards under the interpreter.
+L2NORM_K_FORMS = ("stage-1", "in-kernel", "stage-3")
+L2NORM_K_FORM = "stage-3"
 
 
 def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
