@@ -277,24 +277,34 @@ def test_empty_and_float64(backend, device, seed):
     check("softmax fp64", y, softmax_reference(x), torch.float64)
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_grouped_gemm_list_api_and_3d_b(backend, device, seed):
-    """The list-returning API with b as one [G, K, N] tensor (gradient into that tensor)."""
+def test_grouped_gemm_list_api_and_3d_b(backend, dt, device, seed):
+    """The list-returning API with b as one [G, K, N] tensor (gradient into that tensor), in fp32
+    and bf16 (cuTile's grouped GEMM refuses fp32, a refusal the dispatcher turns into Triton: it
+    skips with the reason, as in `run_and_check`; on the H200 on 2026-11-30 this test ran fp32
+    only and failed on that refusal)."""
     _skip_unless_runs("grouped_gemm", backend, device)
     ms, K, N = (4, 0, 9), 48, 24
-    a = [torch.randn(m, K, device=device, requires_grad=True) for m in ms]
-    b = (torch.randn(len(ms), K, N, device=device) / K**0.5).requires_grad_(True)
+    a = [torch.randn(m, K, device=device).to(dt).requires_grad_(True) for m in ms]
+    b = (torch.randn(len(ms), K, N, device=device) / K**0.5).to(dt).requires_grad_(True)
     with poisoned(), use_backend(backend, op="grouped_gemm"):
-        outs = tileport.grouped_gemm(a, b)
+        try:
+            outs = tileport.grouped_gemm(a, b)
+        except BackendRefused as exc:
+            if backend != "cutile" or dt != torch.float32 or "refuses this call" not in str(exc):
+                raise
+            pytest.skip(str(exc))
         gs = [torch.randn_like(o) for o in outs]
         grads = torch.autograd.grad(outs, [*a, b], gs)
     refs = grouped_gemm_reference(a, list(b.unbind(0)))
     rgrads = torch.autograd.grad(refs, [*a, b], [g.double() for g in gs])
     assert [tuple(o.shape) for o in outs] == [(m, N) for m in ms]
+    assert all(o.dtype == dt for o in outs) and all(g.dtype == dt for g in grads)
     for i, (o, r) in enumerate(zip(outs, refs)):
-        check(f"c[{i}] [seed={seed}]", o, r, torch.float32)
+        check(f"c[{i}] [seed={seed}]", o, r, dt)
     for i, (g, r) in enumerate(zip(grads, rgrads)):
-        check(f"grad {i} [seed={seed}]", g, r, torch.float32)
+        check(f"grad {i} [seed={seed}]", g, r, dt)
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "rope", "swiglu", "softmax", "grouped_gemm"])
