@@ -36,7 +36,8 @@ plan = tk.make_plan(B, T, None, dev)
 SECTIONS = [x.strip() for x in os.environ.get("GDN_AB_SECTIONS", "solve,output,states,forward,backward").split(",")]
 if set(SECTIONS) - {"solve", "output", "states", "forward", "backward"}:
     raise SystemExit(f"GDN_AB_SECTIONS: unknown {sorted(set(SECTIONS) - {'solve', 'output', 'states', 'forward', 'backward'})}")
-DEFAULTS = (tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM, tk.BACKWARD_PRODUCTS, tk.WU_FORM)
+DEFAULTS = (tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM, tk.BACKWARD_PRODUCTS, tk.WU_FORM,
+            tk.CUMSUM_FORM, tk.T_CHAIN)
 Ntok = B * T
 
 
@@ -237,6 +238,16 @@ if "forward" in SECTIONS:
             print(f"forward B={b_} T={t_} defaults, WU_FORM {wu_form} prec={prec:6}: {ms:.3f} ms, "
                   f"vs the first {rel(o, base):.2e}", flush=True)
         tk.WU_FORM, tk.NORMALISED_KEYS_PREC = DEFAULTS[5], DEFAULTS[2]
+        # the defaults with G formed in stage 3 (log row 20) and T by the factored chain (row 21)
+        tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[1:4]
+        for cumsum, chain in (("stage-2", "horner"), ("stage-3", "horner"), ("stage-2", "factored"),
+                              ("stage-3", "factored")):
+            tk.CUMSUM_FORM, tk.T_CHAIN = cumsum, chain
+            o = fwd()
+            ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
+            print(f"forward B={b_} T={t_} defaults, CUMSUM_FORM {cumsum} T_CHAIN {chain:8}: {ms:.3f} ms, "
+                  f"vs the first {rel(o, base):.2e}", flush=True)
+        tk.CUMSUM_FORM, tk.T_CHAIN = DEFAULTS[6:8]
     tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[:4]
 
 

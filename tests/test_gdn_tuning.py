@@ -171,26 +171,72 @@ def _assert_same_forward(a_out, b_out, device):
             assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3
 
 
-def test_l2norm_k_forms_compute_the_same_values(device, monkeypatch):
-    # stage 3 stores the keys it normalised on load exactly as stage 1 would have: same forward
+def _gate_case_in(case_id, device, seed, monkeypatch, **switches):
+    """One frozen gate case with the tile form of stage 3 and the given module switches set."""
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
+    for name, value in switches.items():
+        monkeypatch.setattr(tk, name, value)
+    _run_and_check("triton", case_id, device, seed)
+
+
+def _forward_in_each(switch, forms, device, monkeypatch, l2norm=True, gate_scale=1.0, seed_value=11, **fixed):
+    """{form: the fused forward's (o, final state)} on the same varlen inputs, one per form of `switch`."""
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
     monkeypatch.setattr(tk, "STATES_FORM", "fused")
-    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
+    for name, value in fixed.items():
+        monkeypatch.setattr(tk, name, value)
+    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device, seed_value)
     outs = {}
-    for form in ("stage-1", "stage-3"):
-        monkeypatch.setattr(tk, "L2NORM_K_FORM", form)
-        outs[form] = tk.gdn_forward_triton(q, k, v, gate, beta, k.shape[-1] ** -0.5, None, True, True, cu)
+    for form in forms:
+        monkeypatch.setattr(tk, switch, form)
+        outs[form] = tk.gdn_forward_triton(q, k, v, gate * gate_scale, beta, k.shape[-1] ** -0.5, None, True, l2norm, cu)
+    return outs
+
+
+def test_l2norm_k_forms_compute_the_same_values(device, monkeypatch):
+    # stage 3 stores the keys it normalised on load exactly as stage 1 would have: same forward
+    outs = _forward_in_each("L2NORM_K_FORM", ("stage-1", "stage-3"), device, monkeypatch)
     _assert_same_forward(outs["stage-3"], outs["stage-1"], device)
 
 
-def test_unknown_l2norm_k_form_is_refused(device, monkeypatch):
+# The gate's 16-bit cases with G formed in stage 3 (CUMSUM_FORM "stage-3"; only the fused forward
+# takes it, so the states are fused here), and the two forms' forwards compared value for value.
+OTHER_CUMSUM_FORM = {"stage-2": "stage-3", "stage-3": "stage-2"}[tk.CUMSUM_FORM]
+
+
+@pytest.mark.parametrize("case_id", SIXTEEN_BIT_CASES)
+def test_other_cumsum_form(case_id, device, seed, monkeypatch):
+    _gate_case_in(case_id, device, seed, monkeypatch, STATES_FORM="fused", CUMSUM_FORM=OTHER_CUMSUM_FORM)
+
+
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2", "raw-keys"])
+def test_cumsum_forms_compute_the_same_values(l2norm, device, monkeypatch):
+    outs = _forward_in_each("CUMSUM_FORM", ("stage-2", "stage-3"), device, monkeypatch, l2norm=l2norm, gate_scale=8.0,
+                            seed_value=12)
+    _assert_same_forward(outs["stage-3"], outs["stage-2"], device)
+
+
+# The gate's 16-bit cases (forward and backward: the recompute takes the tile form too) with
+# stage 3's T formed by the other T_CHAIN.
+OTHER_T_CHAIN = {"horner": "factored", "factored": "horner"}[tk.T_CHAIN]
+
+
+@pytest.mark.parametrize("case_id", SIXTEEN_BIT_CASES)
+def test_other_t_chain(case_id, device, seed, monkeypatch):
+    _gate_case_in(case_id, device, seed, monkeypatch, T_CHAIN=OTHER_T_CHAIN)
+
+
+@pytest.mark.parametrize("switch,value", [("T_CHAIN", "neumann"), ("CUMSUM_FORM", "stage-4"),
+                                          ("L2NORM_K_FORM", "stage-2")])
+def test_unknown_forward_form_is_refused(switch, value, device, monkeypatch):
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
     monkeypatch.setattr(tk, "STATES_FORM", "fused")
-    monkeypatch.setattr(tk, "L2NORM_K_FORM", "stage-2")
+    monkeypatch.setattr(tk, switch, value)
     q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
-    with pytest.raises(ValueError, match="L2NORM_K_FORM"):
+    with pytest.raises(ValueError, match=switch):
         tk.gdn_forward_triton(q, k, v, gate, beta, k.shape[-1] ** -0.5, None, True, True, cu)
 
 
@@ -201,21 +247,11 @@ OTHER_WU_FORM = {"fused": "split", "split": "fused"}[tk.WU_FORM]
 
 @pytest.mark.parametrize("case_id", SIXTEEN_BIT_CASES)
 def test_other_wu_form(case_id, device, seed, monkeypatch):
-    _backend_or_skip("triton", device)
-    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
-    monkeypatch.setattr(tk, "WU_FORM", OTHER_WU_FORM)
-    monkeypatch.setattr(tk, "L2NORM_K_FORM", "stage-1")  # the split form takes normalised keys only
-    _run_and_check("triton", case_id, device, seed)
+    # the split form takes normalised keys only, so stage 1 normalises them
+    _gate_case_in(case_id, device, seed, monkeypatch, WU_FORM=OTHER_WU_FORM, L2NORM_K_FORM="stage-1")
 
 
 def test_wu_forms_compute_the_same_values(device, monkeypatch):
-    # the same roundings in both forms (l2-normalised keys)
-    _backend_or_skip("triton", device)
-    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
-    monkeypatch.setattr(tk, "L2NORM_K_FORM", "stage-1")  # the split form takes normalised keys only
-    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
-    outs = {}
-    for form in ("fused", "split"):
-        monkeypatch.setattr(tk, "WU_FORM", form)
-        outs[form] = tk.gdn_forward_triton(q, k, v, gate, beta, k.shape[-1] ** -0.5, None, True, True, cu)
+    # the same roundings in both forms (normalised keys; the split form takes them from stage 1)
+    outs = _forward_in_each("WU_FORM", ("fused", "split"), device, monkeypatch, L2NORM_K_FORM="stage-1")
     _assert_same_forward(outs["fused"], outs["split"], device)

@@ -227,6 +227,28 @@ def test_triton_chunked_rows_and_pointer_path(dt, device, seed, monkeypatch):
     run_and_check("rope", "triton", _rope_case((2, 7, 3, 96), dtype, device), dtype, seed)
 
 
+def _gemm_options():
+    from tileport.ops.grouped_gemm import triton_kernels as gk
+
+    return gk.GEMM_OPTIONS
+
+
+@pytest.mark.parametrize("index", range(len(_gemm_options())))
+def test_grouped_gemm_each_autotune_candidate(index, device, seed, monkeypatch):
+    """Every GPU candidate of the grouped GEMM's autotuner (column tile, K step; the pipeline
+    depth and warps do not change what the interpreter computes) as the only config: ragged
+    groups (an empty one, one row, N under one column tile), forward and both gradients."""
+    _skip_unless_runs("grouped_gemm", "triton", device)
+    from tileport.autotuning import configs
+    from tileport.ops.grouped_gemm import triton_kernels as gk
+
+    monkeypatch.setattr(gk._grouped_gemm_kernel, "configs", configs([gk.GEMM_OPTIONS[index]]))
+    monkeypatch.setattr(gk._grouped_gemm_kernel, "cache", {})
+    for dt in (torch.bfloat16, torch.float32):
+        for shape in [((5, 0, 70, 1), 96, 40), ((130, 33), 64, 264)]:
+            run_and_check("grouped_gemm", "triton", _gg_case(shape, dt, device), dt, seed)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rope_llama_tables_low_precision_cos(backend, device, seed):
     """The usual cat(f, f) tables, given in bf16 (as HF casts them to the activation dtype)."""

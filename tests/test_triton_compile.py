@@ -52,6 +52,12 @@ FORMS = [
     # and stored for the states kernel (L2NORM_K_FORM "stage-3"), at 4 warps, the H200's pick
     ("tile-bf16-l2k-store", tk._solve_wu_tile_kernel.fn,
      dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True), 4, 256),
+    # and with the gates' in-chunk sums formed there too (CUMSUM_FORM "stage-3", off)
+    ("tile-bf16-l2k-store-cumsum", tk._solve_wu_tile_kernel.fn,
+     dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True,
+          g_ptr=T([Ntok, H], f32), CUMSUM_G=True), 4, 256),
+    ("tile-bf16-l2k-store-factored", tk._solve_wu_tile_kernel.fn,
+     dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True, T_CHAIN="factored"), 4, 1024),
 ]
 
 
@@ -72,7 +78,8 @@ def test_gdn_split_solve_compiles_for_sm90a():
 
 # tf32 and bf16 are the forward's precisions only (the recompute keeps tf32x3): no recompute case
 SOLVE_CASES = [(f, backward) for f in FORMS for backward in (False, True)
-               if not (backward and f[0] in ("tile-tf32", "tile-bf16", "tile-bf16-l2k-store"))]
+               if not (backward and f[0] in ("tile-tf32", "tile-bf16", "tile-bf16-l2k-store", "tile-bf16-l2k-store-cumsum",
+                                                   "tile-bf16-l2k-store-factored"))]
 
 
 @pytest.mark.parametrize("form,backward", SOLVE_CASES,
@@ -238,3 +245,27 @@ def test_kda_backward_compiles_for_sm90a(case):
     assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
     kind = "tf32" if tk.BACKWARD_PRODUCTS == "tf32" else "bf16"  # GDN's BACKWARD_PRODUCTS, shared by KDA
     assert any(kind in line for line in report.ptx.splitlines() if "mma" in line), f"no {kind} tensor-core product"
+
+
+# The grouped GEMM's autotune candidates (GEMM_OPTIONS) as the forward launches them (bf16, TMA
+# descriptors): each must lower to WGMMA and TMA for sm_90a, fit the CTA's shared memory and keep
+# its accumulator in registers.
+@pytest.mark.parametrize("index", range(len(__import__("tileport.ops.grouped_gemm.triton_kernels",
+                                                       fromlist=["GEMM_OPTIONS"]).GEMM_OPTIONS)))
+def test_grouped_gemm_candidates_compile_for_sm90a(index):
+    from tileport.ops.grouped_gemm import triton_kernels as gk
+
+    o = gk.GEMM_OPTIONS[index]
+    G, M, Kd, N = 8, 2048, 4096, 4096
+    args = dict(table_ptr=T([G, 5], torch.int64), tiles_ptr=T([G * M // 128, 2], idx), like_ptr=T([G * M, N], bf),
+                Np=N, n_row_tiles=G * M // 128, ROWS_BUCKET=128, K_BUCKET=Kd, sam=Kd, sak=1, sbk=N, sbn=1, scm=N,
+                BM=gk._GPU_BLOCKS["BM"], BN=o["BN"], BK=o["BK"], USE_DESC=True, IEEE=False, UPCAST=False, A_T=False,
+                B_T=False, BAND=gk._GPU_BLOCKS["BAND"])
+    report = compile_case(CompileCase(f"grouped gemm {o}", gk._grouped_gemm_kernel.fn, args,
+                                      num_warps=o["num_warps"], options={"num_stages": o["num_stages"]}))
+    print(f"\n{report.summary()}")
+    assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+    assert "wgmma.mma_async" in report.ptx, "no WGMMA in the PTX"
+    assert "cp.async.bulk.tensor" in report.ptx, "no TMA load in the PTX"
+    assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"
+    assert report.shared is None or report.shared <= 227 * 1024, f"{report.shared} bytes of shared memory"

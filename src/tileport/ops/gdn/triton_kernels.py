@@ -84,6 +84,7 @@ import triton.language as tl
 from tileport.devices import sm_count
 from tileport.shapes import cdiv, next_pow2
 from tileport.dispatch import interpreter_enabled
+from tileport.autotuning import configs as autotune_configs, tuned as autotune_candidates
 from tileport.memory import new_empty
 
 BT = 64  # chunk size
@@ -219,19 +220,12 @@ def _products(dtype: torch.dtype, for_backward: bool = False, stage: str | None 
 # ----------------------------------------------------------------------------------------
 
 
-def _configs(options) -> list:
-    return [triton.Config({k: v for k, v in o.items() if k not in ("num_warps", "num_stages")},
-                          num_warps=o["num_warps"], num_stages=o["num_stages"]) for o in options]
-
-
-def _tuned(options) -> list:
-    """Autotune candidates for a forward kernel: on a GPU each is timed at the first call of a new
-    (K, V, H, dtypes) and the fastest kept; under the interpreter (which cannot time them) only the
-    first. Picked on the card, not guessed here: the H200 profile (2026-11-29) showed the states
-    kernel latency-bound with 256 programs, and which block of V and how many stages hide that
-    best is a measurement. tests/test_gdn_parity.py runs every candidate under the interpreter."""
-    configs = _configs(options)
-    return configs[:1] if interpreter_enabled() else configs
+# Autotune candidates (tileport.autotuning): every one timed on the card at the first call of a
+# new (K, V, H, dtypes), the first only under the interpreter. Picked on the card, not guessed
+# here: the H200 profile (2026-11-29) showed the states kernel latency-bound with 256 programs, and
+# which block of V and how many stages hide that best is a measurement. tests/test_gdn_tuning.py
+# runs every candidate under the interpreter.
+_configs, _tuned = autotune_configs, autotune_candidates
 
 
 def _programs_bucket(n: int) -> int:
@@ -607,13 +601,14 @@ def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K", "WITH_WU",
-                                                            "STORE_KN"])
+                                                            "STORE_KN", "CUMSUM_G"])
 @triton.jit
 def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                           BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr,
                           STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, eps=1e-6, L2NORM_K: tl.constexpr = False,
-                          WITH_WU: tl.constexpr = True, kn_ptr=None, STORE_KN: tl.constexpr = False):
+                          WITH_WU: tl.constexpr = True, kn_ptr=None, STORE_KN: tl.constexpr = False,
+                          g_ptr=None, CUMSUM_G: tl.constexpr = False, T_CHAIN: tl.constexpr = "horner"):
     """3, the same T, W and U as `_solve_wu_kernel` (scalar gates only), in whole [64, 64] tiles
     rather than a chain of 16x16 blocks; grid (NC, H).
 
@@ -636,13 +631,20 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     `_solve_wu_kernel`. L2NORM_K: k is raw and each load normalises it (`_load_keys`), so stage 1
     need not write the normalised keys (L2NORM_K_FORM "in-kernel" and "stage-3"); STORE_KN: it also
     stores them to kn_ptr, as stage 1 would have (L2NORM_K_FORM "stage-3": the states kernel reads
-    them, and stage 1's kernel is not launched). WITH_WU = False (WU_FORM "split"): T alone, stored
-    (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U."""
+    them, and stage 1's kernel is not launched). CUMSUM_G: stage 2 here too (CUMSUM_FORM
+    "stage-3"): G is the in-chunk cumulative sum of the raw gates at g_ptr, formed as
+    `_cumsum_kernel` forms it and stored to G_ptr for the states kernel. WITH_WU = False (WU_FORM
+    "split"): T alone, stored (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U."""
     c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, tl.program_id(0))
     NB: tl.constexpr = BT // 16
     tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
     b = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
-    g = tl.load(G_ptr + row, mask=valid, other=0.0)
+    if CUMSUM_G:  # `_cumsum_kernel`'s sum (fp64, the same order), zero past the chunk's end as loaded
+        g = tl.cumsum(tl.load(g_ptr + row, mask=valid, other=0.0).to(tl.float64), 0)
+        tl.store(G_ptr + row, g, mask=valid)
+        g = tl.where(valid, g, 0.0)
+    else:
+        g = tl.load(G_ptr + row, mask=valid, other=0.0)
     kd = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
     if STORE_KN:  # the values stage 1 stores (`_load_keys` rounds as it does): exact in kn's dtype
         tl.store(kn_ptr + row[:, None] * K + kc[None, :], kd.to(kn_ptr.dtype.element_ty), mask=mk)
@@ -659,9 +661,15 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     Dd = _unit_lower_inverse16(Ad, tl.broadcast_to(eye16[None, :, :], [NB, 16, 16]))
     D = tl.reshape(tl.where(same, tl.reshape(Dd, [NB, 16, 1, 16]), 0.0), [BT, BT])
     M = _tile_dot(D, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0), PREC, DT, DA)
-    Tm = D  # Horner: T = (I - M + M^2 - M^3) D = D - M (D - M (D - M D)), three tiles live
-    for _ in tl.static_range(NB - 1):
-        Tm = D - _tile_dot(M, Tm, PREC, DT, DA)
+    if T_CHAIN == "factored":
+        # T = (I + M^2)(I - M) D: M D and M^2 are independent, so the chain after M is two
+        # dependent products instead of Horner's three (four tiles live instead of three)
+        Y = D - _tile_dot(M, D, PREC, DT, DA)
+        Tm = Y + _tile_dot(_tile_dot(M, M, PREC, DT, DA), Y, PREC, DT, DA)
+    else:
+        Tm = D  # Horner: T = (I - M + M^2 - M^3) D = D - M (D - M (D - M D)), three tiles live
+        for _ in tl.static_range(NB - 1):
+            Tm = D - _tile_dot(M, Tm, PREC, DT, DA)
     if WITH_WU:
         WT: tl.constexpr = tl.float32 if EXACT_WU else DT  # W/U operand rounding (see _solve_wu_kernel)
         WA: tl.constexpr = tl.float32 if EXACT_WU else DA
@@ -1208,14 +1216,16 @@ def _intermediate_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
 def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compact: bool = False,
                    exact_wu: bool = False, keys_normalised: bool = False, l2norm_k: bool = False,
                    factored_diagonal: bool = False, input_dtype: torch.dtype | None = None,
-                   kn_out: torch.Tensor | None = None):
+                   kn_out: torch.Tensor | None = None, g: torch.Tensor | None = None):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
     normalises it (the tile form only; keys_normalised is then implied). factored_diagonal (KDA):
     the kernel's FACTORED_DIAGONAL. input_dtype: the op's input dtype where k is not in it (the
     backward's fp32 normalised keys), which picks the form, the rounding and the precision.
-    kn_out (with l2norm_k): where the kernel also stores the normalised keys, k's shape and dtype."""
+    kn_out (with l2norm_k): where the kernel also stores the normalised keys, k's shape and dtype.
+    g (the tile form, scalar gates): the raw gates [Ntok, H]; G is then an output, the kernel
+    forms the in-chunk sums (stage 2) and stores them there."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1232,17 +1242,19 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         raise ValueError("l2norm_k needs the tile form of stage 3 (16-bit inputs, SOLVE_FORM = 'tile')")
     if kn_out is not None and not (l2norm_k and kn_out.shape == k.shape and kn_out.dtype == k.dtype):
         raise ValueError("kn_out needs l2norm_k and k's shape and dtype")
+    if g is not None and not (form == "tile" and g.shape == G.shape and G.dtype == torch.float64):
+        raise ValueError("g needs the tile form of stage 3 and G as its fp64 [Ntok, H] output")
     if form == "tile":
         prec = "ieee" if dtype == torch.float32 else "tf32x3"
         if prec == "tf32x3" and (keys_normalised or l2norm_k) and compact and not store_T:
             prec = NORMALISED_KEYS_PREC
             if prec == "tf32" and interpreter_enabled():
                 prec = "tf32-emulated"  # the interpreter's tl.dot ignores input_precision
-        if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k):
+        if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):
             # 3a: T alone, in bf16 as W and U's products read it; 3b: W and U in column blocks
             Tb = new_empty((Ntok, H, BT), inter, k.device)
             _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Tb, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA,
-                                                prec, True, False, L2NORM_EPS, False, False)
+                                                prec, True, False, L2NORM_EPS, False, False, T_CHAIN=_t_chain())
             for x, out, gated in ((k, w, True), (v, u, False)):
                 D = x.shape[-1]
                 BC = min(64, max(16, next_pow2(D)))
@@ -1251,7 +1263,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
             return Ai, w, u
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
                                             NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k, True,
-                                            kn_out, kn_out is not None)
+                                            kn_out, kn_out is not None, g, g is not None, _t_chain())
     else:
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
                                        DT, DA, G.dim() == 3, store_T, exact_wu, factored_diagonal and G.dim() == 3)
@@ -1476,9 +1488,12 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
         if form not in L2NORM_K_FORMS:
             raise ValueError(f"L2NORM_K_FORM {L2NORM_K_FORM!r}: forms are {L2NORM_K_FORMS}")
         kn_out = new_empty(kf.shape, kf.dtype, kf.device) if form == "stage-3" else None
-        G = chunk_cumsum(gf, plan)
+        if CUMSUM_FORM not in CUMSUM_FORMS:
+            raise ValueError(f"CUMSUM_FORM {CUMSUM_FORM!r}: forms are {CUMSUM_FORMS}")
+        in_stage3 = CUMSUM_FORM == "stage-3" and solve_form(q.dtype, False) == "tile"
+        G = new_empty(tuple(gf.shape), torch.float64, gf.device) if in_stage3 else chunk_cumsum(gf, plan)
         _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=use_qk_l2norm_in_kernel,
-                                   l2norm_k=form != "stage-1", kn_out=kn_out)
+                                   l2norm_k=form != "stage-1", kn_out=kn_out, g=gf if in_stage3 else None)
         kn = kn_out if kn_out is not None else kn
         o, _, ht = chunk_states(kn, w, u, G, h0, plan, output_final_state, q=qf, scale=scale, out_dtype=q.dtype,
                                 l2norm_q=use_qk_l2norm_in_kernel, l2norm_k=in_kernel)
@@ -1518,6 +1533,28 @@ def states_form(pairs: int) -> str:
 # rounds them as stage 1 does): bitwise-equal forwards under the interpreter.
 L2NORM_K_FORMS = ("stage-1", "in-kernel", "stage-3")
 L2NORM_K_FORM = "stage-3"
+
+# Where the fused forward forms G, the gates' in-chunk sums: "stage-2" (`_cumsum_kernel`, its own
+# launch: 13 us under ncu at S1, aeda491) or "stage-3" (the tile solve sums the raw gates as it
+# loads them, the same fp64 sum, and stores G for the states kernel: one launch fewer). The same
+# G either way: bitwise-equal forwards under the interpreter. Off until timed (log row 20).
+CUMSUM_FORMS = ("stage-2", "stage-3")
+CUMSUM_FORM = "stage-2"
+
+# How the tile form of stage 3 finishes T from M = D A_off (every tile-form call, forward and the
+# backward's recompute): "horner", T = D - M (D - M (D - M D)), three dependent [64, 64] products
+# after M; or "factored", T = (I + M^2)(I - M) D, where M D and M^2 are independent, so two
+# dependent products after M (the same four products, the same polynomial; four tiles live, and
+# sm_90a gives the same 144 B of spills at 4 warps). Stage 3 is latency-bound (ncu at aeda491:
+# 2 CTAs per SM, 0.28 instructions issued per cycle per scheduler). Off until timed (log row 21).
+T_CHAINS = ("horner", "factored")
+T_CHAIN = "horner"
+
+
+def _t_chain() -> str:
+    if T_CHAIN not in T_CHAINS:
+        raise ValueError(f"T_CHAIN {T_CHAIN!r}: forms are {T_CHAINS}")
+    return T_CHAIN
 
 
 def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):

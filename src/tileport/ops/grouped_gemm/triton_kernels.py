@@ -25,13 +25,27 @@ import torch
 import triton
 import triton.language as tl
 
+from tileport.autotuning import tuned
 from tileport.devices import capability
-from tileport.shapes import cdiv
+from tileport.dispatch import interpreter_enabled
+from tileport.shapes import cdiv, next_pow2
 from tileport.memory import new_empty
 from tileport.triton_rows import _interpreting, ensure_descriptor_allocator
 
-_GPU_BLOCKS = dict(BM=128, BN=128, BK=64, BAND=8, num_warps=8, num_stages=3)
-_INTERPRETER_BLOCKS = dict(BM=64, BN=64, BK=64, BAND=2, num_warps=4, num_stages=1)  # BAND 2: bands and a ragged last band in small tests
+# The row tile and the band are fixed on the host (the tile table is built from BM); the column
+# tile, the depth of a K step and the pipeline are autotuned on the card (`GEMM_OPTIONS`, first
+# one: the form the H200 bench timed at 14963d1, 1.070 ms forward at G=8 M=2048 K=N=4096 against
+# torch's loop of matmuls at 0.844). Shared memory per candidate (bf16, BM = 128): stages x (BM +
+# BN) x BK x 2 bytes plus the output tile's BM x BN x 2 for the TMA store, all under sm_90's 227 KB.
+_GPU_BLOCKS = dict(BM=128, BAND=8)
+_INTERPRETER_BLOCKS = dict(BM=64, BAND=2)  # BAND 2: bands and a ragged last band in small tests
+GEMM_OPTIONS = (
+    dict(BN=128, BK=64, num_warps=8, num_stages=3),   # 96 + 32 KB
+    dict(BN=128, BK=64, num_warps=8, num_stages=4),   # 128 + 32 KB
+    dict(BN=256, BK=64, num_warps=8, num_stages=3),   # 144 + 64 KB: half as many reads of A
+    dict(BN=128, BK=128, num_warps=8, num_stages=3),  # 192 + 32 KB: half as many K steps
+)
+INTERPRETER_GEMM_OPTIONS = (dict(BN=64, BK=64, num_warps=4, num_stages=1),)
 _PREFER_DESCRIPTORS = True
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -61,14 +75,18 @@ def _mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     return acc
 
 
+@triton.autotune(configs=tuned(INTERPRETER_GEMM_OPTIONS if interpreter_enabled() else GEMM_OPTIONS),
+                 key=["Np", "ROWS_BUCKET", "K_BUCKET", "USE_DESC", "IEEE", "A_T", "B_T"])
 @triton.jit
 def _grouped_gemm_kernel(
-    table_ptr, tiles_ptr, like_ptr, Np, n_row_tiles, n_col_tiles, sam, sak, sbk, sbn, scm,
+    table_ptr, tiles_ptr, like_ptr, Np, n_row_tiles, ROWS_BUCKET, K_BUCKET, sam, sak, sbk, sbn, scm,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_DESC: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr, BAND: tl.constexpr,
 ):
     """C tile (row tile r of the tile table, column tile c) of one group's product; grid
-    (row tiles x column tiles,), 1D. Explicit here: the order of the tiles. Programs run in bands
+    (row tiles x column tiles,), 1D; BN, BK and the pipeline autotuned (ROWS_BUCKET, K_BUCKET: the
+    row tiles and the largest K_g, rounded up to powers of two, are only the tuning key, so new
+    group sizes of one workload do not tune again). Explicit here: the order of the tiles. Programs run in bands
     of BAND row tiles, and within a band every column tile is visited for all of the band's rows
     before the next column tile, so a band's A tiles (BAND x BM x K) stay in L2 while its group's B
     is read once per band. In the plain 2D grid (row tiles fastest) one wave of programs covered
@@ -76,6 +94,7 @@ def _grouped_gemm_kernel(
     M=2048, K=N=4096: 32 x 128 MB = 4 GB, ~0.85 ms of HBM traffic next to ~0.8 ms of tensor-core
     work; the H200 bench at f7de67f measured 1.25 ms)."""
     pid = tl.program_id(0)
+    n_col_tiles = tl.cdiv(Np, BN)
     per_band = BAND * n_col_tiles
     first = (pid // per_band) * BAND
     rows_here = tl.minimum(n_row_tiles - first, BAND)
@@ -145,12 +164,11 @@ def _launch(a_addrs, b_addrs, c_addrs, Ms, Ks, Np, strides, like: torch.Tensor, 
     if use_desc:
         ensure_descriptor_allocator()
     sam, sak, sbk, sbn, scm = strides
-    n_col_tiles = cdiv(Np, cfg["BN"])
-    _grouped_gemm_kernel[(len(tiles) * n_col_tiles,)](
-        table, tiles_t, like, Np, len(tiles), n_col_tiles, sam, sak, sbk, sbn, scm,
-        BM=BM, BN=cfg["BN"], BK=cfg["BK"], USE_DESC=use_desc, IEEE=like.dtype == torch.float32,
+    n_row_tiles = len(tiles)
+    _grouped_gemm_kernel[lambda meta: (n_row_tiles * cdiv(Np, meta["BN"]),)](
+        table, tiles_t, like, Np, n_row_tiles, next_pow2(n_row_tiles), next_pow2(max(Ks)), sam, sak, sbk, sbn, scm,
+        BM=BM, USE_DESC=use_desc, IEEE=like.dtype == torch.float32,
         UPCAST=like.dtype == torch.bfloat16 and _interpreting(device), A_T=a_t, B_T=b_t, BAND=cfg["BAND"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
