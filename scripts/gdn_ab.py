@@ -268,9 +268,12 @@ if "backward" in SECTIONS:
     # (products, wy_bwd's block of key columns): the last row is wy_bwd in one block of all K columns,
     # the products of the kernel before log row 17 though not its code (the real "before" is
     # df3acc3's 11.77 ms in this table)
-    for products, wy_block in (("bf16", block), ("bf16x3", block), ("tf32", block), ("tf32", 128)):
-        tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK = products, wy_block
-        name = f"{products}, wy_bwd BKW={min(wy_block, BK)}"
+    # (and the recompute's stage 3 at one-pass tf32, RECOMPUTE_NORMALISED_KEYS_PREC, log row 22)
+    rdefault = tk.RECOMPUTE_NORMALISED_KEYS_PREC
+    for products, wy_block, rprec in (("bf16", block, rdefault), ("bf16x3", block, rdefault), ("tf32", block, rdefault),
+                                      ("tf32", 128, rdefault), ("tf32", block, "tf32")):
+        tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = products, wy_block, rprec
+        name = f"{products}, wy_bwd BKW={min(wy_block, BK)}, recompute {rprec}"
 
         def bwd():
             return tk.gdn_backward_triton(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
@@ -280,5 +283,5 @@ if "backward" in SECTIONS:
         first = next(iter(grads))
         diff = "" if name == first else f", vs {first}: " + " ".join(
             f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[name], grads[first]))
-        print(f"backward S1 products={name:22}: {ms:.3f} ms{diff}", flush=True)
-    tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK = DEFAULTS[4], block
+        print(f"backward S1 products={name:40}: {ms:.3f} ms{diff}", flush=True)
+    tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = DEFAULTS[4], block, rdefault

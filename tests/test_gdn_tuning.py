@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from test_gdn_parity import CASES, _backend_or_skip, _one_thread, _run_and_check  # noqa: F401 (_one_thread: autouse fixture)
 
+import tileport
 from tileport.ops.gdn import triton_kernels as tk
 
 KERNELS = {
@@ -98,8 +99,9 @@ def test_states_form_choice(monkeypatch):
 
 
 # The l2-normalised 16-bit cases of the frozen gate with the forward's stage 3 in each other
-# precision of NORMALISED_KEYS_PREC ("tf32x3", one-pass "tf32", "bf16"). Under the interpreter the
-# tf32 products are exact, so only the GPU run tests them; "bf16" is rounded explicitly on both.
+# precision of NORMALISED_KEYS_PREC ("tf32x3", one-pass "tf32", "bf16"). Under the interpreter
+# tf32x3 is exact, one-pass tf32 is emulated by truncating the operands to tf32 (the coarser of the
+# roundings the GPU may apply) and bf16 is rounded explicitly, as on the GPU.
 L2_SIXTEEN_BIT_CASES = [c for c in SIXTEEN_BIT_CASES if CASES[c][8]]
 OTHER_NORMALISED_KEYS_PRECS = [p for p in ("tf32x3", "tf32", "bf16") if p != tk.NORMALISED_KEYS_PREC]
 
@@ -111,6 +113,33 @@ def test_other_solve_precision_with_normalised_keys(case_id, prec, device, seed,
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
     monkeypatch.setattr(tk, "NORMALISED_KEYS_PREC", prec)
     _run_and_check("triton", case_id, device, seed)
+
+
+# The same cases with the backward's recompute of stage 3 in the other precision
+# (RECOMPUTE_NORMALISED_KEYS_PREC: "tf32x3" or one-pass "tf32", emulated as above), and a form it
+# does not know refused by the backward.
+OTHER_RECOMPUTE_PREC = {"tf32x3": "tf32", "tf32": "tf32x3"}[tk.RECOMPUTE_NORMALISED_KEYS_PREC]
+
+
+@pytest.mark.parametrize("case_id", L2_SIXTEEN_BIT_CASES)
+def test_other_recompute_precision_with_normalised_keys(case_id, device, seed, monkeypatch):
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
+    monkeypatch.setattr(tk, "RECOMPUTE_NORMALISED_KEYS_PREC", OTHER_RECOMPUTE_PREC)
+    _run_and_check("triton", case_id, device, seed)
+
+
+def test_unknown_recompute_precision_is_refused(device, monkeypatch):
+    import torch
+
+    _backend_or_skip("triton", device)
+    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
+    monkeypatch.setattr(tk, "RECOMPUTE_NORMALISED_KEYS_PREC", "bf16")
+    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    o, _ = tileport.chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="RECOMPUTE_NORMALISED_KEYS_PREC"):
+        torch.autograd.grad(o, leaves, torch.ones_like(o))
 
 
 # The 16-bit cases of the frozen gate with the backward's products in the other precise form

@@ -1246,8 +1246,13 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         raise ValueError("g needs the tile form of stage 3 and G as its fp64 [Ntok, H] output")
     if form == "tile":
         prec = "ieee" if dtype == torch.float32 else "tf32x3"
-        if prec == "tf32x3" and (keys_normalised or l2norm_k) and compact and not store_T:
-            prec = NORMALISED_KEYS_PREC
+        if prec == "tf32x3" and (keys_normalised or l2norm_k):
+            if compact and not store_T:  # the forward
+                prec = NORMALISED_KEYS_PREC
+            elif store_T and exact_wu:  # the backward's recompute
+                prec = RECOMPUTE_NORMALISED_KEYS_PREC
+                if prec not in ("tf32x3", "tf32"):
+                    raise ValueError(f"RECOMPUTE_NORMALISED_KEYS_PREC {prec!r}: forms are 'tf32x3', 'tf32'")
             if prec == "tf32" and interpreter_enabled():
                 prec = "tf32-emulated"  # the interpreter's tl.dot ignores input_precision
         if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):
@@ -1303,6 +1308,14 @@ WU_FROM_T_LAUNCH = dict(num_warps=4, num_stages=1)
 # 1.4e-4 (normwise) of the tf32x3 forward (tf32: 1.0e-4); the interpreter rounds as the GPU does,
 # so the CPU gate tests this precision.
 NORMALISED_KEYS_PREC = "bf16"
+
+# The same for the backward's recompute of stage 3 (T stored in fp32, W and U from fp32 operands
+# in fp32, EXACT_WU), when the keys are l2-normalised: "tf32x3" or one-pass "tf32". H200,
+# gdn_ab.py at aeda491, S1, normalised keys: 1.441 ms at tf32x3 (4 warps) against 0.921 at tf32,
+# T within 4.6e-6 (normwise) of a float64 inverse at tf32 (4.7e-9 at tf32x3), W and U within
+# 4e-4 of the exact block form (raw N(0, 1) keys: 4.7e-3 for T, why they keep tf32x3). Off until
+# the gradients' precision and the backward's time are measured with it (log row 22).
+RECOMPUTE_NORMALISED_KEYS_PREC = "tf32x3"
 
 
 def solve_form(dtype: torch.dtype, per_channel: bool) -> str:
