@@ -269,11 +269,15 @@ if "backward" in SECTIONS:
     # the products of the kernel before log row 17 though not its code (the real "before" is
     # df3acc3's 11.77 ms in this table)
     # (and the recompute's stage 3 at one-pass tf32, RECOMPUTE_NORMALISED_KEYS_PREC, log row 22)
-    rdefault = tk.RECOMPUTE_NORMALISED_KEYS_PREC
-    for products, wy_block, rprec in (("bf16", block, rdefault), ("bf16x3", block, rdefault), ("tf32", block, rdefault),
-                                      ("tf32", 128, rdefault), ("tf32", block, "tf32")):
+    # and dqkwg in blocks of 32 key columns (DQKWG_KEY_BLOCK, row 23)
+    rdefault, qdefault = tk.RECOMPUTE_NORMALISED_KEYS_PREC, tk.DQKWG_KEY_BLOCK
+    for products, wy_block, rprec, qblock in (
+            ("bf16", block, rdefault, qdefault), ("bf16x3", block, rdefault, qdefault),
+            ("tf32", block, rdefault, qdefault), ("tf32", 128, rdefault, qdefault), ("tf32", block, "tf32", qdefault),
+            ("tf32", block, rdefault, 32), ("tf32", block, "tf32", 32)):
         tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = products, wy_block, rprec
-        name = f"{products}, wy_bwd BKW={min(wy_block, BK)}, recompute {rprec}"
+        tk.DQKWG_KEY_BLOCK = qblock
+        name = f"{products}, wy_bwd BKW={min(wy_block, BK)}, recompute {rprec}, dqkwg BKS={qblock}"
 
         def bwd():
             return tk.gdn_backward_triton(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
@@ -283,5 +287,6 @@ if "backward" in SECTIONS:
         first = next(iter(grads))
         diff = "" if name == first else f", vs {first}: " + " ".join(
             f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[name], grads[first]))
-        print(f"backward S1 products={name:40}: {ms:.3f} ms{diff}", flush=True)
+        print(f"backward S1 products={name:52}: {ms:.3f} ms{diff}", flush=True)
     tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = DEFAULTS[4], block, rdefault
+    tk.DQKWG_KEY_BLOCK = qdefault

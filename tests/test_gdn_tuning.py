@@ -142,6 +142,22 @@ def test_unknown_recompute_precision_is_refused(device, monkeypatch):
         torch.autograd.grad(o, leaves, torch.ones_like(o))
 
 
+# Every case of the frozen gate with dqkwg in the other block of key columns (DQKWG_KEY_BLOCK: 64
+# or 32; K = 48 and 64 then take two blocks, K = 128 four), and a block it cannot take refused.
+OTHER_DQKWG_KEY_BLOCK = {64: 32, 32: 64}[tk.DQKWG_KEY_BLOCK]
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_other_dqkwg_key_block(case_id, device, seed, monkeypatch):
+    _gate_case_in(case_id, device, seed, monkeypatch, DQKWG_KEY_BLOCK=OTHER_DQKWG_KEY_BLOCK)
+
+
+def test_unsupported_dqkwg_key_block_is_refused(monkeypatch):
+    monkeypatch.setattr(tk, "DQKWG_KEY_BLOCK", 48)
+    with pytest.raises(ValueError, match="DQKWG_KEY_BLOCK"):
+        tk._key_split(128)
+
+
 # The 16-bit cases of the frozen gate with the backward's products in the other precise form
 # (BACKWARD_PRODUCTS: "tf32" or "bf16x3", both on fp32 operands; "bf16" is not a form the gate
 # can hold: dg and dbeta of the K = 128 case exceed their bound on ~1 in 130 draws).

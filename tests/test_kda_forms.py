@@ -15,6 +15,7 @@ import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 from test_kda_parity import CASES, _one_thread  # noqa: F401 (_one_thread: autouse fixture)
 
+from tileport.ops.gdn import triton_kernels as gdn_kernels
 from tileport.ops.kda import triton_kernels as kk
 
 
@@ -22,4 +23,16 @@ from tileport.ops.kda import triton_kernels as kk
 def test_factored_diagonal(case_id, device, seed, monkeypatch):
     parity._backend_or_skip("triton", device)
     monkeypatch.setattr(kk, "DIAGONAL_FORM", "factored")
+    parity._run_and_check("triton", case_id, device, seed)
+
+
+# KDA's dqkwg takes its block of key columns from GDN's switch (DQKWG_KEY_BLOCK, `_key_split`):
+# the gate's cases with K > 32 in the other block.
+OTHER_DQKWG_KEY_BLOCK = {64: 32, 32: 64}[gdn_kernels.DQKWG_KEY_BLOCK]
+
+
+@pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c][3] > 32])
+def test_other_dqkwg_key_block(case_id, device, seed, monkeypatch):
+    parity._backend_or_skip("triton", device)
+    monkeypatch.setattr(gdn_kernels, "DQKWG_KEY_BLOCK", OTHER_DQKWG_KEY_BLOCK)
     parity._run_and_check("triton", case_id, device, seed)

@@ -1146,6 +1146,11 @@ _F32 = torch.float32
 # the whole [64, K] tiles in one block (sm_90a spills per thread at K = V = 128, 8 warps, tf32
 # products: docs/perf/gdn.md log row 17).
 WY_BWD_KEY_BLOCK = 64
+# dqkwg's block of key columns (BKS, `_key_split`; a power of two, >= 16): 64 (two blocks at K =
+# 128) or 32 (four: dQa, dKs, dW shrink to [64, 32], dS and dS^T are formed by twice as many
+# programs). sm_90a at K = V = 128, tf32 products on fp32 operands, 8 warps: spills per thread
+# 604 B at 64, 76 B at 32 (BV = 32: 56 B; 4 warps: 132 B). Off until timed (log row 23).
+DQKWG_KEY_BLOCK = 64
 _LAUNCH = {
     "dv_local": dict(num_warps=4),
     "dqkwg": dict(num_warps=8),
@@ -1409,9 +1414,12 @@ def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_
 
 
 def _key_split(K: int) -> tuple[int, int]:
-    """(BKS, NK): 9 works on blocks of BKS key columns, NK of them (see `_dqkwg_kernel`)."""
-    BK = _blocks(K, 1)[0]
-    BKS = min(BK, 64)
+    """(BKS, NK): 9 works on blocks of BKS key columns, NK of them (see `_dqkwg_kernel`;
+    DQKWG_KEY_BLOCK). GDN's and KDA's dqkwg alike, and 10 sums the NK partials of dG."""
+    block = DQKWG_KEY_BLOCK
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"DQKWG_KEY_BLOCK must be a power of two >= 16, got {block}")
+    BKS = min(_blocks(K, 1)[0], block)
     return BKS, cdiv(K, BKS)
 
 
