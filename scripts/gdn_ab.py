@@ -89,7 +89,8 @@ def rel(a, b):
 
 # the block form (8 warps: its 4-warp candidate spills), the tile form at tf32x3 (raw keys and the
 # backward's recompute) on 8 and 4 warps, and at one-pass tf32 (the forward's default with
-# normalised keys since df3acc3) and bf16 (its candidate, log row 16)
+# normalised keys df3acc3-b9a387e; the recompute's option, log row 22) and bf16 (the forward's
+# default since b9a387e, log row 16)
 if "solve" in SECTIONS:
     variants = [("blocks", "ieee", 8), ("tile", "tf32x3", 8), ("tile", "tf32x3", 4), ("tile", "tf32", 8),
                 ("tile", "tf32", 4), ("tile", "bf16", 8), ("tile", "bf16", 4)]  # tf32, bf16: NORMALISED_KEYS_PREC
@@ -202,7 +203,7 @@ if "states" in SECTIONS:
 
 # the whole forward in each form of stages 5+6 (STATES_FORM "auto" picks fused at S1, split at
 # B=1 T=32768) and each precision of stage 3 for normalised keys (NORMALISED_KEYS_PREC: tf32x3,
-# tf32 the default, bf16 the candidate), at S1 and at B=1 T=32768
+# tf32, bf16 the default since b9a387e), at S1 and at B=1 T=32768
 if "forward" in SECTIONS:
     print("\n== whole forward (SOLVE_FORM tile): STATES_FORM, NORMALISED_KEYS_PREC, L2NORM_K_FORM")
     tk.SOLVE_FORM = "tile"
@@ -240,8 +241,10 @@ if "forward" in SECTIONS:
         tk.WU_FORM, tk.NORMALISED_KEYS_PREC = DEFAULTS[5], DEFAULTS[2]
         # the defaults with G formed in stage 3 (log row 20) and T by the factored chain (row 21)
         tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[1:4]
-        for cumsum, chain in (("stage-2", "horner"), ("stage-3", "horner"), ("stage-2", "factored"),
-                              ("stage-3", "factored")):
+        # (G in stage 3 only where the states are fused: at S1, not B=1 T=32768 under "auto")
+        forms = ((("stage-2", "horner"), ("stage-3", "horner"), ("stage-2", "factored"), ("stage-3", "factored"))
+                 if tk.states_form(b_ * H) == "fused" else (("stage-2", "horner"), ("stage-2", "factored")))
+        for cumsum, chain in forms:
             tk.CUMSUM_FORM, tk.T_CHAIN = cumsum, chain
             o = fwd()
             ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from tileport.bench import OPS, _forcing
+from tileport.bench import OPS, _forcing, mode_step
 
 ap = argparse.ArgumentParser()
 ap.add_argument("ops", help="comma-separated op names")
@@ -45,10 +45,13 @@ def sync():
         torch.cuda.synchronize()
 
 
+TILEPORT_DIR = os.path.dirname(os.path.abspath(importlib.import_module("tileport").__file__))
+
+
 def where(filename: str) -> str:
-    if os.path.basename(filename) in ("perf.py", "host_profile.py"):
-        return "harness"  # the suites' system closures (torch's own calls live there) and this script
-    if os.sep + "tileport" + os.sep in filename:
+    if os.path.basename(filename) in ("perf.py", "bench.py", "host_profile.py"):
+        return "harness"  # the suites' system closures (torch's own calls live there), the step, this script
+    if os.path.abspath(filename).startswith(TILEPORT_DIR + os.sep):
         return "tileport"
     if os.sep + "triton" + os.sep in filename:
         return "triton"
@@ -64,7 +67,7 @@ def profile(run, n: int) -> tuple[dict, list]:
         run()
     prof.disable()
     sync()
-    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own, cumulative, callers)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own, cumulative, callers)
     groups: dict[str, float] = {}
     rows = []
     for (filename, line, name), (_cc, calls, own, _cum, _callers) in stats.items():
@@ -73,6 +76,28 @@ def profile(run, n: int) -> tuple[dict, list]:
         rows.append((own, g, f"{os.path.basename(filename)}:{line}({name})", calls))
     rows.sort(reverse=True)
     return {g: t / n * 1e3 for g, t in groups.items()}, [(o / n * 1e3, g, f, c / n) for o, g, f, c in rows[:8]]
+
+
+def report(op, shape, system, mode, fn, forced, inputs, leaves, grad_o):
+    run = mode_step(torch, mode, fn, forced, inputs, leaves, grad_o)
+    for _ in range(3):
+        run()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        run()
+        sync()
+    latency = (time.perf_counter() - t0) / 10 * 1e3
+    t0 = time.perf_counter()
+    for _ in range(args.calls):
+        run()
+    host = (time.perf_counter() - t0) / args.calls * 1e3
+    sync()
+    groups, top = profile(run, args.calls)
+    print(f"\n{op} {shape} {system} {mode}: latency {latency:.3f} ms, host {host:.3f} ms per call; "
+          "profiled own time per call: " + ", ".join(f"{g} {t:.3f}" for g, t in sorted(groups.items(), key=lambda x: -x[1])))
+    for own, g, f, calls in top:
+        print(f"    {own:7.3f} ms  {calls:5.1f}x  {g:10} {f}")
 
 
 for op in args.ops.split(","):
@@ -96,39 +121,10 @@ for op in args.ops.split(","):
             continue
         grad_o = torch.randn_like(out)
         for mode in args.modes.split(","):
-            if mode == "fwd":
-                def run():
-                    with torch.no_grad(), forced():
-                        fn(inputs)
-            elif mode == "fwdbwd":
-                def run():
-                    with forced():
-                        torch.autograd.grad(fn(inputs), leaves, grad_o, allow_unused=True)
-            else:
-                with forced():
-                    kept = fn(inputs)
-
-                def run(kept=kept):
-                    with forced():
-                        torch.autograd.grad(kept, leaves, grad_o, retain_graph=True, allow_unused=True)
-            for _ in range(3):
-                run()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                run()
-                sync()
-            latency = (time.perf_counter() - t0) / 10 * 1e3
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                run()
-            host = (time.perf_counter() - t0) / args.calls * 1e3
-            sync()
-            groups, top = profile(run, args.calls)
-            print(f"\n{op} {shape} {system} {mode}: latency {latency:.3f} ms, host {host:.3f} ms per call; "
-                  "profiled own time per call: " + ", ".join(f"{g} {t:.3f}" for g, t in sorted(groups.items(), key=lambda x: -x[1])))
-            for own, g, f, calls in top:
-                print(f"    {own:7.3f} ms  {calls:5.1f}x  {g:10} {f}")
+            try:
+                report(op, shape, system, mode, fn, forced, inputs, leaves, grad_o)
+            except Exception as exc:  # e.g. a backward the system refuses: say so, go on
+                print(f"{op} {system} {mode}: {type(exc).__name__}: {str(exc)[:150]}")
         del inputs, leaves, out, grad_o
         if gpu:
             torch.cuda.empty_cache()

@@ -2,13 +2,14 @@
 "measure", for Nsight Compute (issue 5 asks an ncu summary of the final kernels):
 
     ncu --nvtx --nvtx-include "measure/" --set basic --csv --page details \\
-        python3 scripts/ncu_op.py gdn triton [--mode fwd|fwdbwd] [--switch WU_FORM=split ...]
+        python3 scripts/ncu_op.py gdn triton [--mode fwd|fwdbwd] [--switch T_CHAIN=factored ...]
 
 Warm-up calls (compiling and autotuning, which launch every candidate) run before the range, so
 ncu profiles only the kernels of the measured call. `scripts/gpu-check ncu` runs it for GDN.
 """
 
 import argparse
+import ast
 import importlib
 
 import torch
@@ -30,7 +31,7 @@ if args.switch:
         if not hasattr(kernels, name):
             raise SystemExit(f"--switch: {kernels.__name__} has no {name}")
         old = getattr(kernels, name)
-        setattr(kernels, name, type(old)(value))
+        setattr(kernels, name, value if isinstance(old, str) else type(old)(ast.literal_eval(value)))
         print(f"{kernels.__name__}.{name} = {getattr(kernels, name)!r} (was {old!r})")
 inputs = suite.make_inputs(suite.STANDARD[0], torch.bfloat16, "cuda", torch)
 leaves = suite.differentiable(inputs)

@@ -189,17 +189,19 @@ def test_keys_normalised_elsewhere(case_id, form, device, seed, monkeypatch):
     _run_and_check("triton", case_id, device, seed)
 
 
-def _varlen_bf16_inputs(device, seed_value=11):
-    """varlen with an empty and a length-1 sequence, V = 80 (no column block divides it)"""
+def _varlen_bf16_inputs(device, seed_value=11, dtype=None, varlen=True):
+    """varlen with an empty and a length-1 sequence (or, varlen False, B = 2 of T = 100), V = 80
+    (no column block divides it); bf16 unless dtype says otherwise"""
     import torch
 
+    dtype = dtype or torch.bfloat16
     g = torch.Generator().manual_seed(seed_value)
-    T, H, K, V = 200, 2, 128, 80
-    q, k = (torch.randn(1, T, H, K, generator=g).bfloat16().to(device) for _ in range(2))
-    v = torch.randn(1, T, H, V, generator=g).bfloat16().to(device)
-    gate = torch.nn.functional.logsigmoid(torch.randn(1, T, H, generator=g)).to(device)
-    beta = torch.sigmoid(torch.randn(1, T, H, generator=g)).bfloat16().to(device)
-    cu = torch.tensor([0, 1, 64, 64, 130, 200], device=device)
+    B, T, H, K, V = (1, 200, 2, 128, 80) if varlen else (2, 100, 2, 128, 80)
+    q, k = (torch.randn(B, T, H, K, generator=g).to(dtype).to(device) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g).to(dtype).to(device)
+    gate = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=g)).to(device)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=g)).to(dtype).to(device)
+    cu = torch.tensor([0, 1, 64, 64, 130, 200], device=device) if varlen else None
     return q, k, v, gate, beta, cu
 
 
@@ -225,25 +227,65 @@ def _gate_case_in(case_id, device, seed, monkeypatch, **switches):
     _run_and_check("triton", case_id, device, seed)
 
 
-def _forward_in_each(switch, forms, device, monkeypatch, l2norm=True, gate_scale=1.0, seed_value=11, **fixed):
-    """{form: the fused forward's (o, final state)} on the same varlen inputs, one per form of `switch`."""
+def _forward_in_each(switch, forms, device, monkeypatch, l2norm=True, gate_scale=1.0, seed_value=11, dtype=None,
+                     varlen=True, **fixed):
+    """{form: the fused forward's (o, final state)} on the same inputs, one per form of `switch`,
+    with every buffer poisoned (an element a form leaves unwritten is NaN)."""
+    from tileport.testing import poisoned
+
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
     monkeypatch.setattr(tk, "STATES_FORM", "fused")
     for name, value in fixed.items():
         monkeypatch.setattr(tk, name, value)
-    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device, seed_value)
+    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device, seed_value, dtype, varlen)
     outs = {}
     for form in forms:
         monkeypatch.setattr(tk, switch, form)
-        outs[form] = tk.gdn_forward_triton(q, k, v, gate * gate_scale, beta, k.shape[-1] ** -0.5, None, True, l2norm, cu)
+        with poisoned():
+            outs[form] = tk.gdn_forward_triton(q, k, v, gate * gate_scale, beta, k.shape[-1] ** -0.5, None, True, l2norm,
+                                               cu)
     return outs
 
 
-def test_l2norm_k_forms_compute_the_same_values(device, monkeypatch):
+@pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "dense"])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_l2norm_k_forms_compute_the_same_values(dt, varlen, device, monkeypatch):
     # stage 3 stores the keys it normalised on load exactly as stage 1 would have: same forward
-    outs = _forward_in_each("L2NORM_K_FORM", ("stage-1", "stage-3"), device, monkeypatch)
+    import torch
+
+    outs = _forward_in_each("L2NORM_K_FORM", ("stage-1", "stage-3", "in-kernel"), device, monkeypatch,
+                            dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dt], varlen=varlen)
     _assert_same_forward(outs["stage-3"], outs["stage-1"], device)
+    _assert_same_forward(outs["in-kernel"], outs["stage-1"], device)
+
+
+def test_solve_stage_refuses_what_it_cannot_write(device):
+    # kn_out only with keys normalised in the kernel, g (stage 2 in stage 3) only in the tile form
+    import torch
+
+    _backend_or_skip("triton", device)
+    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
+    kf, vf, bf, gf = (x.reshape(-1, *x.shape[2:]).contiguous() for x in (k, v, beta, gate))
+    plan = tk.make_plan(1, kf.shape[0], cu, device)
+    G = tk.chunk_cumsum(gf, plan)
+    with pytest.raises(ValueError, match="kn_out"):
+        tk.chunk_solve_wu(kf, vf, bf, G, plan, compact=True, kn_out=torch.empty_like(kf))
+    with pytest.raises(ValueError, match="g needs the tile form"):
+        tk.chunk_solve_wu(kf.float(), vf.float(), bf.float(), G, plan, compact=True, g=gf)
+
+
+def test_split_wu_form_refuses_the_stage_3_forms(device, monkeypatch):
+    # WU_FORM "split" reads stage 1's keys and stage 2's G: with either made in stage 3 it would
+    # silently not run, so the forward refuses the pair
+    _backend_or_skip("triton", device)
+    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
+    monkeypatch.setattr(tk, "WU_FORM", "split")
+    for l2form, cumsum in (("stage-3", "stage-2"), ("stage-1", "stage-3")):
+        monkeypatch.setattr(tk, "L2NORM_K_FORM", l2form)
+        monkeypatch.setattr(tk, "CUMSUM_FORM", cumsum)
+        with pytest.raises(ValueError, match="WU_FORM 'split'"):
+            tk.gdn_forward_triton(q, k, v, gate, beta, k.shape[-1] ** -0.5, None, True, True, cu)
 
 
 # The gate's 16-bit cases with G formed in stage 3 (CUMSUM_FORM "stage-3"; only the fused forward
@@ -274,7 +316,7 @@ def test_other_t_chain(case_id, device, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("switch,value", [("T_CHAIN", "neumann"), ("CUMSUM_FORM", "stage-4"),
-                                          ("L2NORM_K_FORM", "stage-2")])
+                                          ("L2NORM_K_FORM", "stage-2"), ("WU_FORM", "triple")])
 def test_unknown_forward_form_is_refused(switch, value, device, monkeypatch):
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")

@@ -242,11 +242,17 @@ def test_grouped_gemm_each_autotune_candidate(index, device, seed, monkeypatch):
     from tileport.autotuning import configs
     from tileport.ops.grouped_gemm import triton_kernels as gk
 
-    monkeypatch.setattr(gk._grouped_gemm_kernel, "configs", configs([gk.GEMM_OPTIONS[index]]))
+    option = gk.GEMM_OPTIONS[index]
+    monkeypatch.setattr(gk._grouped_gemm_kernel, "configs", configs([option]))
     monkeypatch.setattr(gk._grouped_gemm_kernel, "cache", {})
+    ran = 0
     for dt in (torch.bfloat16, torch.float32):
+        if on_gpu() and not gk.candidate_fits(option, torch.finfo(dt).bits // 8):
+            continue  # too large for one CTA's shared memory: the autotuner prunes it for this dtype
         for shape in [((5, 0, 70, 1), 96, 40), ((130, 33), 64, 264)]:
             run_and_check("grouped_gemm", "triton", _gg_case(shape, dt, device), dt, seed)
+        ran += 1
+    assert ran, f"candidate {option} fits no dtype"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

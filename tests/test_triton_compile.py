@@ -44,8 +44,9 @@ FORMS = [
     # keys normalised on load (L2NORM_K_FORM, off: slower on the H200 at 667cd8c). 8 warps: at 4 (the
     # autotuner's pick on the H200) every tile variant spills, 204-444 B (sm_90a, 2026-11-29)
     ("tile-tf32-l2k", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32", eps=1e-6, L2NORM_K=True), 8, 0),
-    # the forward's default for normalised keys since df3acc3 (NORMALISED_KEYS_PREC = "tf32"), and
-    # its next candidate, the [64, 64] products in one bf16 pass (half the shared memory: 24 KB)
+    # the forward's precisions for normalised keys (NORMALISED_KEYS_PREC): one-pass tf32 (the
+    # default df3acc3-b9a387e) and the [64, 64] products in one bf16 pass (the default since b9a387e;
+    # half the shared memory: 24 KB)
     ("tile-tf32", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32"), 8, 0),
     ("tile-bf16", tk._solve_wu_tile_kernel.fn, dict(PREC="bf16"), 8, 0),
     # the forward's default since the seventh session: bf16 products, the raw keys normalised on load
@@ -57,7 +58,7 @@ FORMS = [
      dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True,
           g_ptr=T([Ntok, H], f32), CUMSUM_G=True), 4, 256),
     ("tile-bf16-l2k-store-factored", tk._solve_wu_tile_kernel.fn,
-     dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True, T_CHAIN="factored"), 4, 1024),
+     dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True, T_CHAIN="factored"), 4, 256),
 ]
 
 
@@ -76,10 +77,12 @@ def test_gdn_split_solve_compiles_for_sm90a():
         assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"
 
 
-# tf32 and bf16 are the forward's precisions only (the recompute keeps tf32x3): no recompute case
-SOLVE_CASES = [(f, backward) for f in FORMS for backward in (False, True)
-               if not (backward and f[0] in ("tile-tf32", "tile-bf16", "tile-bf16-l2k-store", "tile-bf16-l2k-store-cumsum",
-                                                   "tile-bf16-l2k-store-factored"))]
+# bf16 and the stage-3 normalisation are the forward's only; the recompute is compiled at tf32x3
+# (its default) and at one-pass tf32 ("tile-tf32": RECOMPUTE_NORMALISED_KEYS_PREC's option) and in
+# the factored T chain (T_CHAIN takes every tile-form call)
+FORWARD_ONLY = ("tile-bf16", "tile-bf16-l2k-store", "tile-bf16-l2k-store-cumsum", "tile-bf16-l2k-store-factored")
+FORMS.append(("tile-factored", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32x3", T_CHAIN="factored"), 8, 0))
+SOLVE_CASES = [(f, backward) for f in FORMS for backward in (False, True) if not (backward and f[0] in FORWARD_ONLY)]
 
 
 @pytest.mark.parametrize("form,backward", SOLVE_CASES,
@@ -250,22 +253,29 @@ def test_kda_backward_compiles_for_sm90a(case):
 # The grouped GEMM's autotune candidates (GEMM_OPTIONS) as the forward launches them (bf16, TMA
 # descriptors): each must lower to WGMMA and TMA for sm_90a, fit the CTA's shared memory and keep
 # its accumulator in registers.
+@pytest.mark.parametrize("dt", [bf, f32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("index", range(len(__import__("tileport.ops.grouped_gemm.triton_kernels",
                                                        fromlist=["GEMM_OPTIONS"]).GEMM_OPTIONS)))
-def test_grouped_gemm_candidates_compile_for_sm90a(index):
+def test_grouped_gemm_candidates_compile_for_sm90a(index, dt):
+    """... and `candidate_fits` (the autotuner's pruning) agrees with ptxas on which fit."""
     from tileport.ops.grouped_gemm import triton_kernels as gk
 
     o = gk.GEMM_OPTIONS[index]
     G, M, Kd, N = 8, 2048, 4096, 4096
-    args = dict(table_ptr=T([G, 5], torch.int64), tiles_ptr=T([G * M // 128, 2], idx), like_ptr=T([G * M, N], bf),
+    args = dict(table_ptr=T([G, 5], torch.int64), tiles_ptr=T([G * M // 128, 2], idx), like_ptr=T([G * M, N], dt),
                 Np=N, n_row_tiles=G * M // 128, ROWS_BUCKET=128, K_BUCKET=Kd, sam=Kd, sak=1, sbk=N, sbn=1, scm=N,
-                BM=gk._GPU_BLOCKS["BM"], BN=o["BN"], BK=o["BK"], USE_DESC=True, IEEE=False, UPCAST=False, A_T=False,
+                BM=gk._GPU_BLOCKS["BM"], BN=o["BN"], BK=o["BK"], USE_DESC=True, IEEE=dt == f32, UPCAST=False, A_T=False,
                 B_T=False, BAND=gk._GPU_BLOCKS["BAND"])
-    report = compile_case(CompileCase(f"grouped gemm {o}", gk._grouped_gemm_kernel.fn, args,
+    report = compile_case(CompileCase(f"grouped gemm {dt} {o}", gk._grouped_gemm_kernel.fn, args,
                                       num_warps=o["num_warps"], options={"num_stages": o["num_stages"]}))
     print(f"\n{report.summary()}")
     assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
-    assert "wgmma.mma_async" in report.ptx, "no WGMMA in the PTX"
+    fits = gk.candidate_fits(o, torch.finfo(dt).bits // 8)
+    assert report.shared is not None and (report.shared <= 227 * 1024) == fits, \
+        f"{report.shared} bytes of shared memory, candidate_fits says {fits}"
+    if not fits:
+        return  # pruned for this dtype: it never runs
+    if dt == bf:
+        assert "wgmma.mma_async" in report.ptx, "no WGMMA in the PTX"
     assert "cp.async.bulk.tensor" in report.ptx, "no TMA load in the PTX"
     assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"
-    assert report.shared is None or report.shared <= 227 * 1024, f"{report.shared} bytes of shared memory"

@@ -362,21 +362,7 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
                 nbytes, flops = suite.minimal_cost(shape, torch.finfo(dtype).bits // 8, mode)
                 floor_ms = max(nbytes / (ceilings["copy_tbps"] * 1e12), flops / (ceilings["matmul_tflops"] * 1e12)) * 1e3
                 try:
-                    if mode == "fwd":
-                        def run():
-                            with torch.no_grad(), forced():
-                                fn(inputs)
-                    elif mode == "fwdbwd":
-                        def run():
-                            with forced():
-                                torch.autograd.grad(fn(inputs), leaves, grad_o, allow_unused=True)
-                    else:
-                        with forced():
-                            out_keep = fn(inputs)
-
-                        def run():
-                            with forced():
-                                torch.autograd.grad(out_keep, leaves, grad_o, retain_graph=True, allow_unused=True)
+                    run = mode_step(torch, mode, fn, forced, inputs, leaves, grad_o)
                     t = time_ms(run, gpu)
                     # Graphs for the forward only: capturing an autograd backward failed for every
                     # system on the H200 and left torch's CUDA generator mid-capture, so that the
@@ -394,6 +380,28 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
         if gpu:
             torch.cuda.empty_cache()
     return rows
+
+
+def mode_step(torch, mode: str, fn, forced, inputs: dict, leaves: list, grad_o):
+    """The callable one timed step of `mode` runs: "fwd" under no_grad; "fwdbwd" the forward and
+    the gradients of grad_o; "bwd" the gradients alone, through a graph built once here and
+    retained."""
+    if mode == "fwd":
+        def run():
+            with torch.no_grad(), forced():
+                fn(inputs)
+    elif mode == "fwdbwd":
+        def run():
+            with forced():
+                torch.autograd.grad(fn(inputs), leaves, grad_o, allow_unused=True)
+    else:
+        with forced():
+            out_keep = fn(inputs)
+
+        def run():
+            with forced():
+                torch.autograd.grad(out_keep, leaves, grad_o, retain_graph=True, allow_unused=True)
+    return run
 
 
 def add_speedups(rows: list[dict]) -> None:

@@ -601,7 +601,7 @@ def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K", "WITH_WU",
-                                                            "STORE_KN", "CUMSUM_G"])
+                                                            "STORE_KN", "CUMSUM_G", "PREC", "T_CHAIN"])
 @triton.jit
 def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
@@ -1501,16 +1501,13 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
+    _check_forward_switches()
     if states_form(plan.N * H) == "fused":
         # stage 1 for k only when the kernels can't normalise it on load (L2NORM_K_FORM)
         form = L2NORM_K_FORM if use_qk_l2norm_in_kernel and solve_form(q.dtype, False) == "tile" else "stage-1"
         in_kernel = form == "in-kernel"
         kn = l2norm_fwd(kf) if use_qk_l2norm_in_kernel and form == "stage-1" else kf
-        if form not in L2NORM_K_FORMS:
-            raise ValueError(f"L2NORM_K_FORM {L2NORM_K_FORM!r}: forms are {L2NORM_K_FORMS}")
         kn_out = new_empty(kf.shape, kf.dtype, kf.device) if form == "stage-3" else None
-        if CUMSUM_FORM not in CUMSUM_FORMS:
-            raise ValueError(f"CUMSUM_FORM {CUMSUM_FORM!r}: forms are {CUMSUM_FORMS}")
         in_stage3 = CUMSUM_FORM == "stage-3" and solve_form(q.dtype, False) == "tile"
         G = new_empty(tuple(gf.shape), torch.float64, gf.device) if in_stage3 else chunk_cumsum(gf, plan)
         _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=use_qk_l2norm_in_kernel,
@@ -1523,6 +1520,18 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
                                                       output_final_state, for_backward=False)
     o = chunk_output(q_raw, kn, G, h, vn, scale, plan, q.dtype, l2norm_q=use_qk_l2norm_in_kernel)
     return o.view(B, T, H, V), ht
+
+
+def _check_forward_switches() -> None:
+    """Refuse a forward form the switches do not know, or two that cannot go together (instead of
+    one of them silently not taking effect)."""
+    for name, value, forms in (("L2NORM_K_FORM", L2NORM_K_FORM, L2NORM_K_FORMS), ("CUMSUM_FORM", CUMSUM_FORM, CUMSUM_FORMS),
+                               ("T_CHAIN", T_CHAIN, T_CHAINS), ("WU_FORM", WU_FORM, ("fused", "split"))):
+        if value not in forms:
+            raise ValueError(f"{name} {value!r}: forms are {forms}")
+    if WU_FORM == "split" and (L2NORM_K_FORM != "stage-1" or CUMSUM_FORM != "stage-2"):
+        raise ValueError(f"WU_FORM 'split' reads the keys stage 1 normalised and the G stage 2 formed: it needs "
+                         f"L2NORM_K_FORM 'stage-1' and CUMSUM_FORM 'stage-2' (got {L2NORM_K_FORM!r}, {CUMSUM_FORM!r})")
 
 
 # The forward's stages 5 and 6: "split" (`_states_kernel` stores h and Vn, `_output_kernel` reads

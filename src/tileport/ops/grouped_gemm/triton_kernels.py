@@ -35,8 +35,10 @@ from tileport.triton_rows import _interpreting, ensure_descriptor_allocator
 # The row tile and the band are fixed on the host (the tile table is built from BM); the column
 # tile, the depth of a K step and the pipeline are autotuned on the card (`GEMM_OPTIONS`, first
 # one: the form the H200 bench timed at 14963d1, 1.070 ms forward at G=8 M=2048 K=N=4096 against
-# torch's loop of matmuls at 0.844). Shared memory per candidate (bf16, BM = 128): stages x (BM +
-# BN) x BK x 2 bytes plus the output tile's BM x BN x 2 for the TMA store, all under sm_90's 227 KB.
+# torch's loop of matmuls at 0.844). Shared memory per candidate: stages x (BM + BN) x BK
+# elements (the output tile reuses it; ptxas's figure, checked in tests/test_triton_compile.py),
+# under sm_90's 227 KB per CTA: every candidate in 16 bits, only the first in fp32
+# (`candidate_fits`; the autotuner never compiles the others for fp32).
 _GPU_BLOCKS = dict(BM=128, BAND=8)
 _INTERPRETER_BLOCKS = dict(BM=64, BAND=2)  # BAND 2: bands and a ragged last band in small tests
 GEMM_OPTIONS = (
@@ -46,6 +48,20 @@ GEMM_OPTIONS = (
     dict(BN=128, BK=128, num_warps=8, num_stages=3),  # 192 + 32 KB: half as many K steps
 )
 INTERPRETER_GEMM_OPTIONS = (dict(BN=64, BK=64, num_warps=4, num_stages=1),)
+_SHARED_MEMORY_LIMIT = 227 * 1024  # bytes per CTA on sm_90
+
+
+def candidate_fits(option: dict, element_size: int, BM: int | None = None) -> bool:
+    """Whether a candidate's operand pipeline fits one CTA's shared memory on sm_90."""
+    BM = BM or _GPU_BLOCKS["BM"]
+    return option["num_stages"] * (BM + option["BN"]) * option["BK"] * element_size <= _SHARED_MEMORY_LIMIT
+
+
+def _prune_to_fitting(configs, named_args, **kwargs):
+    """The autotuner's candidates that fit for this call's element size (at least the first)."""
+    size = named_args["like_ptr"].element_size()
+    kept = [c for c in configs if candidate_fits(dict(c.kwargs, num_stages=c.num_stages), size, kwargs.get("BM"))]
+    return kept or configs[:1]
 _PREFER_DESCRIPTORS = True
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -76,8 +92,9 @@ def _mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.autotune(configs=tuned(INTERPRETER_GEMM_OPTIONS if interpreter_enabled() else GEMM_OPTIONS),
-                 key=["Np", "ROWS_BUCKET", "K_BUCKET", "USE_DESC", "IEEE", "A_T", "B_T"])
-@triton.jit
+                 key=["Np", "ROWS_BUCKET", "K_BUCKET", "USE_DESC", "IEEE", "A_T", "B_T"],
+                 prune_configs_by={"early_config_prune": _prune_to_fitting})
+@triton.jit(do_not_specialize=["ROWS_BUCKET", "K_BUCKET"])
 def _grouped_gemm_kernel(
     table_ptr, tiles_ptr, like_ptr, Np, n_row_tiles, ROWS_BUCKET, K_BUCKET, sam, sak, sbk, sbn, scm,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_DESC: tl.constexpr, IEEE: tl.constexpr,
