@@ -135,7 +135,7 @@ def test_unknown_recompute_precision_is_refused(device, monkeypatch):
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
     monkeypatch.setattr(tk, "RECOMPUTE_NORMALISED_KEYS_PREC", "bf16")
-    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
+    q, k, v, gate, beta, cu = _form_inputs(device)
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
     o, _ = tileport.chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     with pytest.raises(ValueError, match="RECOMPUTE_NORMALISED_KEYS_PREC"):
@@ -189,7 +189,7 @@ def test_keys_normalised_elsewhere(case_id, form, device, seed, monkeypatch):
     _run_and_check("triton", case_id, device, seed)
 
 
-def _varlen_bf16_inputs(device, seed_value=11, dtype=None, varlen=True):
+def _form_inputs(device, seed_value=11, dtype=None, varlen=True):
     """varlen with an empty and a length-1 sequence (or, varlen False, B = 2 of T = 100), V = 80
     (no column block divides it); bf16 unless dtype says otherwise"""
     import torch
@@ -238,7 +238,7 @@ def _forward_in_each(switch, forms, device, monkeypatch, l2norm=True, gate_scale
     monkeypatch.setattr(tk, "STATES_FORM", "fused")
     for name, value in fixed.items():
         monkeypatch.setattr(tk, name, value)
-    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device, seed_value, dtype, varlen)
+    q, k, v, gate, beta, cu = _form_inputs(device, seed_value, dtype, varlen)
     outs = {}
     for form in forms:
         monkeypatch.setattr(tk, switch, form)
@@ -265,7 +265,7 @@ def test_solve_stage_refuses_what_it_cannot_write(device):
     import torch
 
     _backend_or_skip("triton", device)
-    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
+    q, k, v, gate, beta, cu = _form_inputs(device)
     kf, vf, bf, gf = (x.reshape(-1, *x.shape[2:]).contiguous() for x in (k, v, beta, gate))
     plan = tk.make_plan(1, kf.shape[0], cu, device)
     G = tk.chunk_cumsum(gf, plan)
@@ -279,7 +279,7 @@ def test_split_wu_form_refuses_the_stage_3_forms(device, monkeypatch):
     # WU_FORM "split" reads stage 1's keys and stage 2's G: with either made in stage 3 it would
     # silently not run, so the forward refuses the pair
     _backend_or_skip("triton", device)
-    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
+    q, k, v, gate, beta, cu = _form_inputs(device)
     monkeypatch.setattr(tk, "WU_FORM", "split")
     for l2form, cumsum in (("stage-3", "stage-2"), ("stage-1", "stage-3")):
         monkeypatch.setattr(tk, "L2NORM_K_FORM", l2form)
@@ -322,7 +322,7 @@ def test_unknown_forward_form_is_refused(switch, value, device, monkeypatch):
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
     monkeypatch.setattr(tk, "STATES_FORM", "fused")
     monkeypatch.setattr(tk, switch, value)
-    q, k, v, gate, beta, cu = _varlen_bf16_inputs(device)
+    q, k, v, gate, beta, cu = _form_inputs(device)
     with pytest.raises(ValueError, match=switch):
         tk.gdn_forward_triton(q, k, v, gate, beta, k.shape[-1] ** -0.5, None, True, True, cu)
 

@@ -189,18 +189,31 @@ BACKWARD_STAGES = ("keys", "states", "dv_local", "dstates", "dqkwg", "wy_bwd")
 _BACKWARD_FORMS = ("bf16", "tf32", "bf16x3")
 
 
+def _checked(name: str, value, forms, what: str = "forms"):
+    """value, if it is one of the switch `name`'s forms; a ValueError naming them otherwise."""
+    if value not in forms:
+        raise ValueError(f"{name} {value!r}: {what} are {tuple(forms)}")
+    return value
+
+
+def _emulated_here(prec: str) -> str:
+    """prec as this machine runs it: "tf32" / "bf16x3" are formed explicitly under the
+    interpreter ("...-emulated"), whose tl.dot ignores input_precision."""
+    return prec + "-emulated" if prec in ("tf32", "bf16x3") and interpreter_enabled() else prec
+
+
 def _products(dtype: torch.dtype, for_backward: bool = False, stage: str | None = None) -> tuple:
     """(DT, DA, PREC) for a kernel's matmuls on inputs of `dtype`: `_dot_types` (the rounding of
     every plain tl.dot's operands) and the precision PREC of the products that go through `_mm`:
     "ieee" (rounded like the rest) in the forward and for fp32 inputs; BACKWARD_PRODUCTS ("tf32"
     or "bf16x3") in the backward of 16-bit inputs ("...-emulated" under the interpreter, whose
     tl.dot ignores input_precision and would multiply fp32 operands exactly)."""
-    prec = BACKWARD_PRODUCTS_BY_STAGE.get(stage, BACKWARD_PRODUCTS)
-    if prec not in _BACKWARD_FORMS or not set(BACKWARD_PRODUCTS_BY_STAGE) <= set(BACKWARD_STAGES):
-        raise ValueError(f"BACKWARD_PRODUCTS {BACKWARD_PRODUCTS!r} / BACKWARD_PRODUCTS_BY_STAGE "
-                         f"{BACKWARD_PRODUCTS_BY_STAGE!r}: forms are {_BACKWARD_FORMS}, stages {BACKWARD_STAGES}")
+    for name in BACKWARD_PRODUCTS_BY_STAGE:
+        _checked("BACKWARD_PRODUCTS_BY_STAGE", name, BACKWARD_STAGES, what="stages")
+    prec = _checked("BACKWARD_PRODUCTS" if stage not in BACKWARD_PRODUCTS_BY_STAGE else "BACKWARD_PRODUCTS_BY_STAGE",
+                    BACKWARD_PRODUCTS_BY_STAGE.get(stage, BACKWARD_PRODUCTS), _BACKWARD_FORMS)
     if for_backward and dtype != torch.float32 and prec in ("bf16x3", "tf32"):
-        return (*_dot_types(dtype), prec + "-emulated" if interpreter_enabled() else prec)
+        return (*_dot_types(dtype), _emulated_here(prec))
     return (*_dot_types(dtype), "ieee")
 
 
@@ -594,7 +607,7 @@ def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
         r = tl.dot(_op(a, DT, DA), _op(b, DT, DA), input_precision="ieee")
     elif PREC == "tf32-emulated":
         r = tl.dot(_tf32_truncated(a), _tf32_truncated(b), input_precision="ieee")
-    else:
+    else:  # not through `_mm`: its rounding casts, no-ops here, cost this kernel spills (ptxas, sm_90a)
         r = tl.dot(a, b, input_precision=PREC)
     return r
 
@@ -1255,11 +1268,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
             if compact and not store_T:  # the forward
                 prec = NORMALISED_KEYS_PREC
             elif store_T and exact_wu:  # the backward's recompute
-                prec = RECOMPUTE_NORMALISED_KEYS_PREC
-                if prec not in ("tf32x3", "tf32"):
-                    raise ValueError(f"RECOMPUTE_NORMALISED_KEYS_PREC {prec!r}: forms are 'tf32x3', 'tf32'")
-            if prec == "tf32" and interpreter_enabled():
-                prec = "tf32-emulated"  # the interpreter's tl.dot ignores input_precision
+                prec = _checked("RECOMPUTE_NORMALISED_KEYS_PREC", RECOMPUTE_NORMALISED_KEYS_PREC, ("tf32x3", "tf32"))
+            prec = _emulated_here(prec) if prec == "tf32" else prec
         if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):
             # 3a: T alone, in bf16 as W and U's products read it; 3b: W and U in column blocks
             Tb = new_empty((Ntok, H, BT), inter, k.device)
@@ -1416,10 +1426,7 @@ def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_
 def _key_split(K: int) -> tuple[int, int]:
     """(BKS, NK): 9 works on blocks of BKS key columns, NK of them (see `_dqkwg_kernel`;
     DQKWG_KEY_BLOCK). GDN's and KDA's dqkwg alike, and 10 sums the NK partials of dG."""
-    block = DQKWG_KEY_BLOCK
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"DQKWG_KEY_BLOCK must be a power of two >= 16, got {block}")
-    BKS = min(_blocks(K, 1)[0], block)
+    BKS = _key_block("DQKWG_KEY_BLOCK", DQKWG_KEY_BLOCK, _blocks(K, 1)[0])
     return BKS, cdiv(K, BKS)
 
 
@@ -1441,11 +1448,15 @@ def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_d
     return _done(dq, dq_dtype), dk, dw, dG
 
 
-def _wy_key_block(BK: int) -> int:
-    block = WY_BWD_KEY_BLOCK
+def _key_block(name: str, block: int, BK: int) -> int:
+    """A kernel's block of key columns from the switch `name`: a power of two >= 16, at most BK."""
     if block < 16 or block & (block - 1):
-        raise ValueError(f"WY_BWD_KEY_BLOCK must be a power of two >= 16, got {block}")
+        raise ValueError(f"{name} must be a power of two >= 16, got {block}")
     return min(BK, block)
+
+
+def _wy_key_block(BK: int) -> int:
+    return _key_block("WY_BWD_KEY_BLOCK", WY_BWD_KEY_BLOCK, BK)
 
 
 def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
@@ -1525,10 +1536,10 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
 def _check_forward_switches() -> None:
     """Refuse a forward form the switches do not know, or two that cannot go together (instead of
     one of them silently not taking effect)."""
-    for name, value, forms in (("L2NORM_K_FORM", L2NORM_K_FORM, L2NORM_K_FORMS), ("CUMSUM_FORM", CUMSUM_FORM, CUMSUM_FORMS),
-                               ("T_CHAIN", T_CHAIN, T_CHAINS), ("WU_FORM", WU_FORM, ("fused", "split"))):
-        if value not in forms:
-            raise ValueError(f"{name} {value!r}: forms are {forms}")
+    _checked("L2NORM_K_FORM", L2NORM_K_FORM, L2NORM_K_FORMS)
+    _checked("CUMSUM_FORM", CUMSUM_FORM, CUMSUM_FORMS)
+    _checked("WU_FORM", WU_FORM, ("fused", "split"))
+    _t_chain()
     if WU_FORM == "split" and (L2NORM_K_FORM != "stage-1" or CUMSUM_FORM != "stage-2"):
         raise ValueError(f"WU_FORM 'split' reads the keys stage 1 normalised and the G stage 2 formed: it needs "
                          f"L2NORM_K_FORM 'stage-1' and CUMSUM_FORM 'stage-2' (got {L2NORM_K_FORM!r}, {CUMSUM_FORM!r})")
@@ -1582,9 +1593,7 @@ T_CHAIN = "horner"
 
 
 def _t_chain() -> str:
-    if T_CHAIN not in T_CHAINS:
-        raise ValueError(f"T_CHAIN {T_CHAIN!r}: forms are {T_CHAINS}")
-    return T_CHAIN
+    return _checked("T_CHAIN", T_CHAIN, T_CHAINS)
 
 
 def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
