@@ -51,19 +51,19 @@ def inputs(normalised: bool):
     return k.to(torch.bfloat16), v, beta, tk.chunk_cumsum(g, plan)
 
 
-def launch(form, prec, warps, backward, k, v, beta, G, per_sm=0, stages=1):
+def launch(form, prec, warps, backward, k, v, beta, G):
     inter = torch.float32 if backward else torch.bfloat16
     Ai = torch.empty(Ntok, H, 64, device=dev) if backward else None
     w = torch.empty(Ntok, H, K, device=dev, dtype=inter)
     u = torch.empty(Ntok, H, V, device=dev, dtype=inter)
-    grid = (max(1, min(plan.NC, per_sm * tk._sm_count(dev) // H)), H) if per_sm else (plan.NC, H)
-    common = (k, v, beta, G, Ai if backward else w, w, u, plan.chunks, H, plan.NC, K, V, BK, BV, NV, 64, DT, DA)
+    grid = (plan.NC, H)
+    common = (k, v, beta, G, Ai if backward else w, w, u, plan.chunks, H, K, V, BK, BV, NV, 64, DT, DA)
     if form == "blocks":
         fn = lambda: tk._solve_wu_kernel.fn[grid](*common, False, backward, backward,  # noqa: E731
                                                    num_warps=warps, num_stages=1)
     else:
         fn = lambda: tk._solve_wu_tile_kernel.fn[grid](*common, prec, backward, backward,  # noqa: E731
-                                                        PER_SM=per_sm, num_warps=warps, num_stages=stages)
+                                                        num_warps=warps, num_stages=1)
     fn()
     if dev == "cuda":
         torch.cuda.synchronize()
@@ -92,25 +92,21 @@ def rel(a, b):
 # normalised keys df3acc3-b9a387e; the recompute's option, log row 22) and bf16 (the forward's
 # default since b9a387e, log row 16)
 if "solve" in SECTIONS:
-    # (form, prec, warps, persistent programs per SM, pipeline stages): the persistent tile form
-    # (PER_SM > 0, log row 24) overlaps the next chunk's loads with this one's solve
-    variants = [("blocks", "ieee", 8, 0, 1), ("tile", "tf32x3", 8, 0, 1), ("tile", "tf32x3", 4, 0, 1),
-                ("tile", "tf32", 8, 0, 1), ("tile", "tf32", 4, 0, 1), ("tile", "bf16", 8, 0, 1), ("tile", "bf16", 4, 0, 1),
-                ("tile", "bf16", 4, 2, 2), ("tile", "bf16", 4, 1, 2), ("tile", "bf16", 4, 1, 3),
-                ("tile", "tf32x3", 4, 2, 2), ("tile", "tf32x3", 4, 1, 2)]  # tf32, bf16: NORMALISED_KEYS_PREC
+    variants = [("blocks", "ieee", 8), ("tile", "tf32x3", 8), ("tile", "tf32x3", 4), ("tile", "tf32", 8),
+                ("tile", "tf32", 4), ("tile", "bf16", 8), ("tile", "bf16", 4)]  # tf32, bf16: NORMALISED_KEYS_PREC
     for normalised in (True, False):
         k, v, beta, G = inputs(normalised)
         Tref = t_reference(k, beta, G)
         print(f"\n== keys {'l2-normalised' if normalised else 'raw N(0,1)'}; |T| max {Tref.abs().max().item():.3g}")
         for backward in (False, True):
             base = None
-            for form, prec, warps, per_sm, stages in variants:
+            for form, prec, warps in variants:
                 if backward and prec == "bf16":
                     continue  # the forward's option only: the recompute keeps tf32x3 (T is stored)
                 try:
-                    fn, Ai, w, u = launch(form, prec, warps, backward, k, v, beta, G, per_sm, stages)
+                    fn, Ai, w, u = launch(form, prec, warps, backward, k, v, beta, G)
                 except Exception as exc:  # a candidate that fails to compile or launch is a result
-                    print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w {per_sm}/SM {stages}st: FAILED {type(exc).__name__}: {str(exc)[:150]}")
+                    print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:150]}")
                     continue
                 ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
                 acc = ""
@@ -121,7 +117,7 @@ if "solve" in SECTIONS:
                     base = (w, u)
                 else:
                     acc += f" W vs blocks {rel(w, base[0]):.2e} U vs blocks {rel(u, base[1]):.2e}"
-                print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w {per_sm}/SM {stages}st: {ms:.3f} ms{acc}", flush=True)
+                print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: {ms:.3f} ms{acc}", flush=True)
 
 
 # stage 6: the output kernel's forms, on the forward's own intermediates

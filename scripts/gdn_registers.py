@@ -41,9 +41,8 @@ def cases():
         for store_T, w_t in ((False, fwd_inter), (True, inter)):
             yield f"solve_wu_tile store_T={store_T} {o}", tk._solve_wu_tile_kernel.fn, o, dict(
                 k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], dt), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
-                w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), chunks_ptr=T([2 * NC], idx), NC=NC, V=V, BV=BV, NV=NV,
-                PREC="ieee" if dt == torch.float32 else "tf32x3", STORE_T=store_T, EXACT_WU=store_T,
-                PER_SM=o["PER_SM"], **common)
+                w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV,
+                PREC="ieee" if dt == torch.float32 else "tf32x3", STORE_T=store_T, EXACT_WU=store_T, **common)
     for o in tk.STATES_OPTIONS:
         for w_t, fuse, l2k in ((fwd_inter, False, False), (inter, False, False), (fwd_inter, True, False),
                                (fwd_inter, True, True)):

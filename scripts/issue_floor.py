@@ -56,7 +56,7 @@ for pc, G in ((False, T([Ntok, H], f64)), (True, tok(K, f64))):
             eps=1e-6, HAS_H0=False, STORE_FINAL=False, PER_CHANNEL=False, FUSE_OUTPUT=True, L2NORM_Q=True, **common),
             4, N * H * (V // 32), loop=NC // N)
 report("gdn solve_wu tile 8w", tk._solve_wu_tile_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(K),
-        w_ptr=tok(K), u_ptr=tok(V), chunks_ptr=T([2 * NC], idx), NC=NC, V=V, BV=BV, NV=NV, PREC="tf32x3", STORE_T=False, EXACT_WU=False, **common), 8, NC * H)
+        w_ptr=tok(K), u_ptr=tok(V), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV, PREC="tf32x3", STORE_T=False, EXACT_WU=False, **common), 8, NC * H)
 report("gdn output BV128 8w", tk._output_kernel.fn, dict(q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V), o_ptr=tok(V),
         chunks_ptr=T([2 * NC], idx), NC=NC, scale=0.1, eps=1e-6, V=V, BV=128, L2NORM_Q=True, PER_SM=0, **common), 8, NC * H)
 for factored in (False, True):  # factored: both branches are in the PTX, so its count is an upper bound
@@ -82,5 +82,5 @@ report("gdn solve_wu blocks recompute 8w", tk._solve_wu_kernel.fn, dict(k_ptr=to
     G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], idx), V=V, BV=BV,
     NV=NV, PER_CHANNEL=False, STORE_T=True, EXACT_WU=True, **common), 8, NC * H)
 report("gdn solve_wu tile recompute 8w", tk._solve_wu_tile_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf),
-    G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], idx), NC=NC, V=V, BV=BV,
+    G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], idx), V=V, BV=BV,
     NV=NV, PREC="tf32x3", STORE_T=True, EXACT_WU=True, **common), 8, NC * H)

@@ -28,13 +28,13 @@ Ntok, H, NC, K, V = 32768, 16, 512, 128, 128
 bf, f32, f64, idx = torch.bfloat16, torch.float32, torch.float64, torch.int32  # plan tensors as on a GPU
 
 
-def _args(backward: bool, tile: bool = True) -> dict:
+def _args(backward: bool) -> dict:
     inter = f32 if backward else bf  # the backward's recompute stores fp32 W/U and T
     BK, BV, NV = tk._blocks(K, V)
     return dict(k_ptr=T([Ntok, H, K], bf), v_ptr=T([Ntok, H, V], bf), beta_ptr=T([Ntok, H], bf),
                 G_ptr=T([Ntok, H], f64), Ai_ptr=T([Ntok, H, 64], f32), w_ptr=T([Ntok, H, K], inter),
                 u_ptr=T([Ntok, H, V], inter), chunks_ptr=T([2 * NC], idx), H=H, K=K, V=V, BK=BK, BV=BV, NV=NV,
-                BT=64, DT=tl.bfloat16, DA=tl.bfloat16, STORE_T=backward, EXACT_WU=backward, **(dict(NC=NC) if tile else {}))
+                BT=64, DT=tl.bfloat16, DA=tl.bfloat16, STORE_T=backward, EXACT_WU=backward)
 
 
 # (name, kernel, extra args, warps, spill bound in bytes per thread for the forward form)
@@ -90,29 +90,12 @@ SOLVE_CASES = [(f, backward) for f in FORMS for backward in (False, True) if not
 def test_gdn_solve_wu_compiles_for_sm90a(form, backward):
     name, fn, extra, warps, max_spills = form
     report = compile_case(CompileCase(f"gdn solve_wu {name} {'recompute' if backward else 'forward'}", fn,
-                                      dict(_args(backward, fn is not tk._solve_wu_kernel.fn), **extra), num_warps=warps, options={"num_stages": 1}))
+                                      dict(_args(backward), **extra), num_warps=warps, options={"num_stages": 1}))
     print(f"\n{report.summary()}")
     assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
     assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
     if not backward and report.n_spills is not None:
         assert report.n_spills <= max_spills, f"{report.n_spills} bytes of spills ({report.n_regs} registers)"
-
-
-def test_gdn_persistent_solve_pipelines_its_loads():
-    """The persistent tile solve (SOLVE_WU_TILE_OPTIONS with PER_SM > 0) in the forward's default
-    form: the next chunk's k and v must load asynchronously (cp.async) under this one's solve,
-    which is the form's only reason to exist; and it must fit two CTAs' shared memory per SM."""
-    persistent = [o for o in tk.SOLVE_WU_TILE_OPTIONS if o["PER_SM"] and o["num_stages"] > 1]
-    assert persistent, "no pipelined persistent candidate"
-    args = dict(_args(False), PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True)
-    for o in persistent:
-        report = compile_case(CompileCase(f"gdn solve_wu tile persistent {o}", tk._solve_wu_tile_kernel.fn,
-                                          dict(args, PER_SM=o["PER_SM"]), num_warps=o["num_warps"],
-                                          options={"num_stages": o["num_stages"]}))
-        print(f"\n{report.summary()}")
-        assert "cp.async" in report.ptx, "the persistent form's loads are not pipelined"
-        assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
-        assert report.shared is not None and report.shared * max(2, o["PER_SM"]) <= 227 * 1024, report.summary()
 
 
 # KDA's per-channel kernels in both diagonal forms (DIAGONAL_FORM): the factored path's run-time
@@ -132,7 +115,7 @@ def test_kda_kernels_compile_for_sm90a(factored):
 
     out = compile_case(CompileCase(f"kda output {'factored' if factored else 'exact'}", kk._kda_output_kernel,
                                    _kda_output_args(factored), num_warps=4, options={"num_stages": 1}))
-    solve_args = dict(_args(False, tile=False), G_ptr=T([Ntok, H, K], f64), PER_CHANNEL=True, FACTORED_DIAGONAL=factored)
+    solve_args = dict(_args(False), G_ptr=T([Ntok, H, K], f64), PER_CHANNEL=True, FACTORED_DIAGONAL=factored)
     solve = compile_case(CompileCase(f"kda solve_wu {'factored' if factored else 'exact'}", tk._solve_wu_kernel.fn,
                                      solve_args, num_warps=8, options={"num_stages": 1}))
     for report in (out, solve):

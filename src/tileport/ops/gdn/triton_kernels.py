@@ -594,13 +594,7 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
 
 
 
-# PER_SM = 0: one chunk per program; PER_SM > 0: PER_SM persistent programs per SM striding over
-# the chunks, the next chunk's k and v loaded (num_stages - 1 deep) while this one's solve runs
-# (see `_solve_wu_tile_kernel`). At S1 the one-shot form ran 2 CTAs per SM at 255 registers with
-# nothing to overlap its loads with (ncu at aeda491: latency-bound, 2.7x its memory floor).
-SOLVE_WU_TILE_OPTIONS = (dict(PER_SM=0, num_warps=8, num_stages=1), dict(PER_SM=0, num_warps=4, num_stages=1),
-                         dict(PER_SM=2, num_warps=4, num_stages=2), dict(PER_SM=1, num_warps=4, num_stages=2),
-                         dict(PER_SM=1, num_warps=4, num_stages=3), dict(PER_SM=1, num_warps=8, num_stages=2))
+SOLVE_WU_TILE_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1))
 
 
 @triton.jit
@@ -622,19 +616,14 @@ def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
 @triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K", "WITH_WU",
                                                             "STORE_KN", "CUMSUM_G", "PREC", "T_CHAIN"])
 @triton.jit
-def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H, NC,
+def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                           BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr,
                           STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, eps=1e-6, L2NORM_K: tl.constexpr = False,
                           WITH_WU: tl.constexpr = True, kn_ptr=None, STORE_KN: tl.constexpr = False,
-                          g_ptr=None, CUMSUM_G: tl.constexpr = False, T_CHAIN: tl.constexpr = "horner",
-                          PER_SM: tl.constexpr = 0):
+                          g_ptr=None, CUMSUM_G: tl.constexpr = False, T_CHAIN: tl.constexpr = "horner"):
     """3, the same T, W and U as `_solve_wu_kernel` (scalar gates only), in whole [64, 64] tiles
-    rather than a chain of 16x16 blocks, for the chunks 0 .. NC of head program_id(1); grid
-    (programs, H): PER_SM = 0, one chunk per program (programs = NC); PER_SM > 0, persistent,
-    PER_SM programs per SM (`chunk_solve_wu` sizes the grid) striding over the chunks, so the
-    next chunk's k and v (32 KB at K = V = 128) load while this one's dependent chain of products
-    runs: the config's num_stages is the depth of that software pipeline.
+    rather than a chain of 16x16 blocks; grid (NC, H).
 
     A = strict_lower(diag(beta) (K K^T * Gam)) is one [64, K] x [K, 64] product. Its four
     diagonal 16x16 blocks are taken out as a batch [4, 16, 16] (a reshape to [4, 16, 4, 16] and a
@@ -658,30 +647,8 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     them, and stage 1's kernel is not launched). CUMSUM_G: stage 2 here too (CUMSUM_FORM
     "stage-3"): G is the in-chunk cumulative sum of the raw gates at g_ptr, formed as
     `_cumsum_kernel` forms it and stored to G_ptr for the states kernel. WITH_WU = False (WU_FORM
-    "split"): T alone, stored (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U.
-    Explicit where Triton would take one program per tile: the persistence and the pipeline, chosen
-    by the autotuner against the one-shot form."""
-    if PER_SM == 0:  # not a one-trip loop: that form cost the one-shot kernel 200 B more spills (sm_90a)
-        _solve_wu_tile_chunk(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H, tl.program_id(0), K, V,
-                             BK, BV, NV, BT, DT, DA, PREC, STORE_T, EXACT_WU, eps, L2NORM_K, WITH_WU, kn_ptr, STORE_KN,
-                             g_ptr, CUMSUM_G, T_CHAIN)
-    else:
-        for item in tl.range(tl.program_id(0), NC, tl.num_programs(0)):
-            _solve_wu_tile_chunk(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H, item, K, V, BK, BV,
-                                 NV, BT, DT, DA, PREC, STORE_T, EXACT_WU, eps, L2NORM_K, WITH_WU, kn_ptr, STORE_KN, g_ptr,
-                                 CUMSUM_G, T_CHAIN)
-
-
-# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
-@triton.jit
-def _solve_wu_tile_chunk(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H, item,
-                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                         BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr,
-                         STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, eps, L2NORM_K: tl.constexpr,
-                         WITH_WU: tl.constexpr, kn_ptr, STORE_KN: tl.constexpr, g_ptr, CUMSUM_G: tl.constexpr,
-                         T_CHAIN: tl.constexpr):
-    """`_solve_wu_tile_kernel`'s work for one chunk (`item`) of head program_id(1)."""
-    c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, item)
+    "split"): T alone, stored (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U."""
+    c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, tl.program_id(0))
     NB: tl.constexpr = BT // 16
     tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
     b = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
@@ -1303,25 +1270,20 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
             elif store_T and exact_wu:  # the backward's recompute
                 prec = _checked("RECOMPUTE_NORMALISED_KEYS_PREC", RECOMPUTE_NORMALISED_KEYS_PREC, ("tf32x3", "tf32"))
             prec = _emulated_here(prec) if prec == "tf32" else prec
-        def grid(meta):
-            if meta["PER_SM"]:  # persistent: PER_SM programs per SM over all heads
-                return (max(1, min(plan.NC, meta["PER_SM"] * _sm_count(k.device) // H)), H)
-            return (plan.NC, H)
-
         if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):
             # 3a: T alone, in bf16 as W and U's products read it; 3b: W and U in column blocks
             Tb = new_empty((Ntok, H, BT), inter, k.device)
-            _solve_wu_tile_kernel[grid](k, v, beta, G, Tb, w, u, plan.chunks, H, plan.NC, K, V, BK, BV, NV, BT, DT, DA,
-                                        prec, True, False, L2NORM_EPS, False, False, T_CHAIN=_t_chain())
+            _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Tb, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA,
+                                                prec, True, False, L2NORM_EPS, False, False, T_CHAIN=_t_chain())
             for x, out, gated in ((k, w, True), (v, u, False)):
                 D = x.shape[-1]
                 BC = min(64, max(16, next_pow2(D)))
                 _wu_from_t_kernel[(plan.NC * cdiv(D, BC), H)](Tb, x, beta, G, out, plan.chunks, H, D, BC, cdiv(D, BC),
                                                               BT, DT, DA, gated, **WU_FROM_T_LAUNCH)
             return Ai, w, u
-        _solve_wu_tile_kernel[grid](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, plan.NC, K, V, BK, BV,
-                                    NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k, True,
-                                    kn_out, kn_out is not None, g, g is not None, _t_chain())
+        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
+                                            NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k, True,
+                                            kn_out, kn_out is not None, g, g is not None, _t_chain())
     else:
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
                                        DT, DA, G.dim() == 3, store_T, exact_wu, factored_diagonal and G.dim() == 3)
