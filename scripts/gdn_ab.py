@@ -233,12 +233,12 @@ if "forward" in SECTIONS:
         tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[1:4]
         for wu_form, prec in (("fused", "tf32"), ("split", "tf32"), ("fused", "bf16"), ("split", "bf16")):
             tk.WU_FORM, tk.NORMALISED_KEYS_PREC = wu_form, prec
-            tk.L2NORM_K_FORM = "stage-1"  # the split form takes normalised keys only
+            tk.L2NORM_K_FORM, tk.CUMSUM_FORM = "stage-1", "stage-2"  # the split form takes stages 1 and 2's outputs
             o = fwd()
             ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
             print(f"forward B={b_} T={t_} defaults, WU_FORM {wu_form} prec={prec:6}: {ms:.3f} ms, "
                   f"vs the first {rel(o, base):.2e}", flush=True)
-        tk.WU_FORM, tk.NORMALISED_KEYS_PREC = DEFAULTS[5], DEFAULTS[2]
+        tk.WU_FORM, tk.NORMALISED_KEYS_PREC, tk.CUMSUM_FORM = DEFAULTS[5], DEFAULTS[2], DEFAULTS[6]
         # the defaults with G formed in stage 3 (log row 20) and T by the factored chain (row 21)
         tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[1:4]
         # (G in stage 3 only where the states are fused: at S1, not B=1 T=32768 under "auto")

@@ -82,7 +82,7 @@ def cases():
 
 
 for name, fn, launch, args in cases():
-    opts = {"num_stages": launch["num_stages"]} if "num_stages" in launch else {}
+    opts = {k: launch[k] for k in ("num_stages", "maxnreg") if k in launch}
     try:
         r = compile_case(CompileCase(name, fn, args, num_warps=launch.get("num_warps", 4), options=opts))
         print(f"{r.summary()}")

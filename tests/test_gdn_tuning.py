@@ -288,8 +288,9 @@ def test_split_wu_form_refuses_the_stage_3_forms(device, monkeypatch):
             tk.gdn_forward_triton(q, k, v, gate, beta, k.shape[-1] ** -0.5, None, True, True, cu)
 
 
-# The gate's 16-bit cases with G formed in stage 3 (CUMSUM_FORM "stage-3"; only the fused forward
-# takes it, so the states are fused here), and the two forms' forwards compared value for value.
+# The gate's 16-bit cases with G formed by the other CUMSUM_FORM (stage 2's kernel or stage 3's tile
+# solve; only the fused forward takes "stage-3", so the states are fused here), and the two forms'
+# forwards compared value for value.
 OTHER_CUMSUM_FORM = {"stage-2": "stage-3", "stage-3": "stage-2"}[tk.CUMSUM_FORM]
 
 
@@ -335,10 +336,12 @@ OTHER_WU_FORM = {"fused": "split", "split": "fused"}[tk.WU_FORM]
 @pytest.mark.parametrize("case_id", SIXTEEN_BIT_CASES)
 def test_other_wu_form(case_id, device, seed, monkeypatch):
     # the split form takes normalised keys only, so stage 1 normalises them
-    _gate_case_in(case_id, device, seed, monkeypatch, WU_FORM=OTHER_WU_FORM, L2NORM_K_FORM="stage-1")
+    _gate_case_in(case_id, device, seed, monkeypatch, WU_FORM=OTHER_WU_FORM, L2NORM_K_FORM="stage-1",
+                  CUMSUM_FORM="stage-2")
 
 
 def test_wu_forms_compute_the_same_values(device, monkeypatch):
     # the same roundings in both forms (normalised keys; the split form takes them from stage 1)
-    outs = _forward_in_each("WU_FORM", ("fused", "split"), device, monkeypatch, L2NORM_K_FORM="stage-1")
+    outs = _forward_in_each("WU_FORM", ("fused", "split"), device, monkeypatch, L2NORM_K_FORM="stage-1",
+                            CUMSUM_FORM="stage-2")
     _assert_same_forward(outs["fused"], outs["split"], device)

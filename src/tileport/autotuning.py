@@ -16,8 +16,10 @@ from tileport.dispatch import interpreter_enabled
 
 def configs(options) -> list:
     """triton.Config for each candidate dict."""
-    return [triton.Config({k: v for k, v in o.items() if k not in ("num_warps", "num_stages")},
-                          num_warps=o["num_warps"], num_stages=o["num_stages"]) for o in options]
+    launch = ("num_warps", "num_stages", "maxnreg")  # maxnreg: a register cap per thread (ptxas), for occupancy
+    return [triton.Config({k: v for k, v in o.items() if k not in launch},
+                          num_warps=o["num_warps"], num_stages=o["num_stages"], maxnreg=o.get("maxnreg"))
+            for o in options]
 
 
 def tuned(options) -> list:

@@ -261,7 +261,10 @@ def _sm_count(device) -> int:
 SOLVE_WU_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1))
 STATES_OPTIONS = (dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
                   dict(BV=64, num_warps=4, num_stages=2), dict(BV=32, num_warps=4, num_stages=2),
-                  dict(BV=64, num_warps=8, num_stages=2), dict(BV=16, num_warps=4, num_stages=2))
+                  dict(BV=64, num_warps=8, num_stages=2), dict(BV=16, num_warps=4, num_stages=2),
+                  # three CTAs per SM by a register cap (284 B of spills, sm_90a, the fused form): the
+                  # per-chunk chain is latency-bound at two (ncu at aeda491), log row 25
+                  dict(BV=32, num_warps=4, num_stages=1, maxnreg=168))
 # the reverse recurrence of the backward: 4 warps spill 160 B at K = V = 128 (sm_90a), 8 none; no
 # pipelining (its fp32 tiles at 2 stages would not leave room in shared memory)
 DSTATES_OPTIONS = (dict(BV=64, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
@@ -594,7 +597,10 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
 
 
 
-SOLVE_WU_TILE_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1))
+# the last: three CTAs per SM by a register cap (sm_90a, the forward's form: 668 B of spills
+# against 136 uncapped); the uncapped kernel is latency-bound at two (ncu at aeda491), log row 25
+SOLVE_WU_TILE_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1),
+                         dict(num_warps=4, num_stages=1, maxnreg=168))
 
 
 @triton.jit
@@ -1328,9 +1334,11 @@ NORMALISED_KEYS_PREC = "bf16"
 # in fp32, EXACT_WU), when the keys are l2-normalised: "tf32x3" or one-pass "tf32". H200,
 # gdn_ab.py at aeda491, S1, normalised keys: 1.441 ms at tf32x3 (4 warps) against 0.921 at tf32,
 # T within 4.6e-6 (normwise) of a float64 inverse at tf32 (4.7e-9 at tf32x3), W and U within
-# 4e-4 of the exact block form (raw N(0, 1) keys: 4.7e-3 for T, why they keep tf32x3). Off until
-# the gradients' precision and the backward's time are measured with it (log row 22).
-RECOMPUTE_NORMALISED_KEYS_PREC = "tf32x3"
+# 4e-4 of the exact block form (raw N(0, 1) keys: 4.7e-3 for T, why they keep tf32x3). "tf32"
+# since the H200 A/B at 7abdb74 (log row 22): whole backward at S1 11.785 ms against 12.420, the
+# gradients within 4.0e-3 of the bf16-products backward (tf32x3: 3.8e-3); CPU: 40 fresh draws of
+# each l2-normalised 16-bit gate case within 0.358 of their bounds.
+RECOMPUTE_NORMALISED_KEYS_PREC = "tf32"
 
 
 def solve_form(dtype: torch.dtype, per_channel: bool) -> str:
@@ -1578,9 +1586,10 @@ L2NORM_K_FORM = "stage-3"
 # Where the fused forward forms G, the gates' in-chunk sums: "stage-2" (`_cumsum_kernel`, its own
 # launch: 13 us under ncu at S1, aeda491) or "stage-3" (the tile solve sums the raw gates as it
 # loads them, the same fp64 sum, and stores G for the states kernel: one launch fewer). The same
-# G either way: bitwise-equal forwards under the interpreter. Off until timed (log row 20).
+# G either way: bitwise-equal forwards under the interpreter. "stage-3" since the H200 A/B at
+# 7abdb74 (log row 20): whole forward at S1 0.957 ms against 0.996.
 CUMSUM_FORMS = ("stage-2", "stage-3")
-CUMSUM_FORM = "stage-2"
+CUMSUM_FORM = "stage-3"
 
 # How the tile form of stage 3 finishes T from M = D A_off (every tile-form call, forward and the
 # backward's recompute): "horner", T = D - M (D - M (D - M D)), three dependent [64, 64] products
