@@ -142,6 +142,16 @@ def test_unknown_recompute_precision_is_refused(device, monkeypatch):
         torch.autograd.grad(o, leaves, torch.ones_like(o))
 
 
+# The same cases with the forward's inverses of the diagonal 16x16 blocks in the other precision
+# (NORMALISED_KEYS_DIAG_PREC: fp32 "ieee" or one-pass "tf32", emulated as above).
+OTHER_DIAG_PREC = {"ieee": "tf32", "tf32": "ieee"}[tk.NORMALISED_KEYS_DIAG_PREC]
+
+
+@pytest.mark.parametrize("case_id", L2_SIXTEEN_BIT_CASES)
+def test_other_diagonal_inverse_precision_with_normalised_keys(case_id, device, seed, monkeypatch):
+    _gate_case_in(case_id, device, seed, monkeypatch, NORMALISED_KEYS_DIAG_PREC=OTHER_DIAG_PREC)
+
+
 # Every case of the frozen gate with dqkwg in the other block of key columns (DQKWG_KEY_BLOCK: 64
 # or 32; K = 48 and 64 then take two blocks, K = 128 four), and a block it cannot take refused.
 OTHER_DQKWG_KEY_BLOCK = {64: 32, 32: 64}[tk.DQKWG_KEY_BLOCK]
@@ -317,7 +327,8 @@ def test_other_t_chain(case_id, device, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("switch,value", [("T_CHAIN", "neumann"), ("CUMSUM_FORM", "stage-4"),
-                                          ("L2NORM_K_FORM", "stage-2"), ("WU_FORM", "triple")])
+                                          ("L2NORM_K_FORM", "stage-2"), ("WU_FORM", "triple"),
+                                          ("NORMALISED_KEYS_DIAG_PREC", "bf16")])
 def test_unknown_forward_form_is_refused(switch, value, device, monkeypatch):
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")

@@ -16,7 +16,7 @@ from tileport.dispatch import interpreter_enabled
 
 def configs(options) -> list:
     """triton.Config for each candidate dict."""
-    launch = ("num_warps", "num_stages", "maxnreg")  # maxnreg: a register cap per thread (ptxas), for occupancy
+    launch = ("num_warps", "num_stages", "maxnreg")  # maxnreg: a cap on registers per thread (ptxas), for occupancy
     return [triton.Config({k: v for k, v in o.items() if k not in launch},
                           num_warps=o["num_warps"], num_stages=o["num_stages"], maxnreg=o.get("maxnreg"))
             for o in options]

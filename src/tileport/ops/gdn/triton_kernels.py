@@ -262,9 +262,9 @@ SOLVE_WU_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stage
 STATES_OPTIONS = (dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
                   dict(BV=64, num_warps=4, num_stages=2), dict(BV=32, num_warps=4, num_stages=2),
                   dict(BV=64, num_warps=8, num_stages=2), dict(BV=16, num_warps=4, num_stages=2),
-                  # three CTAs per SM by a register cap (284 B of spills, sm_90a, the fused form): the
-                  # per-chunk chain is latency-bound at two (ncu at aeda491), log row 25
-                  dict(BV=32, num_warps=4, num_stages=1, maxnreg=168))
+                  # one program per (sequence, head): the chunk-level work of the fused form (q's norms,
+                  # the gated keys, Q K^T and its mask) done once instead of once per V block (log row 26)
+                  dict(BV=128, num_warps=8, num_stages=1))
 # the reverse recurrence of the backward: 4 warps spill 160 B at K = V = 128 (sm_90a), 8 none; no
 # pipelining (its fp32 tiles at 2 stages would not leave room in shared memory)
 DSTATES_OPTIONS = (dict(BV=64, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
@@ -389,19 +389,20 @@ def _cumsum_kernel(g_ptr, G_ptr, chunks_ptr, H, BT: tl.constexpr,
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
-def _unit_lower_inverse16(N, eye):
+def _unit_lower_inverse16(N, eye, PREC: tl.constexpr = "ieee"):
     """(I + N)^-1 for strictly lower triangular 16x16 fp32 N ([16, 16], or a batch [B, 16, 16]
     with eye shaped alike), by doubling: (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), exact
     because N^16 = 0. Six dependent 16x16 products instead of the 15 row steps of forward
     substitution (each a shuffle of the tile through shared memory): the chain's latency is what
-    the solve kernel waited on (H200 profile, 2026-11-29). All products fp32 "ieee"."""
-    N2 = tl.dot(N, N, input_precision="ieee")
-    N4 = tl.dot(N2, N2, input_precision="ieee")
-    N8 = tl.dot(N4, N4, input_precision="ieee")
+    the solve kernel waited on (H200 profile, 2026-11-29). The products at PREC: fp32 "ieee" (on FMA
+    units), or "tf32" / "tf32-emulated" (tensor cores; `_mm`)."""
+    N2 = _mm(N, N, PREC, tl.float32, tl.float32)
+    N4 = _mm(N2, N2, PREC, tl.float32, tl.float32)
+    N8 = _mm(N4, N4, PREC, tl.float32, tl.float32)
     P = eye - N
-    P += tl.dot(P, N2, input_precision="ieee")
-    P += tl.dot(P, N4, input_precision="ieee")
-    P += tl.dot(P, N8, input_precision="ieee")
+    P += _mm(P, N2, PREC, tl.float32, tl.float32)
+    P += _mm(P, N4, PREC, tl.float32, tl.float32)
+    P += _mm(P, N8, PREC, tl.float32, tl.float32)
     return P
 
 
@@ -597,10 +598,11 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
 
 
 
-# the last: three CTAs per SM by a register cap (sm_90a, the forward's form: 668 B of spills
-# against 136 uncapped); the uncapped kernel is latency-bound at two (ncu at aeda491), log row 25
+# the last two: three and four CTAs per SM by a cap on registers; with the diagonal inverses on
+# tensor cores (NORMALISED_KEYS_DIAG_PREC "tf32") the forward's form needs 184 registers uncapped,
+# 64 B of spills at 168 and 152 B at 128 (sm_90a, 4 warps; log row 26)
 SOLVE_WU_TILE_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1),
-                         dict(num_warps=4, num_stages=1, maxnreg=168))
+                         dict(num_warps=4, num_stages=1, maxnreg=168), dict(num_warps=4, num_stages=1, maxnreg=128))
 
 
 @triton.jit
@@ -620,14 +622,15 @@ def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K", "WITH_WU",
-                                                            "STORE_KN", "CUMSUM_G", "PREC", "T_CHAIN"])
+                                                            "STORE_KN", "CUMSUM_G", "PREC", "T_CHAIN", "DIAG_PREC"])
 @triton.jit
 def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                           BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr,
                           STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, eps=1e-6, L2NORM_K: tl.constexpr = False,
                           WITH_WU: tl.constexpr = True, kn_ptr=None, STORE_KN: tl.constexpr = False,
-                          g_ptr=None, CUMSUM_G: tl.constexpr = False, T_CHAIN: tl.constexpr = "horner"):
+                          g_ptr=None, CUMSUM_G: tl.constexpr = False, T_CHAIN: tl.constexpr = "horner",
+                          DIAG_PREC: tl.constexpr = "ieee"):
     """3, the same T, W and U as `_solve_wu_kernel` (scalar gates only), in whole [64, 64] tiles
     rather than a chain of 16x16 blocks; grid (NC, H).
 
@@ -677,7 +680,7 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     Ad = tl.sum(tl.where(same, tl.reshape(A, [NB, 16, NB, 16]), 0.0), 2)  # [NB, 16, 16]
     r16 = tl.arange(0, 16)
     eye16 = tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)
-    Dd = _unit_lower_inverse16(Ad, tl.broadcast_to(eye16[None, :, :], [NB, 16, 16]))
+    Dd = _unit_lower_inverse16(Ad, tl.broadcast_to(eye16[None, :, :], [NB, 16, 16]), DIAG_PREC)
     D = tl.reshape(tl.where(same, tl.reshape(Dd, [NB, 16, 1, 16]), 0.0), [BT, BT])
     M = _tile_dot(D, tl.where((r[:, None] // 16) > (r[None, :] // 16), A, 0.0), PREC, DT, DA)
     if T_CHAIN == "factored":
@@ -1276,11 +1279,16 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
             elif store_T and exact_wu:  # the backward's recompute
                 prec = _checked("RECOMPUTE_NORMALISED_KEYS_PREC", RECOMPUTE_NORMALISED_KEYS_PREC, ("tf32x3", "tf32"))
             prec = _emulated_here(prec) if prec == "tf32" else prec
+        diag_prec = "ieee"  # the diagonal blocks' inverse: exact but for the forward's normalised keys
+        if compact and not store_T and (keys_normalised or l2norm_k) and dtype != torch.float32:
+            diag_prec = _checked("NORMALISED_KEYS_DIAG_PREC", NORMALISED_KEYS_DIAG_PREC, ("ieee", "tf32"))
+            diag_prec = _emulated_here(diag_prec) if diag_prec == "tf32" else diag_prec
         if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):
             # 3a: T alone, in bf16 as W and U's products read it; 3b: W and U in column blocks
             Tb = new_empty((Ntok, H, BT), inter, k.device)
             _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Tb, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA,
-                                                prec, True, False, L2NORM_EPS, False, False, T_CHAIN=_t_chain())
+                                                prec, True, False, L2NORM_EPS, False, False, T_CHAIN=_t_chain(),
+                                                DIAG_PREC=diag_prec)
             for x, out, gated in ((k, w, True), (v, u, False)):
                 D = x.shape[-1]
                 BC = min(64, max(16, next_pow2(D)))
@@ -1289,7 +1297,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
             return Ai, w, u
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
                                             NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k, True,
-                                            kn_out, kn_out is not None, g, g is not None, _t_chain())
+                                            kn_out, kn_out is not None, g, g is not None, _t_chain(), diag_prec)
     else:
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
                                        DT, DA, G.dim() == 3, store_T, exact_wu, factored_diagonal and G.dim() == 3)
@@ -1329,6 +1337,13 @@ WU_FROM_T_LAUNCH = dict(num_warps=4, num_stages=1)
 # 1.4e-4 (normwise) of the tf32x3 forward (tf32: 1.0e-4); the interpreter rounds as the GPU does,
 # so the CPU gate tests this precision.
 NORMALISED_KEYS_PREC = "bf16"
+
+# The same forward's inverses of the four diagonal 16x16 blocks of (I + A) (`_unit_lower_inverse16`,
+# six dependent batched products): "ieee" (fp32 on FMA units: 768 FFMA per thread, the largest part
+# of the kernel's instructions) or "tf32" (tensor cores, one pass; the interpreter truncates as
+# `_mm` does). sm_90a, the forward's default form at 4 warps: "ieee" 255 registers, 136 B of
+# spills, 3752 instructions; "tf32" 184 registers, no spills, 2816 (log row 26).
+NORMALISED_KEYS_DIAG_PREC = "ieee"
 
 # The same for the backward's recompute of stage 3 (T stored in fp32, W and U from fp32 operands
 # in fp32, EXACT_WU), when the keys are l2-normalised: "tf32x3" or one-pass "tf32". H200,
