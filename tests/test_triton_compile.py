@@ -53,10 +53,16 @@ FORMS = [
     # and stored for the states kernel (L2NORM_K_FORM "stage-3"), at 4 warps, the H200's pick
     ("tile-bf16-l2k-store", tk._solve_wu_tile_kernel.fn,
      dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True), 4, 256),
-    # and with the gates' in-chunk sums formed there too (CUMSUM_FORM "stage-3", off)
+    # and with the gates' in-chunk sums formed there too (CUMSUM_FORM "stage-3", the default since
+    # the eighth session), with the diagonal inverses in fp32 ...
     ("tile-bf16-l2k-store-cumsum", tk._solve_wu_tile_kernel.fn,
      dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True,
           g_ptr=T([Ntok, H], f32), CUMSUM_G=True), 4, 256),
+    # ... and on tensor cores (NORMALISED_KEYS_DIAG_PREC "tf32", the default since then: the
+    # forward's stage 3 as it runs; 184 registers and no spills on 2026-11-30)
+    ("tile-bf16-l2k-store-cumsum-diag-tf32", tk._solve_wu_tile_kernel.fn,
+     dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True,
+          g_ptr=T([Ntok, H], f32), CUMSUM_G=True, DIAG_PREC="tf32"), 4, 0),
     ("tile-bf16-l2k-store-factored", tk._solve_wu_tile_kernel.fn,
      dict(PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True, T_CHAIN="factored"), 4, 256),
 ]
@@ -80,7 +86,8 @@ def test_gdn_split_solve_compiles_for_sm90a():
 # bf16 and the stage-3 normalisation are the forward's only; the recompute is compiled at tf32x3
 # (its default) and at one-pass tf32 ("tile-tf32": RECOMPUTE_NORMALISED_KEYS_PREC's option) and in
 # the factored T chain (T_CHAIN takes every tile-form call)
-FORWARD_ONLY = ("tile-bf16", "tile-bf16-l2k-store", "tile-bf16-l2k-store-cumsum", "tile-bf16-l2k-store-factored")
+FORWARD_ONLY = ("tile-bf16", "tile-bf16-l2k-store", "tile-bf16-l2k-store-cumsum", "tile-bf16-l2k-store-factored",
+                "tile-bf16-l2k-store-cumsum-diag-tf32")
 FORMS.append(("tile-factored", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32x3", T_CHAIN="factored"), 8, 0))
 SOLVE_CASES = [(f, backward) for f in FORMS for backward in (False, True) if not (backward and f[0] in FORWARD_ONLY)]
 
@@ -96,6 +103,23 @@ def test_gdn_solve_wu_compiles_for_sm90a(form, backward):
     assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
     if not backward and report.n_spills is not None:
         assert report.n_spills <= max_spills, f"{report.n_spills} bytes of spills ({report.n_regs} registers)"
+
+
+def test_gdn_capped_solve_candidates_fit_their_cap():
+    """The register-capped candidates of the tile solve (SOLVE_WU_TILE_OPTIONS with maxnreg), in
+    the forward's form as it runs: they exist for occupancy, which only holds if ptxas keeps the
+    kernel within the cap, and they were timed (log row 26) at 64 B of spills, not more."""
+    capped = [o for o in tk.SOLVE_WU_TILE_OPTIONS if o.get("maxnreg")]
+    assert capped, "no capped candidate"
+    args = dict(_args(False), PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True,
+                g_ptr=T([Ntok, H], f32), CUMSUM_G=True, DIAG_PREC="tf32")
+    for o in capped:
+        report = compile_case(CompileCase(f"gdn solve_wu tile capped {o}", tk._solve_wu_tile_kernel.fn, args,
+                                          num_warps=o["num_warps"],
+                                          options={"num_stages": o["num_stages"], "maxnreg": o["maxnreg"]}))
+        print(f"\n{report.summary()}")
+        assert report.n_regs is not None and report.n_regs <= o["maxnreg"], report.summary()
+        assert report.n_spills is not None and report.n_spills <= 96, report.summary()
 
 
 # KDA's per-channel kernels in both diagonal forms (DIAGONAL_FORM): the factored path's run-time

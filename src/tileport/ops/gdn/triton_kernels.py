@@ -261,10 +261,7 @@ def _sm_count(device) -> int:
 SOLVE_WU_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1))
 STATES_OPTIONS = (dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
                   dict(BV=64, num_warps=4, num_stages=2), dict(BV=32, num_warps=4, num_stages=2),
-                  dict(BV=64, num_warps=8, num_stages=2), dict(BV=16, num_warps=4, num_stages=2),
-                  # one program per (sequence, head): the chunk-level work of the fused form (q's norms,
-                  # the gated keys, Q K^T and its mask) done once instead of once per V block (log row 26)
-                  dict(BV=128, num_warps=8, num_stages=1))
+                  dict(BV=64, num_warps=8, num_stages=2), dict(BV=16, num_warps=4, num_stages=2))
 # the reverse recurrence of the backward: 4 warps spill 160 B at K = V = 128 (sm_90a), 8 none; no
 # pipelining (its fp32 tiles at 2 stages would not leave room in shared memory)
 DSTATES_OPTIONS = (dict(BV=64, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
@@ -389,7 +386,7 @@ def _cumsum_kernel(g_ptr, G_ptr, chunks_ptr, H, BT: tl.constexpr,
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
-def _unit_lower_inverse16(N, eye, PREC: tl.constexpr = "ieee"):
+def _unit_lower_inverse16(N, eye, PREC: tl.constexpr):
     """(I + N)^-1 for strictly lower triangular 16x16 fp32 N ([16, 16], or a batch [B, 16, 16]
     with eye shaped alike), by doubling: (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), exact
     because N^16 = 0. Six dependent 16x16 products instead of the 15 row steps of forward
@@ -546,7 +543,7 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
                 kk = tl.dot(_op(ki, DT, DA), tl.trans(_op(km, DT, DA)), input_precision="ieee")
                 gam = tl.exp(tl.where(msk, (gs[i][:, None] - gs[m][None, :]).to(tl.float32), float("-inf")))  # 0 off the mask
                 A_row = A_row + (kk * bs[i] * gam,)
-        Tii = _unit_lower_inverse16(A_row[i], tl.where(r[:, None] == r[None, :], 1.0, 0.0))
+        Tii = _unit_lower_inverse16(A_row[i], tl.where(r[:, None] == r[None, :], 1.0, 0.0), "ieee")
         for j in tl.static_range(i):
             acc = tl.dot(A_row[j], Ts[(j * (j + 1)) // 2 + j], input_precision="ieee")
             for m in tl.static_range(j + 1, i):
@@ -598,11 +595,12 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
 
 
 
-# the last two: three and four CTAs per SM by a cap on registers; with the diagonal inverses on
-# tensor cores (NORMALISED_KEYS_DIAG_PREC "tf32") the forward's form needs 184 registers uncapped,
-# 64 B of spills at 168 and 152 B at 128 (sm_90a, 4 warps; log row 26)
+# the last: three CTAs per SM by a cap on registers. With the diagonal inverses on tensor cores
+# (NORMALISED_KEYS_DIAG_PREC "tf32") the forward's form needs 184 registers uncapped and spills 64 B
+# at 168 (sm_90a, 4 warps); on the H200 (fab5903, log row 26) it is then the fastest, 0.306 ms at
+# S1 against 0.375 uncapped (a cap at 128, four CTAs, 0.328; with fp32 inverses every cap lost).
 SOLVE_WU_TILE_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1),
-                         dict(num_warps=4, num_stages=1, maxnreg=168), dict(num_warps=4, num_stages=1, maxnreg=128))
+                         dict(num_warps=4, num_stages=1, maxnreg=168))
 
 
 @triton.jit
@@ -1342,8 +1340,11 @@ NORMALISED_KEYS_PREC = "bf16"
 # six dependent batched products): "ieee" (fp32 on FMA units: 768 FFMA per thread, the largest part
 # of the kernel's instructions) or "tf32" (tensor cores, one pass; the interpreter truncates as
 # `_mm` does). sm_90a, the forward's default form at 4 warps: "ieee" 255 registers, 136 B of
-# spills, 3752 instructions; "tf32" 184 registers, no spills, 2816 (log row 26).
-NORMALISED_KEYS_DIAG_PREC = "ieee"
+# spills, 3752 instructions; "tf32" 184 registers, no spills, 2816. "tf32" since the H200 run at
+# fab5903 (log row 26): stage 3 0.457 -> 0.306 ms, the whole forward 0.971 -> 0.817 ms at S1 and
+# 1.738 -> 1.571 at B=1 T=32768, o within 7e-5 (normwise) of the fp32 inverses'; CPU: the gate's
+# l2-normalised 16-bit cases at the same fraction of their bounds over 10 fresh draws each.
+NORMALISED_KEYS_DIAG_PREC = "tf32"
 
 # The same for the backward's recompute of stage 3 (T stored in fp32, W and U from fp32 operands
 # in fp32, EXACT_WU), when the keys are l2-normalised: "tf32x3" or one-pass "tf32". H200,
