@@ -2,8 +2,9 @@
 
     python scripts/results_table.py [record.json ...]
 
-Without arguments: for each op and mode, the newest GPU record that times it side by side with a
-baseline (an fla or torch row), one table per record.
+Without arguments: for each op, shape and mode, the newest GPU record that times it side by side
+with a baseline (an fla or torch row), one table per record holding only the rows it is the newest
+for (so a re-measured op is not shown twice).
 """
 
 import glob
@@ -42,32 +43,54 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def default_records() -> list[str]:
+def _key(r: dict) -> tuple:
+    return r["op"], json.dumps(r.get("shape") or {}, sort_keys=True), r.get("mode")
+
+
+def default_records() -> dict[str, set]:
+    """{path: the (op, shape, mode) keys it shows}, oldest record first. The records: for each op
+    and mode, the newest GPU record that times it beside a baseline (an fla or torch row); each
+    then shows only the (op, shape, mode) keys that no newer one of them times."""
     newest: dict[tuple, tuple[str, str]] = {}  # (op, mode) -> (date, path)
+    keys_of: dict[str, set] = {}
     for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")):
         rec = json.load(open(p))
         if not rec.get("gpu"):
             continue
         ok = [r for r in rec["rows"] if r.get("status") == "ok"]
-        for op in {(r["op"], r["mode"]) for r in ok if r["system"] in ("fla", "torch")}:
+        keys_of[p] = {_key(r) for r in ok if r["system"] in ("fla", "torch")}
+        for op, _, mode in keys_of[p]:
             when = rec["machine"].get("date", "")
-            if op not in newest or when > newest[op][0]:
-                newest[op] = (when, p)
-    return sorted({p for _, p in newest.values()}, key=lambda p: json.load(open(p))["machine"].get("date", ""))
+            if (op, mode) not in newest or when > newest[(op, mode)][0]:
+                newest[(op, mode)] = (when, p)
+    chosen = sorted({p for _, p in newest.values()}, key=lambda p: json.load(open(p))["machine"].get("date", ""))
+    owned: dict[str, set] = {}
+    for i, p in enumerate(chosen):
+        later = set().union(*(keys_of[q] for q in chosen[i + 1:]))
+        owned[p] = keys_of[p] - later
+    return owned
 
 
-def only_ops(rec: dict, ops: set[str]) -> dict:
-    return dict(rec, rows=[r for r in rec["rows"] if r["op"] in ops])
+def owned_rows(rec: dict, keys: set) -> dict:
+    """rec with only the rows of the (op, shape, mode) keys it owns, and the rows without a mode
+    (a system that refuses the op at that shape) of the (op, shape) pairs it owns."""
+    pairs = {(op, shape) for op, shape, _ in keys}
+    return dict(rec, rows=[r for r in rec["rows"] if _key(r) in keys
+                           or (r.get("mode") is None and _key(r)[:2] in pairs)
+                           or (r.get("status") != "ok" and _key(r)[:2] in pairs)])
+
 
 
 def main() -> int:
-    paths = sys.argv[1:] or default_records()
-    if not paths:
+    # given records are shown whole; by default each record shows only the rows no newer record times
+    chosen = {p: None for p in sys.argv[1:]} or default_records()
+    if not chosen:
         print("no GPU record in benchmarks/results/", file=sys.stderr)
         return 1
     parts = []
-    for path in paths:
+    for path, keys in chosen.items():
         rec = json.load(open(path))
+        rec = rec if keys is None else owned_rows(rec, keys)
         parts.append(table(rec) + (f"\n\nCaveat: {rec['caveat']}." if rec.get("caveat") else "")
                      + f"\n\nSource: `{os.path.relpath(path, ROOT)}`.")
     text = "\n\n".join(parts)
