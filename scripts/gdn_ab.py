@@ -273,14 +273,17 @@ if "backward" in SECTIONS:
     # df3acc3's 11.77 ms in this table)
     # (and the recompute's stage 3 at one-pass tf32, RECOMPUTE_NORMALISED_KEYS_PREC, log row 22)
     # and dqkwg in blocks of 32 key columns (DQKWG_KEY_BLOCK, row 23)
-    rdefault, qdefault = tk.RECOMPUTE_NORMALISED_KEYS_PREC, tk.DQKWG_KEY_BLOCK
-    for products, wy_block, rprec, qblock in (
-            ("bf16", block, rdefault, qdefault), ("bf16x3", block, rdefault, qdefault),
-            ("tf32", block, rdefault, qdefault), ("tf32", 128, rdefault, qdefault), ("tf32", block, "tf32", qdefault),
-            ("tf32", block, rdefault, 32), ("tf32", block, "tf32", 32)):
+    # and the recompute's diagonal inverses on tensor cores (RECOMPUTE_NORMALISED_KEYS_DIAG_PREC, row 28)
+    rdefault, qdefault, ddefault = tk.RECOMPUTE_NORMALISED_KEYS_PREC, tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC
+    other_diag = {"ieee": "tf32", "tf32": "ieee"}[ddefault]
+    for products, wy_block, rprec, qblock, rdiag in (
+            ("bf16", block, rdefault, qdefault, ddefault), ("bf16x3", block, rdefault, qdefault, ddefault),
+            ("tf32", block, rdefault, qdefault, ddefault), ("tf32", 128, rdefault, qdefault, ddefault),
+            ("tf32", block, "tf32x3", qdefault, ddefault), ("tf32", block, rdefault, 32, ddefault),
+            ("tf32", block, rdefault, qdefault, other_diag)):
         tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = products, wy_block, rprec
-        tk.DQKWG_KEY_BLOCK = qblock
-        name = f"{products}, wy_bwd BKW={min(wy_block, BK)}, recompute {rprec}, dqkwg BKS={qblock}"
+        tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC = qblock, rdiag
+        name = f"{products}, wy_bwd BKW={min(wy_block, BK)}, recompute {rprec} diag {rdiag}, dqkwg BKS={qblock}"
 
         def bwd():
             return tk.gdn_backward_triton(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
@@ -290,6 +293,6 @@ if "backward" in SECTIONS:
         first = next(iter(grads))
         diff = "" if name == first else f", vs {first}: " + " ".join(
             f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[name], grads[first]))
-        print(f"backward S1 products={name:52}: {ms:.3f} ms{diff}", flush=True)
+        print(f"backward S1 products={name:62}: {ms:.3f} ms{diff}", flush=True)
     tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = DEFAULTS[4], block, rdefault
-    tk.DQKWG_KEY_BLOCK = qdefault
+    tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC = qdefault, ddefault

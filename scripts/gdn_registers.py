@@ -1,6 +1,9 @@
 """Registers, spills and shared memory of every GDN Triton kernel, compiled for sm_90a on the CPU.
 
-    python scripts/gdn_registers.py [bf16|fp32] [K] [V]
+    python scripts/gdn_registers.py [bf16|fp32] [K] [V] [--sass]
+
+--sass adds each kernel's SASS instruction mix (static counts, `compile_check.sass_census`): the
+total, FFMA (fp32 products on FMA units), HGMMA / HMMA (tensor cores) and LDL / STL (spill traffic).
 
 No GPU needed (tileport.compile_check): the proxy for register pressure used between H200 runs,
 since spills were a large part of the backward's time (docs/perf/gdn.md). Autotuned kernels are
@@ -12,12 +15,14 @@ import sys
 import torch
 import triton.language as tl
 
-from tileport.compile_check import CompileCase, TensorStandIn as T, compile_case
+from tileport.compile_check import CompileCase, TensorStandIn as T, compile_case, sass_census
 from tileport.ops.gdn import triton_kernels as tk
 
-dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[sys.argv[1] if len(sys.argv) > 1 else "bf16"]
-K = int(sys.argv[2]) if len(sys.argv) > 2 else 128
-V = int(sys.argv[3]) if len(sys.argv) > 3 else 128
+SASS = "--sass" in sys.argv
+argv = [a for a in sys.argv[1:] if a != "--sass"]
+dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[argv[0] if argv else "bf16"]
+K = int(argv[1]) if len(argv) > 1 else 128
+V = int(argv[2]) if len(argv) > 2 else 128
 Ntok, H, NC, N = 32768, 16, 512, 8
 DT = tl.float32 if dt == torch.float32 else tl.bfloat16
 BK, BV, NV = tk._blocks(K, V)
@@ -28,6 +33,16 @@ tok = lambda d, t=None: T([Ntok, H, d], t or dt)  # noqa: E731
 common = dict(H=H, K=K, BK=BK, BT=64, DT=DT, DA=DT)
 # the backward's kernels (and its recompute of stage 5) multiply at `_products(dt, True)`'s PREC
 bwd = dict(common, PREC=tk._products(dt, for_backward=True)[2])
+
+
+def tile_precisions(recompute: bool) -> dict:
+    """The tile solve's products and diagonal inverses as the op runs them with l2-normalised keys
+    (the bench's inputs): the forward's NORMALISED_KEYS_*, the recompute's RECOMPUTE_NORMALISED_KEYS_*."""
+    if dt == torch.float32:
+        return dict(PREC="ieee", DIAG_PREC="ieee")
+    if recompute:
+        return dict(PREC=tk.RECOMPUTE_NORMALISED_KEYS_PREC, DIAG_PREC=tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC)
+    return dict(PREC=tk.NORMALISED_KEYS_PREC, DIAG_PREC=tk.NORMALISED_KEYS_DIAG_PREC)
 
 
 def cases():
@@ -42,7 +57,7 @@ def cases():
             yield f"solve_wu_tile store_T={store_T} {o}", tk._solve_wu_tile_kernel.fn, o, dict(
                 k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], dt), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
                 w_ptr=tok(K, w_t), u_ptr=tok(V, w_t), chunks_ptr=T([2 * NC], idx), V=V, BV=BV, NV=NV,
-                PREC="ieee" if dt == torch.float32 else "tf32x3", STORE_T=store_T, EXACT_WU=store_T, **common)
+                STORE_T=store_T, EXACT_WU=store_T, **tile_precisions(store_T), **common)
     for o in tk.STATES_OPTIONS:
         for w_t, fuse, l2k in ((fwd_inter, False, False), (inter, False, False), (fwd_inter, True, False),
                                (fwd_inter, True, True)):
@@ -85,6 +100,10 @@ for name, fn, launch, args in cases():
     opts = {k: launch[k] for k in ("num_stages", "maxnreg") if k in launch}
     try:
         r = compile_case(CompileCase(name, fn, args, num_warps=launch.get("num_warps", 4), options=opts))
-        print(f"{r.summary()}")
+        mix = ""
+        if SASS:
+            c = sass_census(r)
+            mix = " sass: " + " ".join(f"{op}={c.get(op, 0)}" for op in ("total", "FFMA", "HGMMA", "HMMA", "LDL", "STL"))
+        print(f"{r.summary()}{mix}")
     except Exception as exc:  # report and go on: one kernel's failure says nothing about the others
         print(f"{name}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")

@@ -35,6 +35,7 @@ __all__ = [
     "compile_case",
     "descriptor_stand_in",
     "HOPPER",
+    "sass_census",
 ]
 
 HOPPER = ("cuda", 90, 32)
@@ -153,6 +154,32 @@ def _ptxas_rerun(ptx: str, arch: str):
         out = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(d, "k.o")],
                              capture_output=True, text=True)
         return out.stderr + out.stdout
+
+
+_SASS_OP = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_census(report: CompiledReport) -> dict[str, int]:
+    """{opcode: count} over the kernel's SASS (cuobjdump of its cubin; static counts: a loop body
+    counts once), plus "total". What the instruction mix says that registers and spills do not:
+    e.g. 880 of the GDN tile solve's 3752 instructions were FFMA, fp32 products on FMA units
+    (docs/perf/gdn.md, row 26). Needs the cuobjdump that ships in the triton wheel."""
+    import os
+    import subprocess
+    import tempfile
+    from collections import Counter
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(report.asm["cubin"])
+        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    counts = Counter(m.group(1) for m in map(_SASS_OP.match, text.splitlines()) if m)
+    counts["total"] = sum(counts.values())
+    return dict(counts)
 
 
 def compile_case(case: CompileCase) -> CompiledReport:

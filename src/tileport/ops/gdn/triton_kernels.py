@@ -1277,9 +1277,13 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
             elif store_T and exact_wu:  # the backward's recompute
                 prec = _checked("RECOMPUTE_NORMALISED_KEYS_PREC", RECOMPUTE_NORMALISED_KEYS_PREC, ("tf32x3", "tf32"))
             prec = _emulated_here(prec) if prec == "tf32" else prec
-        diag_prec = "ieee"  # the diagonal blocks' inverse: exact but for the forward's normalised keys
-        if compact and not store_T and (keys_normalised or l2norm_k) and dtype != torch.float32:
-            diag_prec = _checked("NORMALISED_KEYS_DIAG_PREC", NORMALISED_KEYS_DIAG_PREC, ("ieee", "tf32"))
+        diag_prec = "ieee"  # the diagonal blocks' inverse: exact but with normalised 16-bit keys
+        if (keys_normalised or l2norm_k) and dtype != torch.float32:
+            if compact and not store_T:  # the forward
+                diag_prec = _checked("NORMALISED_KEYS_DIAG_PREC", NORMALISED_KEYS_DIAG_PREC, ("ieee", "tf32"))
+            elif store_T and exact_wu:  # the backward's recompute
+                diag_prec = _checked("RECOMPUTE_NORMALISED_KEYS_DIAG_PREC", RECOMPUTE_NORMALISED_KEYS_DIAG_PREC,
+                                     ("ieee", "tf32"))
             diag_prec = _emulated_here(diag_prec) if diag_prec == "tf32" else diag_prec
         if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):
             # 3a: T alone, in bf16 as W and U's products read it; 3b: W and U in column blocks
@@ -1345,6 +1349,12 @@ NORMALISED_KEYS_PREC = "bf16"
 # 1.738 -> 1.571 at B=1 T=32768, o within 7e-5 (normwise) of the fp32 inverses'; CPU: the gate's
 # l2-normalised 16-bit cases at the same fraction of their bounds over 10 fresh draws each.
 NORMALISED_KEYS_DIAG_PREC = "tf32"
+
+# The same for the backward's recompute of stage 3 (its T is stored in fp32 for the gradients):
+# "ieee" or "tf32". sm_90a, the recompute at RECOMPUTE_NORMALISED_KEYS_PREC "tf32", 4 warps: "ieee"
+# 255 registers, 848 B of spills, 4288 instructions (768 FFMA); "tf32" 255, 84 B, 3176 (log row
+# 28). Off until timed on the H200.
+RECOMPUTE_NORMALISED_KEYS_DIAG_PREC = "ieee"
 
 # The same for the backward's recompute of stage 3 (T stored in fp32, W and U from fp32 operands
 # in fp32, EXACT_WU), when the keys are l2-normalised: "tf32x3" or one-pass "tf32". H200,
