@@ -122,6 +122,24 @@ def test_gdn_capped_solve_candidates_fit_their_cap():
         assert report.n_spills is not None and report.n_spills <= 96, report.summary()
 
 
+def test_gdn_forward_solve_inverts_its_diagonal_on_tensor_cores():
+    """The forward's stage 3 as the op runs it (NORMALISED_KEYS_DIAG_PREC): with "tf32" its six
+    dependent 16x16 products are tensor-core instructions (HMMA), not the 768 FFMA per thread they
+    were in fp32 (the instruction mix that found log row 26, `compile_check.sass_census`)."""
+    from tileport.compile_check import sass_census
+
+    args = dict(_args(False), PREC=tk.NORMALISED_KEYS_PREC, eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf),
+                STORE_KN=True, g_ptr=T([Ntok, H], f32), CUMSUM_G=True, DIAG_PREC=tk.NORMALISED_KEYS_DIAG_PREC)
+    report = compile_case(CompileCase("gdn solve_wu tile, forward as run", tk._solve_wu_tile_kernel.fn, args,
+                                      num_warps=4, options={"num_stages": 1}))
+    mix = sass_census(report)
+    print(f"\n{report.summary()} sass total={mix['total']} FFMA={mix.get('FFMA', 0)} HMMA={mix.get('HMMA', 0)}")
+    if tk.NORMALISED_KEYS_DIAG_PREC == "tf32":
+        assert mix.get("HMMA", 0) > 0 and mix.get("FFMA", 0) < 256, mix
+    else:
+        assert mix.get("FFMA", 0) >= 768, mix  # the fp32 inverses: 6 products x 128 FMA per thread
+
+
 # KDA's per-channel kernels in both diagonal forms (DIAGONAL_FORM): the factored path's run-time
 # branch must lower for sm_90a (the interpreter does not check that a name is bound the same way
 # in both branches; the JIT does, and a loop variable shadowing the V-block index once failed it)
