@@ -129,16 +129,18 @@ def test_other_recompute_precision_with_normalised_keys(case_id, device, seed, m
     _run_and_check("triton", case_id, device, seed)
 
 
-def test_unknown_recompute_precision_is_refused(device, monkeypatch):
+# (and the diagonal inverses' precision of that recompute, RECOMPUTE_NORMALISED_KEYS_DIAG_PREC, below)
+@pytest.mark.parametrize("switch", ["RECOMPUTE_NORMALISED_KEYS_PREC", "RECOMPUTE_NORMALISED_KEYS_DIAG_PREC"])
+def test_unknown_recompute_precision_is_refused(switch, device, monkeypatch):
     import torch
 
     _backend_or_skip("triton", device)
     monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
-    monkeypatch.setattr(tk, "RECOMPUTE_NORMALISED_KEYS_PREC", "bf16")
+    monkeypatch.setattr(tk, switch, "bf16")
     q, k, v, gate, beta, cu = _form_inputs(device)
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
     o, _ = tileport.chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-    with pytest.raises(ValueError, match="RECOMPUTE_NORMALISED_KEYS_PREC"):
+    with pytest.raises(ValueError, match=switch):
         torch.autograd.grad(o, leaves, torch.ones_like(o))
 
 
@@ -153,26 +155,13 @@ def test_other_diagonal_inverse_precision_with_normalised_keys(case_id, device, 
 
 
 # And the backward's recompute's diagonal inverses in the other precision
-# (RECOMPUTE_NORMALISED_KEYS_DIAG_PREC), and a form it does not know refused by the backward.
+# (RECOMPUTE_NORMALISED_KEYS_DIAG_PREC; a form it does not know is refused: above).
 OTHER_RECOMPUTE_DIAG_PREC = {"ieee": "tf32", "tf32": "ieee"}[tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC]
 
 
 @pytest.mark.parametrize("case_id", L2_SIXTEEN_BIT_CASES)
 def test_other_recompute_diagonal_inverse_precision(case_id, device, seed, monkeypatch):
     _gate_case_in(case_id, device, seed, monkeypatch, RECOMPUTE_NORMALISED_KEYS_DIAG_PREC=OTHER_RECOMPUTE_DIAG_PREC)
-
-
-def test_unknown_recompute_diagonal_precision_is_refused(device, monkeypatch):
-    import torch
-
-    _backend_or_skip("triton", device)
-    monkeypatch.setattr(tk, "SOLVE_FORM", "tile")
-    monkeypatch.setattr(tk, "RECOMPUTE_NORMALISED_KEYS_DIAG_PREC", "bf16")
-    q, k, v, gate, beta, cu = _form_inputs(device)
-    leaves = [t.requires_grad_(True) for t in (q, k, v)]
-    o, _ = tileport.chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-    with pytest.raises(ValueError, match="RECOMPUTE_NORMALISED_KEYS_DIAG_PREC"):
-        torch.autograd.grad(o, leaves, torch.ones_like(o))
 
 
 # Every case of the frozen gate with dqkwg in the other block of key columns (DQKWG_KEY_BLOCK: 64
