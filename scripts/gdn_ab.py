@@ -51,7 +51,7 @@ def inputs(normalised: bool):
     return k.to(torch.bfloat16), v, beta, tk.chunk_cumsum(g, plan)
 
 
-def launch(form, prec, warps, backward, k, v, beta, G):
+def launch(form, prec, warps, backward, k, v, beta, G, diag="ieee"):
     inter = torch.float32 if backward else torch.bfloat16
     Ai = torch.empty(Ntok, H, 64, device=dev) if backward else None
     w = torch.empty(Ntok, H, K, device=dev, dtype=inter)
@@ -63,7 +63,7 @@ def launch(form, prec, warps, backward, k, v, beta, G):
                                                    num_warps=warps, num_stages=1)
     else:
         fn = lambda: tk._solve_wu_tile_kernel.fn[grid](*common, prec, backward, backward,  # noqa: E731
-                                                        num_warps=warps, num_stages=1)
+                                                        DIAG_PREC=diag, num_warps=warps, num_stages=1)
     fn()
     if dev == "cuda":
         torch.cuda.synchronize()
@@ -92,21 +92,24 @@ def rel(a, b):
 # normalised keys df3acc3-b9a387e; the recompute's option, log row 22) and bf16 (the forward's
 # default since b9a387e, log row 16)
 if "solve" in SECTIONS:
-    variants = [("blocks", "ieee", 8), ("tile", "tf32x3", 8), ("tile", "tf32x3", 4), ("tile", "tf32", 8),
-                ("tile", "tf32", 4), ("tile", "bf16", 8), ("tile", "bf16", 4)]  # tf32, bf16: NORMALISED_KEYS_PREC
+    # (form, products, warps, diagonal inverses): the last two with the 16x16 diagonal inverses on
+    # tensor cores (NORMALISED_KEYS_DIAG_PREC, RECOMPUTE_NORMALISED_KEYS_DIAG_PREC: log rows 26, 28)
+    variants = [("blocks", "ieee", 8, "ieee"), ("tile", "tf32x3", 8, "ieee"), ("tile", "tf32x3", 4, "ieee"),
+                ("tile", "tf32", 8, "ieee"), ("tile", "tf32", 4, "ieee"), ("tile", "bf16", 8, "ieee"),
+                ("tile", "bf16", 4, "ieee"), ("tile", "bf16", 4, "tf32"), ("tile", "tf32", 4, "tf32")]
     for normalised in (True, False):
         k, v, beta, G = inputs(normalised)
         Tref = t_reference(k, beta, G)
         print(f"\n== keys {'l2-normalised' if normalised else 'raw N(0,1)'}; |T| max {Tref.abs().max().item():.3g}")
         for backward in (False, True):
             base = None
-            for form, prec, warps in variants:
+            for form, prec, warps, diag in variants:
                 if backward and prec == "bf16":
                     continue  # the forward's option only: the recompute keeps tf32x3 (T is stored)
                 try:
-                    fn, Ai, w, u = launch(form, prec, warps, backward, k, v, beta, G)
+                    fn, Ai, w, u = launch(form, prec, warps, backward, k, v, beta, G, diag)
                 except Exception as exc:  # a candidate that fails to compile or launch is a result
-                    print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:150]}")
+                    print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w diag {diag}: FAILED {type(exc).__name__}: {str(exc)[:150]}")
                     continue
                 ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
                 acc = ""
@@ -117,7 +120,7 @@ if "solve" in SECTIONS:
                     base = (w, u)
                 else:
                     acc += f" W vs blocks {rel(w, base[0]):.2e} U vs blocks {rel(u, base[1]):.2e}"
-                print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w: {ms:.3f} ms{acc}", flush=True)
+                print(f"{'bwd' if backward else 'fwd'} {form:6} {prec:6} {warps}w diag {diag}: {ms:.3f} ms{acc}", flush=True)
 
 
 # stage 6: the output kernel's forms, on the forward's own intermediates
@@ -236,7 +239,7 @@ if "forward" in SECTIONS:
             tk.L2NORM_K_FORM, tk.CUMSUM_FORM = "stage-1", "stage-2"  # the split form takes stages 1 and 2's outputs
             o = fwd()
             ms = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median") if dev == "cuda" else float("nan")
-            print(f"forward B={b_} T={t_} defaults, WU_FORM {wu_form} prec={prec:6}: {ms:.3f} ms, "
+            print(f"forward B={b_} T={t_} keys from stage 1, G from stage 2, WU_FORM {wu_form} prec={prec:6}: {ms:.3f} ms, "
                   f"vs the first {rel(o, base):.2e}", flush=True)
         tk.WU_FORM, tk.NORMALISED_KEYS_PREC, tk.CUMSUM_FORM = DEFAULTS[5], DEFAULTS[2], DEFAULTS[6]
         # the defaults with G formed in stage 3 (log row 20) and T by the factored chain (row 21)

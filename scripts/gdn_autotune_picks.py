@@ -12,6 +12,7 @@ whole forward's do_bench median, with the output's normwise distance from the de
 see whether a new candidate or form ever wins before keeping it.
 """
 
+import ast
 import sys
 
 import torch
@@ -23,12 +24,17 @@ KERNELS = ("_solve_wu_tile_kernel", "_solve_wu_kernel", "_states_kernel", "_outp
 
 
 def parse(arg: str) -> dict:
+    """{switch: value}: numbers and booleans as Python values (FUSED_STATES_MIN_PAIRS=32), the rest
+    as strings (NORMALISED_KEYS_DIAG_PREC=tf32)."""
     out = {}
     for item in filter(None, arg.split(",")):
         name, value = item.split("=", 1)
         if not hasattr(tk, name):
             raise SystemExit(f"{name}: no such switch in tileport.ops.gdn.triton_kernels")
-        out[name] = value
+        try:
+            out[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[name] = value
     return out
 
 

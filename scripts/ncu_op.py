@@ -21,7 +21,7 @@ ap.add_argument("op", choices=sorted(OPS))
 ap.add_argument("system", nargs="?", default="triton")
 ap.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
 ap.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
-                help="set a module-level switch of the op's triton_kernels first (e.g. WU_FORM=split); repeatable")
+                help="set a module-level switch of the op's triton_kernels first (e.g. NORMALISED_KEYS_DIAG_PREC=ieee; WU_FORM=split needs L2NORM_K_FORM=stage-1 and CUMSUM_FORM=stage-2 too); repeatable")
 args = ap.parse_args()
 suite = importlib.import_module(OPS[args.op])
 if args.switch:

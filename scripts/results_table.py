@@ -2,9 +2,10 @@
 
     python scripts/results_table.py [record.json ...]
 
-Without arguments: for each op, shape and mode, the newest GPU record that times it side by side
-with a baseline (an fla or torch row), one table per record holding only the rows it is the newest
-for (so a re-measured op is not shown twice).
+Without arguments: for each op and mode, the newest GPU record that times it side by side with a
+baseline (an fla or torch row); of those records, each (op, shape, mode) row is shown once, from
+the newest of them that holds it (a shape only an older record timed is not shown: the README
+keeps to current numbers).
 """
 
 import glob
@@ -29,16 +30,16 @@ def table(record: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in record["rows"]:
-        shape = " ".join(f"{k}={v}" for k, v in (r["shape"] or {}).items())
+        shape = " ".join(f"{k}={v}" for k, v in (r.get("shape") or {}).items())
         if r.get("status") != "ok":
-            lines.append(f"| {r['op']} | {shape} | {r.get('mode', '')} | {r['system']} | {r['status']} | | | | |")
+            lines.append(f"| {r['op']} | {shape} | {r.get('mode') or ''} | {r['system']} | {r.get('status')} | | | | |")
             continue
         vs = r.get("speedup_vs", {}).get("fla")
         graph = f"{r['graph_ms']:.3f}" if r.get("graph_ms") else "-"
         if str(r.get("note", "")).startswith("INVALID"):
-            lines.append(f"| {r['op']} | {shape} | {r['mode']} | {r['system']} | ~~{r['ms']:.3f}~~ invalid: {r['note'][9:80]}... | | | | |")
+            lines.append(f"| {r['op']} | {shape} | {r.get('mode')} | {r['system']} | ~~{r['ms']:.3f}~~ invalid: {r['note'][9:80]}... | | | | |")
             continue
-        lines.append(f"| {r['op']} | {shape} | {r['mode']} | {r['system']} | {r['ms']:.3f} | {graph} | {r['tbps']:.2f} | "
+        lines.append(f"| {r['op']} | {shape} | {r.get('mode')} | {r['system']} | {r['ms']:.3f} | {graph} | {r['tbps']:.2f} | "
                      f"{100 * r['frac_floor']:.0f}% | {'' if vs is None else f'{vs:.2f}x'} |")
     return "\n".join(lines)
 
@@ -71,13 +72,17 @@ def default_records() -> dict[str, set]:
     return owned
 
 
-def owned_rows(rec: dict, keys: set) -> dict:
-    """rec with only the rows of the (op, shape, mode) keys it owns, and the rows without a mode
-    (a system that refuses the op at that shape) of the (op, shape) pairs it owns."""
+def owned_rows(rec: dict, keys: set, shown_elsewhere: set) -> dict:
+    """rec with only the rows of the (op, shape, mode) keys it owns, plus its rows that time
+    nothing (a system refusing or not having the op) at an (op, shape) it owns, unless a newer
+    chosen record shows that very row."""
     pairs = {(op, shape) for op, shape, _ in keys}
-    return dict(rec, rows=[r for r in rec["rows"] if _key(r) in keys
-                           or (r.get("mode") is None and _key(r)[:2] in pairs)
-                           or (r.get("status") != "ok" and _key(r)[:2] in pairs)])
+    rows = []
+    for r in rec["rows"]:
+        key, who = _key(r), (_key(r), r["system"])
+        if key in keys or (r.get("status") != "ok" and key[:2] in pairs and who not in shown_elsewhere):
+            rows.append(r)
+    return dict(rec, rows=rows)
 
 
 
@@ -88,9 +93,16 @@ def main() -> int:
         print("no GPU record in benchmarks/results/", file=sys.stderr)
         return 1
     parts = []
-    for path, keys in chosen.items():
-        rec = json.load(open(path))
-        rec = rec if keys is None else owned_rows(rec, keys)
+    shown = set()  # (key, system) of the rows that time nothing, from the newest record down
+    records = {p: json.load(open(p)) for p in chosen}
+    for path in reversed(list(chosen)):
+        keys = chosen[path]
+        if keys is not None:
+            owned = owned_rows(records[path], keys, shown)
+            shown |= {(_key(r), r["system"]) for r in owned["rows"] if r.get("status") != "ok"}
+            records[path] = owned
+    for path in chosen:
+        rec = records[path]
         parts.append(table(rec) + (f"\n\nCaveat: {rec['caveat']}." if rec.get("caveat") else "")
                      + f"\n\nSource: `{os.path.relpath(path, ROOT)}`.")
     text = "\n\n".join(parts)

@@ -70,7 +70,8 @@ FORMS = [
 
 def test_gdn_split_solve_compiles_for_sm90a():
     """WU_FORM "split": the tile kernel storing T alone in bf16 and the column-block W/U kernel."""
-    t_only = dict(_args(False), PREC="tf32", STORE_T=True, WITH_WU=False, Ai_ptr=T([Ntok, H, 64], bf))
+    t_only = dict(_args(False), PREC="tf32", STORE_T=True, WITH_WU=False, Ai_ptr=T([Ntok, H, 64], bf),
+                  DIAG_PREC=tk.NORMALISED_KEYS_DIAG_PREC)  # the split forward passes the forward's diagonal precision
     wu = dict(t_ptr=T([Ntok, H, 64], bf), x_ptr=T([Ntok, H, K], bf), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64),
               out_ptr=T([Ntok, H, K], bf), chunks_ptr=T([2 * NC], idx), H=H, D=K, BC=64, NCB=K // 64, BT=64,
               DT=tl.bfloat16, DA=tl.bfloat16, GATED=True)
@@ -89,6 +90,9 @@ def test_gdn_split_solve_compiles_for_sm90a():
 FORWARD_ONLY = ("tile-bf16", "tile-bf16-l2k-store", "tile-bf16-l2k-store-cumsum", "tile-bf16-l2k-store-factored",
                 "tile-bf16-l2k-store-cumsum-diag-tf32")
 FORMS.append(("tile-factored", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32x3", T_CHAIN="factored"), 8, 0))
+# one-pass tf32 products with the diagonal inverses on tensor cores: the recompute in
+# RECOMPUTE_NORMALISED_KEYS_DIAG_PREC "tf32" (log row 28: 84 B of spills at 4 warps, 848 in fp32)
+FORMS.append(("tile-tf32-diag-tf32", tk._solve_wu_tile_kernel.fn, dict(PREC="tf32", DIAG_PREC="tf32"), 4, 128))
 SOLVE_CASES = [(f, backward) for f in FORMS for backward in (False, True) if not (backward and f[0] in FORWARD_ONLY)]
 
 
@@ -111,6 +115,8 @@ def test_gdn_capped_solve_candidates_fit_their_cap():
     kernel within the cap, and they were timed (log row 26) at 64 B of spills, not more."""
     capped = [o for o in tk.SOLVE_WU_TILE_OPTIONS if o.get("maxnreg")]
     assert capped, "no capped candidate"
+    # the autotuner launches them with the cap (tileport.autotuning.configs hands it to triton.Config)
+    assert [c.maxnreg for c in tk._configs(capped)] == [o["maxnreg"] for o in capped]
     args = dict(_args(False), PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True,
                 g_ptr=T([Ntok, H], f32), CUMSUM_G=True, DIAG_PREC="tf32")
     for o in capped:

@@ -391,15 +391,15 @@ def _unit_lower_inverse16(N, eye, PREC: tl.constexpr):
     with eye shaped alike), by doubling: (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), exact
     because N^16 = 0. Six dependent 16x16 products instead of the 15 row steps of forward
     substitution (each a shuffle of the tile through shared memory): the chain's latency is what
-    the solve kernel waited on (H200 profile, 2026-11-29). The products at PREC: fp32 "ieee" (on FMA
-    units), or "tf32" / "tf32-emulated" (tensor cores; `_mm`)."""
-    N2 = _mm(N, N, PREC, tl.float32, tl.float32)
-    N4 = _mm(N2, N2, PREC, tl.float32, tl.float32)
-    N8 = _mm(N4, N4, PREC, tl.float32, tl.float32)
+    the solve kernel waited on (H200 profile, 2026-11-29). The products at PREC (`_tile_dot`): fp32
+    "ieee" (on FMA units), or "tf32" (tensor cores; "tf32-emulated" under the interpreter)."""
+    N2 = _tile_dot(N, N, PREC, tl.float32, tl.float32)
+    N4 = _tile_dot(N2, N2, PREC, tl.float32, tl.float32)
+    N8 = _tile_dot(N4, N4, PREC, tl.float32, tl.float32)
     P = eye - N
-    P += _mm(P, N2, PREC, tl.float32, tl.float32)
-    P += _mm(P, N4, PREC, tl.float32, tl.float32)
-    P += _mm(P, N8, PREC, tl.float32, tl.float32)
+    P += _tile_dot(P, N2, PREC, tl.float32, tl.float32)
+    P += _tile_dot(P, N4, PREC, tl.float32, tl.float32)
+    P += _tile_dot(P, N8, PREC, tl.float32, tl.float32)
     return P
 
 
@@ -596,8 +596,8 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
 
 
 # the last: three CTAs per SM by a cap on registers. With the diagonal inverses on tensor cores
-# (NORMALISED_KEYS_DIAG_PREC "tf32") the forward's form needs 184 registers uncapped and spills 64 B
-# at 168 (sm_90a, 4 warps); on the H200 (fab5903, log row 26) it is then the fastest, 0.306 ms at
+# (NORMALISED_KEYS_DIAG_PREC "tf32") the forward's form needs ~184 registers uncapped and spills
+# 0-64 B at 168 (sm_90a, 4 warps, by form); on the H200 (fab5903, log row 26) it is then the fastest, 0.306 ms at
 # S1 against 0.375 uncapped (a cap at 128, four CTAs, 0.328; with fp32 inverses every cap lost).
 SOLVE_WU_TILE_OPTIONS = (dict(num_warps=8, num_stages=1), dict(num_warps=4, num_stages=1),
                          dict(num_warps=4, num_stages=1, maxnreg=168))
@@ -1343,8 +1343,10 @@ NORMALISED_KEYS_PREC = "bf16"
 # The same forward's inverses of the four diagonal 16x16 blocks of (I + A) (`_unit_lower_inverse16`,
 # six dependent batched products): "ieee" (fp32 on FMA units: 768 FFMA per thread, the largest part
 # of the kernel's instructions) or "tf32" (tensor cores, one pass; the interpreter truncates as
-# `_mm` does). sm_90a, the forward's default form at 4 warps: "ieee" 255 registers, 136 B of
-# spills, 3752 instructions; "tf32" 184 registers, no spills, 2816. "tf32" since the H200 run at
+# `_mm` does). sm_90a, the forward's default form at 4 warps (bf16 products, keys normalised and
+# stored, G formed there; counts move by a few percent with the form): "ieee" 255 registers,
+# 88-136 B of spills, ~3750 instructions, 768-880 of them FFMA; "tf32" 180-184 registers, no
+# spills, ~2830 instructions. "tf32" since the H200 run at
 # fab5903 (log row 26): stage 3 0.457 -> 0.306 ms, the whole forward 0.971 -> 0.817 ms at S1 and
 # 1.738 -> 1.571 at B=1 T=32768, o within 7e-5 (normwise) of the fp32 inverses'; CPU: the gate's
 # l2-normalised 16-bit cases at the same fraction of their bounds over 10 fresh draws each.
