@@ -221,6 +221,39 @@ def test_try_with_bench_record_and_report(repo, capsys, monkeypatch):
     assert "rows without GPU timings: loop 2" in risks
 
 
+def test_gate_and_bench_in_two_calls(repo, capsys, monkeypatch):
+    """`try --no-bench` then `try --bench-only` (the gate and the bench in two device calls): one
+    log row, its outcome the gate's and then the bench's; refused without such a row, after a
+    commit, or with both flags."""
+    assert run(repo, "start", "fake") == 0
+    assert run(repo, "try", "x", "--op", "fake", "--gate-cmd", "true", "--bench-only") == 2  # no gate row yet
+    assert run(repo, "try", "predict x1.1", "--op", "fake", "--gate-cmd", "true", "--no-bench") == 0
+    rows = loop.read_log(doc(repo))
+    assert rows[-1]["outcome"].endswith("no bench (--no-bench)")
+    assert run(repo, "try", "x", "--op", "fake", "--no-bench", "--bench-only") == 2
+    shape = {"N": 1 << 20, "D": 256}
+    record = {"args": {"dtype": "bf16"}, "machine": {"gpu": "NVIDIA H200", "commit": "abc1234"},
+              "rows": [{"op": "fake", "shape": shape, "mode": "fwd", "system": "triton", "status": "ok",
+                        "ms": 1.0, "graph_ms": 0.9}]}
+    ran = []
+    monkeypatch.setattr(loop, "_run_bench", lambda op, args, gpu: (ran.append(1), (0, record, ""))[1])
+    assert run(repo, "try", "ignored", "--op", "fake", "--bench-only") == 0
+    after = loop.read_log(doc(repo))
+    assert len(after) == len(rows) and after[-1]["version"] == rows[-1]["version"] and ran == [1]
+    assert after[-1]["prediction"] == "predict x1.1" and after[-1]["card"] == "NVIDIA H200"
+    assert after[-1]["outcome"].startswith("gate passed (") and "bench in a second call: " in after[-1]["outcome"]
+    assert "triton fwd N1048576,D256 1.000 ms" in after[-1]["outcome"] and "--no-bench" not in after[-1]["outcome"]
+    # that row has its bench now: a second --bench-only is refused, as is one after a new commit
+    assert run(repo, "try", "x", "--op", "fake", "--bench-only") == 2
+    assert run(repo, "try", "again", "--op", "fake", "--gate-cmd", "true", "--no-bench") == 0
+    (repo / "src" / "tileport" / "ops" / "fake" / "kernel.py").write_text("X = 1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "a kernel change after the gate")
+    assert run(repo, "try", "x", "--op", "fake", "--bench-only") == 2
+    assert ran == [1]
+    capsys.readouterr()
+
+
 def test_report_names_a_broken_contract(repo, capsys):
     assert run(repo, "start", "fake") == 0
     (repo / "tests" / "test_fake_parity.py").unlink()

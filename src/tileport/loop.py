@@ -464,6 +464,21 @@ def append_log_row(text: str, row: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def replace_last_log_row(text: str, row: dict) -> str:
+    """text with the log's last row replaced by `row`."""
+    lines = text.splitlines()
+    h = _log_header_index(lines)
+    if h is None:
+        raise ValueError("no log table")
+    i = h + 2
+    while i < len(lines) and lines[i].startswith("|"):
+        i += 1
+    if i == h + 2:
+        raise ValueError("the log has no row")
+    lines[i - 1] = "| " + " | ".join(_cell(row.get(c, "")) for c in LOG_COLUMNS) + " |"
+    return "\n".join(lines) + "\n"
+
+
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)\b")
 
 
@@ -590,6 +605,8 @@ def cmd_try(args) -> int:
                       f"intended, re-open the contract: tileport loop start {op.name} --reopen \"why\"")
     gpu, card = _gpu()
     env = op.env(gpu)
+    if getattr(args, "bench_only", False):
+        return _bench_after_gate(op, text, args, gpu)
     if args.gate_cmd:
         gate_cmd, shell, gate_label = args.gate_cmd, True, f"gate `{args.gate_cmd}`"
     else:
@@ -611,7 +628,7 @@ def cmd_try(args) -> int:
                           + "; nothing timed, no speedup claimed")
         status = 1
     elif args.no_bench:
-        row["outcome"] = f"gate passed ({summary}); no bench (--no-bench)"
+        row["outcome"] = f"gate passed ({summary}); {_GATE_ONLY}"
     else:
         brc, record, boutput = _run_bench(op, args, gpu)
         if record is None:
@@ -625,6 +642,43 @@ def cmd_try(args) -> int:
             status = 1 if (failed or brc not in (0, 1)) else 0
     op.doc.parent.mkdir(parents=True, exist_ok=True)
     op.doc.write_text(append_log_row(op.doc.read_text() if op.doc.is_file() else text, row))
+    print(f"\nlogged {row['version']} in {op.rel(op.doc)}: {row['outcome']}")
+    return status
+
+
+_GATE_ONLY = "no bench (--no-bench)"
+
+
+def _bench_after_gate(op: "Op", text: str, args, gpu: bool) -> int:
+    """`try --bench-only`: the bench for the log's last row when that row is a gate that passed
+    with --no-bench at this very commit (the gate and the bench in two device calls, each within
+    its time limit); the row's outcome gets the bench, and nothing else is re-run."""
+    if args.no_bench:
+        raise Refused("--bench-only and --no-bench together time nothing and gate nothing")
+    rows = read_log(text)
+    last = rows[-1] if rows else None
+    here = commit_id(op.root)
+    if (last is None or not last["version"].startswith("loop ") or not last["outcome"].startswith("gate passed")
+            or _GATE_ONLY not in last["outcome"]):
+        raise Refused("--bench-only needs the log's last row to be a gate that passed with --no-bench "
+                      "(run `tileport loop try ... --no-bench` first)")
+    if last["commit"] != here or "stale" in here or "+uncommitted" in here:
+        raise Refused(f"--bench-only: the gate passed at {last['commit']} but this tree is {here}: "
+                      "run the gate again on this tree")
+    print(f"== bench for {last['version']}, whose gate passed at {here}", flush=True)
+    brc, record, boutput = _run_bench(op, args, gpu)
+    row = dict(last)
+    gate = last["outcome"].replace("; " + _GATE_ONLY, "")
+    if record is None:
+        tail = " ".join(boutput.strip().splitlines()[-2:])[-160:]
+        row["outcome"] = f"{gate}; bench did not run (rc {brc}): {tail}"
+        status = 1
+    else:
+        row["card"] = record.get("machine", {}).get("gpu") or CPU_CARD
+        bench_text, failed = format_bench(record, op.name)
+        row["outcome"] = f"{gate}; bench in a second call: {bench_text}"
+        status = 1 if (failed or brc not in (0, 1)) else 0
+    op.doc.write_text(replace_last_log_row(op.doc.read_text(), row))
     print(f"\nlogged {row['version']} in {op.rel(op.doc)}: {row['outcome']}")
     return status
 
@@ -905,6 +959,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     t.add_argument("--op", required=True)
     t.add_argument("--base", default="HEAD", help="git ref to time against (default HEAD; 'none' for no base)")
     t.add_argument("--no-bench", action="store_true", help="gate only (quick, on the CPU): no timing claimed")
+    t.add_argument("--bench-only", action="store_true",
+                   help="the bench for the last row, a gate that passed with --no-bench at this commit "
+                        "(gate and bench in two device calls)")
     t.add_argument("--gate-cmd", default=None, help="shell command replacing the gate (tests)")
     t.add_argument("--change", default=None, help="the log's change cell (default: source files changed vs the base)")
     t.add_argument("--shapes", default=None, help="bench --shapes (default: anchor on a GPU, bench's tiny shapes on the CPU)")
