@@ -229,7 +229,10 @@ def test_gate_and_bench_in_two_calls(repo, capsys, monkeypatch):
     assert run(repo, "try", "x", "--op", "fake", "--gate-cmd", "true", "--bench-only") == 2  # no gate row yet
     assert run(repo, "try", "predict x1.1", "--op", "fake", "--gate-cmd", "true", "--no-bench") == 0
     rows = loop.read_log(doc(repo))
-    assert rows[-1]["outcome"].endswith("no bench (--no-bench)")
+    assert f"no bench (--no-bench) [tree {loop.tree_digest(repo)}]" in rows[-1]["outcome"]
+    # a commit of docs alone (the gate's row brought back from the device) keeps the gate valid
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "the gate's row")
     assert run(repo, "try", "x", "--op", "fake", "--no-bench", "--bench-only") == 2
     shape = {"N": 1 << 20, "D": 256}
     record = {"args": {"dtype": "bf16"}, "machine": {"gpu": "NVIDIA H200", "commit": "abc1234"},
@@ -243,6 +246,7 @@ def test_gate_and_bench_in_two_calls(repo, capsys, monkeypatch):
     assert after[-1]["prediction"] == "predict x1.1" and after[-1]["card"] == "NVIDIA H200"
     assert after[-1]["outcome"].startswith("gate passed (") and "bench in a second call: " in after[-1]["outcome"]
     assert "triton fwd N1048576,D256 1.000 ms" in after[-1]["outcome"] and "--no-bench" not in after[-1]["outcome"]
+    assert "[tree" not in after[-1]["outcome"]
     # that row has its bench now: a second --bench-only is refused, as is one after a new commit
     assert run(repo, "try", "x", "--op", "fake", "--bench-only") == 2
     assert run(repo, "try", "again", "--op", "fake", "--gate-cmd", "true", "--no-bench") == 0

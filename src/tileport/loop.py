@@ -628,7 +628,7 @@ def cmd_try(args) -> int:
                           + "; nothing timed, no speedup claimed")
         status = 1
     elif args.no_bench:
-        row["outcome"] = f"gate passed ({summary}); {_GATE_ONLY}"
+        row["outcome"] = f"gate passed ({summary}); {_GATE_ONLY} [tree {tree_digest(op.root)}]"
     else:
         brc, record, boutput = _run_bench(op, args, gpu)
         if record is None:
@@ -647,12 +647,27 @@ def cmd_try(args) -> int:
 
 
 _GATE_ONLY = "no bench (--no-bench)"
+_TREE = re.compile(r"\[tree ([0-9a-f]{12})\]")
+
+
+def tree_digest(root: Path) -> str:
+    """sha256 (12 hex digits) of the Python files under src/ and tests/, by path and content: what
+    scripts/_tree_digest.sh computes, so the device's copy of a tree (no git there) and this
+    machine's agree on whether two runs saw the same code, whatever commits only docs/ made."""
+    import hashlib
+
+    files = sorted(str(p.relative_to(root)) for d in ("src", "tests") for p in (root / d).rglob("*.py")
+                   if p.is_file() and "__pycache__" not in p.parts)
+    lines = "".join(f"{f}  {hashlib.sha256((root / f).read_bytes()).hexdigest()}\n" for f in files)
+    return hashlib.sha256(lines.encode()).hexdigest()[:12]
 
 
 def _bench_after_gate(op: "Op", text: str, args, gpu: bool) -> int:
     """`try --bench-only`: the bench for the log's last row when that row is a gate that passed
-    with --no-bench at this very commit (the gate and the bench in two device calls, each within
-    its time limit); the row's outcome gets the bench, and nothing else is re-run."""
+    with --no-bench on this very code (the digest of src/ and tests/ it recorded: commits of docs
+    alone, such as the one that brings the gate's row back from the device, do not count); the
+    gate and the bench in two device calls, each within its time limit. The row's outcome gets
+    the bench; nothing else is re-run."""
     if args.no_bench:
         raise Refused("--bench-only and --no-bench together time nothing and gate nothing")
     rows = read_log(text)
@@ -662,13 +677,14 @@ def _bench_after_gate(op: "Op", text: str, args, gpu: bool) -> int:
             or _GATE_ONLY not in last["outcome"]):
         raise Refused("--bench-only needs the log's last row to be a gate that passed with --no-bench "
                       "(run `tileport loop try ... --no-bench` first)")
-    if last["commit"] != here or "stale" in here or "+uncommitted" in here:
-        raise Refused(f"--bench-only: the gate passed at {last['commit']} but this tree is {here}: "
-                      "run the gate again on this tree")
+    gated = _TREE.search(last["outcome"])
+    if gated is None or gated.group(1) != tree_digest(op.root):
+        raise Refused(f"--bench-only: the gate passed on another tree than this one ({last['commit']}, now {here}; "
+                      "src/ or tests/ changed since): run the gate again on this tree")
     print(f"== bench for {last['version']}, whose gate passed at {here}", flush=True)
     brc, record, boutput = _run_bench(op, args, gpu)
     row = dict(last)
-    gate = last["outcome"].replace("; " + _GATE_ONLY, "")
+    gate = _TREE.sub("", last["outcome"].replace("; " + _GATE_ONLY, "")).rstrip()
     if record is None:
         tail = " ".join(boutput.strip().splitlines()[-2:])[-160:]
         row["outcome"] = f"{gate}; bench did not run (rc {brc}): {tail}"
