@@ -630,20 +630,25 @@ def cmd_try(args) -> int:
     elif args.no_bench:
         row["outcome"] = f"gate passed ({summary}); {_GATE_ONLY} [tree {tree_digest(op.root)}]"
     else:
-        brc, record, boutput = _run_bench(op, args, gpu)
-        if record is None:
-            tail = " ".join(boutput.strip().splitlines()[-2:])[-160:]
-            row["outcome"] = f"gate passed ({summary}); bench did not run (rc {brc}): {tail}"
-            status = 1
-        else:
-            row["card"] = record.get("machine", {}).get("gpu") or CPU_CARD
-            bench_text, failed = format_bench(record, op.name)
-            row["outcome"] = f"gate passed ({summary}); {bench_text}"
-            status = 1 if (failed or brc not in (0, 1)) else 0
+        status = _bench_into(row, f"gate passed ({summary})", op, args, gpu)
     op.doc.parent.mkdir(parents=True, exist_ok=True)
     op.doc.write_text(append_log_row(op.doc.read_text() if op.doc.is_file() else text, row))
     print(f"\nlogged {row['version']} in {op.rel(op.doc)}: {row['outcome']}")
     return status
+
+
+def _bench_into(row: dict, gate: str, op: "Op", args, gpu: bool, label: str = "") -> int:
+    """Run the op's bench and write the row's outcome (the gate's words, then the bench's) and
+    card; the try's exit status: 1 when the bench did not run or a system failed, else 0."""
+    brc, record, boutput = _run_bench(op, args, gpu)
+    if record is None:
+        tail = " ".join(boutput.strip().splitlines()[-2:])[-160:]
+        row["outcome"] = f"{gate}; bench did not run (rc {brc}): {tail}"
+        return 1
+    row["card"] = record.get("machine", {}).get("gpu") or CPU_CARD
+    bench_text, failed = format_bench(record, op.name)
+    row["outcome"] = f"{gate}; {label}{bench_text}"
+    return 1 if (failed or brc not in (0, 1)) else 0
 
 
 _GATE_ONLY = "no bench (--no-bench)"
@@ -682,18 +687,9 @@ def _bench_after_gate(op: "Op", text: str, args, gpu: bool) -> int:
         raise Refused(f"--bench-only: the gate passed on another tree than this one ({last['commit']}, now {here}; "
                       "src/ or tests/ changed since): run the gate again on this tree")
     print(f"== bench for {last['version']}, whose gate passed at {here}", flush=True)
-    brc, record, boutput = _run_bench(op, args, gpu)
     row = dict(last)
     gate = _TREE.sub("", last["outcome"].replace("; " + _GATE_ONLY, "")).rstrip()
-    if record is None:
-        tail = " ".join(boutput.strip().splitlines()[-2:])[-160:]
-        row["outcome"] = f"{gate}; bench did not run (rc {brc}): {tail}"
-        status = 1
-    else:
-        row["card"] = record.get("machine", {}).get("gpu") or CPU_CARD
-        bench_text, failed = format_bench(record, op.name)
-        row["outcome"] = f"{gate}; bench in a second call: {bench_text}"
-        status = 1 if (failed or brc not in (0, 1)) else 0
+    status = _bench_into(row, gate, op, args, gpu, "bench in a second call: ")
     op.doc.write_text(replace_last_log_row(op.doc.read_text(), row))
     print(f"\nlogged {row['version']} in {op.rel(op.doc)}: {row['outcome']}")
     return status
