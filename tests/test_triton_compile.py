@@ -109,6 +109,13 @@ def test_gdn_solve_wu_compiles_for_sm90a(form, backward):
         assert report.n_spills <= max_spills, f"{report.n_spills} bytes of spills ({report.n_regs} registers)"
 
 
+def _forward_as_run() -> dict:
+    """The forward's stage 3 as the op runs it by default: raw keys normalised and stored there,
+    G formed there, NORMALISED_KEYS_PREC products and NORMALISED_KEYS_DIAG_PREC inverses."""
+    return dict(_args(False), PREC=tk.NORMALISED_KEYS_PREC, eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf),
+                STORE_KN=True, g_ptr=T([Ntok, H], f32), CUMSUM_G=True, DIAG_PREC=tk.NORMALISED_KEYS_DIAG_PREC)
+
+
 def test_gdn_capped_solve_candidates_fit_their_cap():
     """The register-capped candidates of the tile solve (SOLVE_WU_TILE_OPTIONS with maxnreg), in
     the forward's form as it runs: they exist for occupancy, which only holds if ptxas keeps the
@@ -117,8 +124,7 @@ def test_gdn_capped_solve_candidates_fit_their_cap():
     assert capped, "no capped candidate"
     # the autotuner launches them with the cap (tileport.autotuning.configs hands it to triton.Config)
     assert [c.maxnreg for c in tk._configs(capped)] == [o["maxnreg"] for o in capped]
-    args = dict(_args(False), PREC="bf16", eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True,
-                g_ptr=T([Ntok, H], f32), CUMSUM_G=True, DIAG_PREC="tf32")
+    args = _forward_as_run()
     for o in capped:
         report = compile_case(CompileCase(f"gdn solve_wu tile capped {o}", tk._solve_wu_tile_kernel.fn, args,
                                           num_warps=o["num_warps"],
@@ -134,9 +140,7 @@ def test_gdn_forward_solve_inverts_its_diagonal_on_tensor_cores():
     were in fp32 (the instruction mix that found log row 26, `compile_check.sass_census`)."""
     from tileport.compile_check import sass_census
 
-    args = dict(_args(False), PREC=tk.NORMALISED_KEYS_PREC, eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf),
-                STORE_KN=True, g_ptr=T([Ntok, H], f32), CUMSUM_G=True, DIAG_PREC=tk.NORMALISED_KEYS_DIAG_PREC)
-    report = compile_case(CompileCase("gdn solve_wu tile, forward as run", tk._solve_wu_tile_kernel.fn, args,
+    report = compile_case(CompileCase("gdn solve_wu tile, forward as run", tk._solve_wu_tile_kernel.fn, _forward_as_run(),
                                       num_warps=4, options={"num_stages": 1}))
     mix = sass_census(report)
     print(f"\n{report.summary()} sass total={mix['total']} FFMA={mix.get('FFMA', 0)} HMMA={mix.get('HMMA', 0)}")

@@ -1270,21 +1270,18 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     if g is not None and not (form == "tile" and g.shape == G.shape and G.dtype == torch.float64):
         raise ValueError("g needs the tile form of stage 3 and G as its fp64 [Ntok, H] output")
     if form == "tile":
-        prec = "ieee" if dtype == torch.float32 else "tf32x3"
-        if prec == "tf32x3" and (keys_normalised or l2norm_k):
+        # the [64, 64] products and the diagonal blocks' inverses: exact-ish but with normalised
+        # 16-bit keys, where the forward and the backward's recompute each have their switches
+        prec, diag_prec = ("ieee" if dtype == torch.float32 else "tf32x3"), "ieee"
+        if dtype != torch.float32 and (keys_normalised or l2norm_k):
             if compact and not store_T:  # the forward
-                prec = NORMALISED_KEYS_PREC
-            elif store_T and exact_wu:  # the backward's recompute
-                prec = _checked("RECOMPUTE_NORMALISED_KEYS_PREC", RECOMPUTE_NORMALISED_KEYS_PREC, ("tf32x3", "tf32"))
-            prec = _emulated_here(prec) if prec == "tf32" else prec
-        diag_prec = "ieee"  # the diagonal blocks' inverse: exact but with normalised 16-bit keys
-        if (keys_normalised or l2norm_k) and dtype != torch.float32:
-            if compact and not store_T:  # the forward
+                prec = _checked("NORMALISED_KEYS_PREC", NORMALISED_KEYS_PREC, ("tf32x3", "tf32", "bf16"))
                 diag_prec = _checked("NORMALISED_KEYS_DIAG_PREC", NORMALISED_KEYS_DIAG_PREC, ("ieee", "tf32"))
             elif store_T and exact_wu:  # the backward's recompute
+                prec = _checked("RECOMPUTE_NORMALISED_KEYS_PREC", RECOMPUTE_NORMALISED_KEYS_PREC, ("tf32x3", "tf32"))
                 diag_prec = _checked("RECOMPUTE_NORMALISED_KEYS_DIAG_PREC", RECOMPUTE_NORMALISED_KEYS_DIAG_PREC,
                                      ("ieee", "tf32"))
-            diag_prec = _emulated_here(diag_prec) if diag_prec == "tf32" else diag_prec
+        prec, diag_prec = _emulated_here(prec), _emulated_here(diag_prec)
         if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):
             # 3a: T alone, in bf16 as W and U's products read it; 3b: W and U in column blocks
             Tb = new_empty((Ntok, H, BT), inter, k.device)
@@ -1551,11 +1548,12 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     _check_forward_switches()
     if states_form(plan.N * H) == "fused":
         # stage 1 for k only when the kernels can't normalise it on load (L2NORM_K_FORM)
-        form = L2NORM_K_FORM if use_qk_l2norm_in_kernel and solve_form(q.dtype, False) == "tile" else "stage-1"
+        tile = solve_form(q.dtype, False) == "tile"
+        form = L2NORM_K_FORM if use_qk_l2norm_in_kernel and tile else "stage-1"
         in_kernel = form == "in-kernel"
         kn = l2norm_fwd(kf) if use_qk_l2norm_in_kernel and form == "stage-1" else kf
         kn_out = new_empty(kf.shape, kf.dtype, kf.device) if form == "stage-3" else None
-        in_stage3 = CUMSUM_FORM == "stage-3" and solve_form(q.dtype, False) == "tile"
+        in_stage3 = CUMSUM_FORM == "stage-3" and tile
         G = new_empty(tuple(gf.shape), torch.float64, gf.device) if in_stage3 else chunk_cumsum(gf, plan)
         _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=use_qk_l2norm_in_kernel,
                                    l2norm_k=form != "stage-1", kn_out=kn_out, g=gf if in_stage3 else None)
