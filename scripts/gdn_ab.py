@@ -33,9 +33,10 @@ BK, BV, NV = tk._blocks(K, V)
 DT, DA = tk._dot_types(torch.bfloat16)
 plan = tk.make_plan(B, T, None, dev)
 # GDN_AB_SECTIONS picks what to time (comma-separated; default all): solve, output, states, forward, backward
-SECTIONS = [x.strip() for x in os.environ.get("GDN_AB_SECTIONS", "solve,output,states,forward,backward").split(",")]
-if set(SECTIONS) - {"solve", "output", "states", "forward", "backward"}:
-    raise SystemExit(f"GDN_AB_SECTIONS: unknown {sorted(set(SECTIONS) - {'solve', 'output', 'states', 'forward', 'backward'})}")
+_ALL = ("solve", "output", "states", "forward", "gluon", "backward")
+SECTIONS = [x.strip() for x in os.environ.get("GDN_AB_SECTIONS", ",".join(_ALL)).split(",")]
+if set(SECTIONS) - set(_ALL):
+    raise SystemExit(f"GDN_AB_SECTIONS: unknown {sorted(set(SECTIONS) - set(_ALL))}")
 DEFAULTS = (tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM, tk.BACKWARD_PRODUCTS, tk.WU_FORM,
             tk.CUMSUM_FORM, tk.T_CHAIN)
 Ntok = B * T
@@ -186,15 +187,24 @@ if "states" in SECTIONS:
                                l2norm_q=True)[0]
 
 
-    def gluon_fused():
+    def gluon_fused(bv, warps):
         from tileport.ops.gdn import gluon_kernels as gk
 
-        return gk.chunk_states_output_gluon(q_raw, kn, w, u, G, None, plan, False, scale, torch.bfloat16, True)[0]
+        def run():
+            gk.RECURRENCE_BV, gk.RECURRENCE_WARPS = bv, warps
+            try:
+                return gk.chunk_states_output_gluon(q_raw, kn, w, u, G, None, plan, False, scale, torch.bfloat16,
+                                                    True)[0]
+            finally:
+                gk.RECURRENCE_BV, gk.RECURRENCE_WARPS = launch
+        launch = (gk.RECURRENCE_BV, gk.RECURRENCE_WARPS)
+        return run
 
 
     o_split = split()
-    for name, fn in (("split", split), ("fused", fused), ("gluon fused", gluon_fused)):
-        if name == "gluon fused" and dev != "cuda":
+    for name, fn in (("split", split), ("fused", fused), ("gluon fused BV64 4w", gluon_fused(64, 4)),
+                     ("gluon fused BV128 8w", gluon_fused(128, 8)), ("gluon fused BV32 4w", gluon_fused(32, 4))):
+        if name.startswith("gluon") and dev != "cuda":
             continue  # Gluon kernels don't run under the interpreter
         try:
             o = fn()
@@ -255,6 +265,37 @@ if "forward" in SECTIONS:
                   f"vs the first {rel(o, base):.2e}", flush=True)
         tk.CUMSUM_FORM, tk.T_CHAIN = DEFAULTS[6:8]
     tk.SOLVE_FORM, tk.STATES_FORM, tk.NORMALISED_KEYS_PREC, tk.L2NORM_K_FORM = DEFAULTS[:4]
+
+
+# the whole forward of the two backends, same inputs, at S1 and B=1 T=32768: triton (its defaults)
+# against gluon in each FORWARD_FORM and fused launch shape (RECURRENCE_BV, RECURRENCE_WARPS)
+if "gluon" in SECTIONS and dev == "cuda":
+    from tileport.ops.gdn import gluon_kernels as gk
+
+    print("\n== whole forward: triton against gluon (FORWARD_FORM, fused launch shape)")
+    gluon_defaults = (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS)
+    for b_, t_ in ((B, T), (1, B * T)):
+        xs = (torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16),
+              torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16),
+              torch.randn(b_, t_, H, V, device=dev, dtype=torch.bfloat16),
+              torch.nn.functional.logsigmoid(torch.randn(b_, t_, H, device=dev)),
+              torch.sigmoid(torch.randn(b_, t_, H, device=dev)).to(torch.bfloat16))
+        base = tk.gdn_forward_triton(*xs, K ** -0.5, None, False, True, None)[0]
+        ms = triton.testing.do_bench(lambda: tk.gdn_forward_triton(*xs, K ** -0.5, None, False, True, None),
+                                     warmup=10, rep=60, return_mode="median")
+        print(f"forward B={b_} T={t_} triton: {ms:.3f} ms", flush=True)
+        for form, bv, warps in (("split", 64, 4), ("fused", 64, 4), ("fused", 128, 8), ("fused", 32, 4)):
+            gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS = form, bv, warps
+            try:
+                o = gk.gdn_forward_gluon(*xs, K ** -0.5, None, False, True, None)[0]
+                ms = triton.testing.do_bench(lambda: gk.gdn_forward_gluon(*xs, K ** -0.5, None, False, True, None),
+                                             warmup=10, rep=60, return_mode="median")
+                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w: {ms:.3f} ms, vs triton {rel(o, base):.2e}",
+                      flush=True)
+            except Exception as exc:
+                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w: FAILED {type(exc).__name__}: "
+                      f"{str(exc)[:200]}", flush=True)
+    gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS = gluon_defaults
 
 
 # the backward's products (BACKWARD_PRODUCTS): "bf16" (rounded operands, the form the bench timed

@@ -1,10 +1,13 @@
-"""Small GDN calls on the Gluon output kernels (both forms) for compute-sanitizer memcheck and
-racecheck (issue 5 asks for racecheck clean: triton 3.6's WGMMA race, issue 11047).
+"""Small GDN calls on the Gluon kernels (both output kernels, and the fused recurrence + output on
+one warpgroup and on two) for compute-sanitizer memcheck and racecheck (issue 5 asks for racecheck
+clean: triton 3.6's WGMMA race, issue 11047, which needs more than 4 warps: the fused kernel's
+8-warp launch).
 
     python3 scripts/sanitize_gdn.py [quick]
 
 A dense batch with a ragged T (a partial last chunk) and a varlen batch with a length-1 and an
-empty sequence, forward and backward, K = V = 64 and 128; each OUTPUT_FORM of the gluon backend.
+empty sequence, forward and backward, K = V = 64 and 128; each OUTPUT_FORM of the gluon backend, and FORWARD_FORM "fused" at (RECURRENCE_BV, RECURRENCE_WARPS)
+(64, 4) and (128, 8).
 """
 
 import sys
@@ -20,8 +23,11 @@ quick = "quick" in sys.argv[1:]
 cases = [dict(B=2, T=130, H=2, K=64, cu=None), dict(B=1, T=200, H=2, K=128, cu=[0, 1, 70, 70, 200])]
 if not quick:
     cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
-for form in ("one-shot", "persistent"):
-    gluon_kernels.OUTPUT_FORM = form
+forms = (("one-shot", "split", 64, 4), ("persistent", "split", 64, 4), ("fused-BV64-4w", "fused", 64, 4),
+         ("fused-BV128-8w", "fused", 128, 8))
+for form, forward_form, bv, warps in forms:
+    gluon_kernels.OUTPUT_FORM = form if forward_form == "split" else "one-shot"
+    gluon_kernels.FORWARD_FORM, gluon_kernels.RECURRENCE_BV, gluon_kernels.RECURRENCE_WARPS = forward_form, bv, warps
     for c in cases:
         B, T, H, K = c["B"], c["T"], c["H"], c["K"]
         dev, bf = "cuda", torch.bfloat16

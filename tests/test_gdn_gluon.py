@@ -1,7 +1,8 @@
 """The GDN "gluon" backend (Triton stages and backward around the Gluon TMA + WGMMA kernels)
 through the frozen parity gate's cases, forward and backward, on the shapes it accepts (bf16,
 K and V of 64 or 128), in each of its forward forms: the two output kernels (one chunk per
-program, and the persistent one with two TMA buffer sets) and the fused recurrence + output. GPU only: Gluon kernels don't run on the CPU, where
+program, and the persistent one with two TMA buffer sets) and the fused recurrence + output in
+both launch shapes (BV = 64 on one warpgroup, BV = V on two). GPU only: Gluon kernels don't run on the CPU, where
 tests/test_gluon_compile.py compile-checks the kernel for sm_90a instead.
 """
 
@@ -16,7 +17,7 @@ from tileport.ops.gdn import DISPATCHER, explain_call
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] in (64, 128) and c[4] in (64, 128)]
 
 
-@pytest.mark.parametrize("form", ["one-shot", "persistent", "fused"])
+@pytest.mark.parametrize("form", ["one-shot", "persistent", "fused", "fused-wide"])
 @pytest.mark.parametrize("case_id", ACCEPTED)
 def test_forward_backward(case_id, form, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
@@ -24,8 +25,11 @@ def test_forward_backward(case_id, form, device, seed, monkeypatch):
 
     # every Gluon forward through the same gate: the two output kernels after Triton's stages
     # 1-5 (OUTPUT_FORM), and the fused recurrence + output kernel (FORWARD_FORM)
-    if form == "fused":
+    if form.startswith("fused"):
         monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "fused")
+        bv, warps = (128, 8) if form == "fused-wide" else (64, 4)
+        monkeypatch.setattr(gluon_kernels, "RECURRENCE_BV", bv)
+        monkeypatch.setattr(gluon_kernels, "RECURRENCE_WARPS", warps)
     else:
         monkeypatch.setattr(gluon_kernels, "OUTPUT_FORM", form)
     parity._run_and_check("gluon", case_id, device, seed)
@@ -39,3 +43,20 @@ def test_explain_says_why_gluon_refuses():
     call = explain_call("1,64,1,48,80", torch.bfloat16, "cuda", (9, 0))
     assert "head dims" in DISPATCHER._by_name["gluon"].refusal(call)
     assert "Hopper" in DISPATCHER._by_name["gluon"].refusal(explain_call("1,64,1,64,64", torch.bfloat16, "cuda", (8, 0)))
+
+
+def test_forward_form_rule_and_refusals(monkeypatch):
+    """FORWARD_FORM "auto" follows Triton's STATES_FORM rule; unknown forms and launch shapes the
+    fused kernel cannot take are refused by name (CPU: nothing launches)."""
+    from tileport.ops.gdn import gluon_kernels, triton_kernels
+
+    monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "auto")
+    monkeypatch.setattr(triton_kernels, "STATES_FORM", "auto")
+    many, few = triton_kernels.FUSED_STATES_MIN_PAIRS, triton_kernels.FUSED_STATES_MIN_PAIRS - 1
+    assert (gluon_kernels.forward_form(many), gluon_kernels.forward_form(few)) == ("fused", "split")
+    monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "ping-pong")
+    with pytest.raises(ValueError, match="FORWARD_FORM"):
+        gluon_kernels.forward_form(many)
+    monkeypatch.setattr(gluon_kernels, "RECURRENCE_WARPS", 12)
+    with pytest.raises(ValueError, match="RECURRENCE_WARPS"):
+        gluon_kernels.check_recurrence_launch(128)

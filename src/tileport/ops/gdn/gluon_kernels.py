@@ -28,7 +28,8 @@ from tileport.memory import new_empty
 try:  # the module must import on a CPU machine and without Gluon
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _GLUON_ERROR = None
@@ -212,8 +213,9 @@ if _GLUON_ERROR is None:
                               STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr):
         """5 and 6 fused: the state recurrence and each chunk's output, h never leaving the chip.
         One program per (sequence, head, V block of BV columns), sequential over the sequence's
-        chunks; grid (N * H, V / BV), 4 warps (one warpgroup: the M = 64 of the WGMMAs). Per chunk,
-        with h [K, BV] fp32 in registers (WGMMA accumulator layout) and a bf16 copy in shared memory:
+        chunks; grid (N * H, V / BV), 4 or 8 warps (one or two warpgroups; with two, each owns half
+        of the BV columns of every [64, BV] and [K, BV] accumulator). Per chunk, with h [K, BV]
+        fp32 in registers (WGMMA accumulator layout) and a bf16 copy in shared memory:
             Vn = U - W h;  O = scale (diag(exp(G)) Q h + lower(Q K^T * Gam) Vn);
             h <- exp(G_L) h + (diag(exp(G_L - G)) K)^T Vn
         as five WGMMAs (W h, Q h, Q K^T from shared memory; P Vn with P from registers; the
@@ -221,16 +223,27 @@ if _GLUON_ERROR is None:
         The operands are rounded as the Triton fused form rounds them (bf16 h, Vn, K scaled), so the
         two agree to accumulation order.
 
+        The recurrence's critical path is W h -> Vn -> the update; the output's three products hang
+        off it. So the WGMMAs are asynchronous and waited for in the order the chain needs them:
+        W h, Q h and Q K^T are issued together, the scaled keys are formed while they run, W h is
+        waited for alone (`warpgroup_mma_wait(2)`: WGMMA groups retire in order), the update is
+        issued as soon as Vn is in shared memory, and the gated P and its product with Vn run
+        under it. The chunk's gates are loaded before its tiles are waited for.
+
         Explicit here (Triton would choose, and in the fused Triton kernel chose a latency-bound
-        schedule): a two-deep TMA ring over the chunks (the next chunk's q, k, W, U tiles, 48 KB
-        at K = 128, BV = 64, load while this chunk computes; buffer b's phase flips at each reuse),
-        the accumulator layouts, and the thread barriers that order the generic-proxy stores of
-        h, Vn and the scaled keys before the WGMMAs (async proxy) read them. Varlen: a tail
-        chunk's TMA tiles hold rows of the next sequence; they are masked out of P, of the scaled
-        keys (so out of the state) and of the store. Why: h and Vn are 0.8 GB stored and read back
-        at S1 in the split form, and the fused Triton form runs at ~3x its memory floor
-        (docs/perf/gdn.md, "Path to issue 5's 0.46 ms forward")."""
+        schedule): a two-deep TMA ring over the chunks (the next chunk's q, k, W, U tiles load
+        while this chunk computes; buffer b's phase flips at each reuse), the accumulator layouts,
+        the order in which asynchronous WGMMAs are waited for, and the thread barriers that order
+        the generic-proxy stores of h, Vn and the scaled keys before the WGMMAs (async proxy) read
+        them, and every warpgroup's reads of a buffer before any refill of it (with two warpgroups
+        that is also triton issue 11047's guard). Varlen: a tail chunk's TMA tiles hold rows of the
+        next sequence; they are masked out of P, of the scaled keys (so out of the state) and of
+        the store. Why: h and Vn are 0.8 GB stored and read back at S1 in the split form, and the
+        fused Triton form runs at ~3x its memory floor (docs/perf/gdn.md, "Path to issue 5's 0.46
+        ms forward")."""
         BT: gl.constexpr = q_desc.block_type.shape[0]
+        NW: gl.constexpr = gl.num_warps()
+        WG: gl.constexpr = NW // 4  # warpgroups, side by side along the accumulators' columns
         nh = gl.program_id(0)
         jv = gl.program_id(1)
         n = nh // H
@@ -251,9 +264,11 @@ if _GLUON_ERROR is None:
             mbarrier.init(bars.index(b), count=1)
         fence_async_shared()
 
-        V_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        V_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BV // WG, 16])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BT // WG, 16])
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=V_L, k_width=2)
 
         kr = gl.arange(0, K, layout=gl.SliceLayout(1, V_L))
@@ -264,60 +279,68 @@ if _GLUON_ERROR is None:
             h = gl.load(h0_ptr + sbase).to(gl.float32)
         else:
             h = gl.zeros([K, BV], gl.float32, V_L)
+        h_s.store(h.to(h_s.dtype))
 
         if nc > 0:
             _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, bos, hh, hh * V + jv * BV, q_s.index(0),
                                     k_s.index(0), w_s.index(0), u_s.index(0), bars.index(0), K)
+        rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+        ro = gl.arange(0, BT, layout=gl.SliceLayout(1, V_L))
         for i in range(nc):
             buf = i % 2
             t0 = bos + i * BT
             if i + 1 < nc:
-                gl.thread_barrier()  # every warp is done with buffer set 1 - buf (chunk i - 1)
+                # every warpgroup's WGMMAs of chunk i - 1 have retired (each waited for all of its
+                # own) and every warp has passed them before buffer set 1 - buf is refilled
+                gl.thread_barrier()
                 _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, t0 + BT, hh, hh * V + jv * BV,
                                         q_s.index(1 - buf), k_s.index(1 - buf), w_s.index(1 - buf),
                                         u_s.index(1 - buf), bars.index(1 - buf), K)
+            # the chunk's gates, before its tiles are waited for: their latency hides under the wait
+            last = gl.minimum(t0 + BT, eos) - 1
+            GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
+            r_ok = t0 + rr < eos
+            Gk = gl.load(G_ptr + (t0 + rr).to(gl.int64) * H + hh, mask=r_ok, other=0.0)
+            ro_ok = t0 + ro < eos
+            Go = gl.load(G_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0)
             mbarrier.wait(bars.index(buf), (i // 2) & 1)
             q_b = q_s.index(buf)
             k_b = k_s.index(buf)
-            last = gl.minimum(t0 + BT, eos) - 1
-            GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
-
-            # the scaled keys diag(exp(G_L - G)) K (rows past the sequence: 0) and, when asked,
-            # q normalised in place, both through registers in a row layout
-            rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
-            r_ok = t0 + rr < eos
-            Gk = gl.load(G_ptr + (t0 + rr).to(gl.int64) * H + hh, mask=r_ok, other=0.0)
-            kf = k_b.load(ROWS_L).to(gl.float32)
-            kd = kf * gl.exp(gl.where(r_ok, (GL - Gk).to(gl.float32), float("-inf")))[:, None]
-            kd_s.store(kd.to(kd_s.dtype))
             if L2NORM_Q:
                 qf = q_b.load(ROWS_L).to(gl.float32)
                 qn = qf * gl.rsqrt(gl.sum(qf * qf, axis=1) + eps)[:, None]
                 gl.thread_barrier()  # every warp has read q before any overwrites it
                 q_b.store(qn.to(q_b.dtype))
-            h_s.store(h.to(h_s.dtype))
-            fence_async_shared()  # generic-proxy writes, then the async proxy (WGMMA) reads
+            fence_async_shared()  # h (last iteration) and q written by the generic proxy, read by WGMMA
             gl.thread_barrier()
 
-            vn = u_s.index(buf).load(V_L).to(gl.float32) - warpgroup_mma(w_s.index(buf), h_s,
-                                                                          gl.zeros([BT, BV], gl.float32, V_L))
-            qh = warpgroup_mma(q_b, h_s, gl.zeros([BT, BV], gl.float32, V_L))
-            sqk = warpgroup_mma(q_b, k_b.permute((1, 0)), gl.zeros([BT, BT], gl.float32, S_L))
-            vn_s.store(vn.to(vn_s.dtype))
+            wh = warpgroup_mma(w_s.index(buf), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
+            qh = warpgroup_mma(q_b, h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
+            sqk = warpgroup_mma(q_b, k_b.permute((1, 0)), gl.zeros([BT, BT], gl.float32, S_L), is_async=True)
+
+            # the scaled keys diag(exp(G_L - G)) K (rows past the sequence: 0), under the WGMMAs
+            kf = k_b.load(ROWS_L).to(gl.float32)
+            kd = kf * gl.exp(gl.where(r_ok, (GL - Gk).to(gl.float32), float("-inf")))[:, None]
+            kd_s.store(kd.to(kd_s.dtype))
+            u_r = u_s.index(buf).load(V_L).to(gl.float32)
+
+            wh = warpgroup_mma_wait(2, deps=[wh])  # W h alone: the chain's first link
+            # lint: allow TP005 -- vn_s's readers (chunk i - 1's update and P Vn) were waited for (wait 0) before the thread barrier that ends that chunk; the wait just above is W h's, which reads w_s and h_s only
+            vn_s.store((u_r - wh).to(vn_s.dtype))
             fence_async_shared()
-            gl.thread_barrier()
+            gl.thread_barrier()  # Vn and the scaled keys of every warp, before the update reads them
+            h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL.to(gl.float32)), is_async=True)
 
+            qh, sqk = warpgroup_mma_wait(1, deps=[qh, sqk])  # the output's products; the update runs on
             P = _gated_causal(sqk, G_ptr, t0, eos, H, hh, S_L)
-            ro = gl.arange(0, BT, layout=gl.SliceLayout(1, V_L))
-            ro_ok = t0 + ro < eos
-            Go = gl.load(G_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0)
-            o = warpgroup_mma(gl.convert_layout(P.to(vn_s.dtype), P_L), vn_s, qh * gl.exp(Go.to(gl.float32))[:, None])
+            o = warpgroup_mma(gl.convert_layout(P.to(vn_s.dtype), P_L), vn_s, qh * gl.exp(Go.to(gl.float32))[:, None],
+                              is_async=True)
+            h, o = warpgroup_mma_wait(0, deps=[h, o])
             offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
             # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: a 64-row TMA store would overwrite them; the masked store writes only this chunk's rows
             gl.store(o_ptr + offs, (o * scale).to(o_ptr.dtype.element_ty), mask=ro_ok[:, None])
-
-            h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL.to(gl.float32)))
-            gl.thread_barrier()  # the WGMMAs have read h_s, vn_s and kd_s before the next chunk rewrites them
+            gl.thread_barrier()  # every warpgroup's WGMMAs have read h_s, vn_s and kd_s before they are rewritten
+            h_s.store(h.to(h_s.dtype))
         if STORE_FINAL:
             # lint: allow TP001 -- once per program, after the chunk loop: the state from its accumulator layout, no staging through shared memory
             gl.store(ht_ptr + sbase, h)
@@ -365,12 +388,41 @@ def chunk_output_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtyp
 
 
 # Which forward the "gluon" backend runs: "split" (Triton stages 1-5, then the output kernel of
-# OUTPUT_FORM) or "fused" (Triton stages 1-3, then `_states_output_kernel`: the recurrence and the
-# output in one Gluon kernel). "split" until the fused kernel has passed tests/test_gdn_gluon.py
-# on the H200 and been timed against Triton's fused form (scripts/gdn_ab.py): it was written in
-# the fifth session (2026-11-29) with no device time, and only compiled for sm_90a.
+# OUTPUT_FORM), "fused" (Triton stages 1-3 in the fused forward's forms, then
+# `_states_output_kernel`: the recurrence and the output in one Gluon kernel), or "auto": fused
+# where Triton's STATES_FORM rule fuses (enough (sequence, head) pairs to fill the card), split
+# otherwise. "split" until the fused kernel has passed tests/test_gdn_gluon.py on the H200 and been
+# timed against Triton's fused form (scripts/gdn_ab.py).
+FORWARD_FORMS = ("split", "fused", "auto")
 FORWARD_FORM = "split"
-RECURRENCE_BV = 64  # V columns per program of the fused kernel: 256 programs at S1 (N * H * V / 64)
+
+
+def forward_form(pairs: int) -> str:
+    """"fused" or "split" for a forward over `pairs` (sequence, head) pairs (FORWARD_FORM)."""
+    from tileport.ops.gdn.triton_kernels import _checked, states_form
+
+    form = _checked("FORWARD_FORM", FORWARD_FORM, FORWARD_FORMS)
+    if form == "auto":
+        return "fused" if states_form(pairs) == "fused" else "split"
+    return form
+# The fused kernel's V columns per program and warps: BV = 64 on one warpgroup (256 programs at
+# S1, N * H * V / 64; 152 KB of shared memory at K = 128, so one CTA per SM and two waves), or
+# BV = 128 on two warpgroups side by side (128 programs, one wave; the chunk's scaled keys, q's
+# norms and the gates formed once for all V). Read at each call, so scripts/gdn_ab.py can time both.
+RECURRENCE_BV = 64
+RECURRENCE_WARPS = 4
+
+
+def check_recurrence_launch(V: int) -> int:
+    """The fused kernel's BV for head dim V (RECURRENCE_BV, RECURRENCE_WARPS), or a ValueError
+    naming the switch it cannot take."""
+    BV = min(V, RECURRENCE_BV)
+    if RECURRENCE_WARPS not in (4, 8):
+        raise ValueError(f"RECURRENCE_WARPS {RECURRENCE_WARPS}: the fused kernel runs on 4 or 8 warps")
+    if BV < 16 or BV & (BV - 1) or V % BV or (BV // (RECURRENCE_WARPS // 4)) % 8:
+        raise ValueError(f"RECURRENCE_BV {RECURRENCE_BV} (BV {BV} at V={V}, {RECURRENCE_WARPS} warps): a power of two "
+                         f">= 16 dividing V, at least 8 columns per warpgroup")
+    return BV
 
 
 def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool, scale: float,
@@ -381,7 +433,7 @@ def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool,
 
     Ntok, H, K = q.shape
     V = u.shape[-1]
-    BV = min(V, RECURRENCE_BV)
+    BV = check_recurrence_launch(V)
     o = new_empty((Ntok, H, V), out_dtype, q.device)
     ht = new_empty((plan.N, H, K, V), torch.float32, q.device) if output_final_state else None
     if plan.N:
@@ -390,7 +442,8 @@ def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool,
         h0 = h0.float().contiguous() if h0 is not None else None
         _states_output_kernel[(plan.N * H, V // BV)](*descs, G, h0 if h0 is not None else o, ht if ht is not None else o,
                                                      o, plan.cu, H, float(scale), L2NORM_EPS, K, V, BV,
-                                                     h0 is not None, output_final_state, l2norm_q, num_warps=4)
+                                                     h0 is not None, output_final_state, l2norm_q,
+                                                     num_warps=RECURRENCE_WARPS)
     return o, ht
 
 
@@ -404,10 +457,10 @@ def gdn_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state
     plan = tk.make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (tk._flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    if FORWARD_FORM == "fused":
-        kn = tk.l2norm_fwd(kf) if use_qk_l2norm_in_kernel else kf
-        G = tk.chunk_cumsum(gf, plan)
-        _Ai, w, u = tk.chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=use_qk_l2norm_in_kernel)
+    if forward_form(plan.N * H) == "fused":
+        tk._check_forward_switches()
+        kn, G, w, u, _ = tk.fused_forward_stages_1_to_3(kf, vf, gf, bf, plan, use_qk_l2norm_in_kernel,
+                                                        keys_in_kernel_ok=False)
         o, ht = chunk_states_output_gluon(qf, kn, w, u, G, h0, plan, output_final_state, scale, q.dtype,
                                           use_qk_l2norm_in_kernel)
         return o.view(B, T, H, V), ht
@@ -452,14 +505,15 @@ def compile_cases():
         cases.append(CompileCase(name=f"gdn_output_persistent_{tag}", kernel=_output_persistent_kernel,
                                  args=dict(args, n_items=NC * H), num_warps=4, expect_ptx=expect, expect_max_spills=0,
                                  expect_max_shared=SMEM_PER_SM))
-        BV = min(V, RECURRENCE_BV)
         N = 8
-        fused = dict(q_desc=desc(Ntok, H * K, [BT, K]), k_desc=desc(Ntok, H * K, [BT, K]),
-                     w_desc=desc(Ntok, H * K, [BT, K]), u_desc=desc(Ntok, H * V, [BT, BV]),
-                     G_ptr=TensorStandIn([Ntok, H], torch.float64), h0_ptr=TensorStandIn([N, H, K, V], torch.float32),
-                     ht_ptr=TensorStandIn([N, H, K, V], torch.float32), o_ptr=TensorStandIn([Ntok, H, V], bf),
-                     cu_ptr=TensorStandIn([N + 1], torch.int64), H=H, scale=0.1, eps=1e-6, K=K, V=V, BV=BV,
-                     HAS_H0=True, STORE_FINAL=True, L2NORM_Q=l2)
-        cases.append(CompileCase(name=f"gdn_states_output_{tag}", kernel=_states_output_kernel, args=fused,
-                                 num_warps=4, expect_ptx=expect, expect_max_shared=SMEM_PER_SM))
+        for BV, warps in ((min(V, 64), 4), (V, 8)):
+            fused = dict(q_desc=desc(Ntok, H * K, [BT, K]), k_desc=desc(Ntok, H * K, [BT, K]),
+                         w_desc=desc(Ntok, H * K, [BT, K]), u_desc=desc(Ntok, H * V, [BT, BV]),
+                         G_ptr=TensorStandIn([Ntok, H], torch.float64), h0_ptr=TensorStandIn([N, H, K, V], torch.float32),
+                         ht_ptr=TensorStandIn([N, H, K, V], torch.float32), o_ptr=TensorStandIn([Ntok, H, V], bf),
+                         cu_ptr=TensorStandIn([N + 1], torch.int64), H=H, scale=0.1, eps=1e-6, K=K, V=V, BV=BV,
+                         HAS_H0=True, STORE_FINAL=True, L2NORM_Q=l2)
+            cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}", kernel=_states_output_kernel, args=fused,
+                                     num_warps=warps, expect_ptx=expect, expect_max_spills=0,
+                                     expect_max_shared=SMEM_PER_SM))
     return cases

@@ -1538,6 +1538,26 @@ def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, o
     return q, k, G, Ai, w, u, h, vn, ht
 
 
+def fused_forward_stages_1_to_3(kf, vf, gf, bf, plan: ChunkPlan, l2norm: bool, keys_in_kernel_ok: bool = True):
+    """Stages 1-3 of a forward whose stages 5 and 6 are one kernel, in the forms the switches ask
+    for (L2NORM_K_FORM, CUMSUM_FORM): (keys for the recurrence [Ntok, H, K], G [Ntok, H] fp64,
+    W, U compact, whether the recurrence must normalise the keys itself). Shared by Triton's fused
+    states kernel and Gluon's; keys_in_kernel_ok=False (a recurrence that takes normalised keys
+    only) normalises them in stage 1 where L2NORM_K_FORM says "in-kernel"."""
+    # stage 1 for k only when the kernels can't normalise it on load (L2NORM_K_FORM)
+    tile = solve_form(kf.dtype, False) == "tile"
+    form = L2NORM_K_FORM if l2norm and tile else "stage-1"
+    if form == "in-kernel" and not keys_in_kernel_ok:
+        form = "stage-1"
+    kn = l2norm_fwd(kf) if l2norm and form == "stage-1" else kf
+    kn_out = new_empty(kf.shape, kf.dtype, kf.device) if form == "stage-3" else None
+    in_stage3 = CUMSUM_FORM == "stage-3" and tile
+    G = new_empty(tuple(gf.shape), torch.float64, gf.device) if in_stage3 else chunk_cumsum(gf, plan)
+    _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=l2norm,
+                               l2norm_k=form != "stage-1", kn_out=kn_out, g=gf if in_stage3 else None)
+    return (kn_out if kn_out is not None else kn), G, w, u, form == "in-kernel"
+
+
 def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
     """(o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None)."""
     B, T, H, K = q.shape
@@ -1547,17 +1567,7 @@ def gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     h0 = initial_state.contiguous() if initial_state is not None else None
     _check_forward_switches()
     if states_form(plan.N * H) == "fused":
-        # stage 1 for k only when the kernels can't normalise it on load (L2NORM_K_FORM)
-        tile = solve_form(q.dtype, False) == "tile"
-        form = L2NORM_K_FORM if use_qk_l2norm_in_kernel and tile else "stage-1"
-        in_kernel = form == "in-kernel"
-        kn = l2norm_fwd(kf) if use_qk_l2norm_in_kernel and form == "stage-1" else kf
-        kn_out = new_empty(kf.shape, kf.dtype, kf.device) if form == "stage-3" else None
-        in_stage3 = CUMSUM_FORM == "stage-3" and tile
-        G = new_empty(tuple(gf.shape), torch.float64, gf.device) if in_stage3 else chunk_cumsum(gf, plan)
-        _Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, compact=True, keys_normalised=use_qk_l2norm_in_kernel,
-                                   l2norm_k=form != "stage-1", kn_out=kn_out, g=gf if in_stage3 else None)
-        kn = kn_out if kn_out is not None else kn
+        kn, G, w, u, in_kernel = fused_forward_stages_1_to_3(kf, vf, gf, bf, plan, use_qk_l2norm_in_kernel)
         o, _, ht = chunk_states(kn, w, u, G, h0, plan, output_final_state, q=qf, scale=scale, out_dtype=q.dtype,
                                 l2norm_q=use_qk_l2norm_in_kernel, l2norm_k=in_kernel)
         return o.view(B, T, H, V), ht
