@@ -187,23 +187,24 @@ if "states" in SECTIONS:
                                l2norm_q=True)[0]
 
 
-    def gluon_fused(bv, warps):
+    def gluon_fused(bv, warps, early=False):
         from tileport.ops.gdn import gluon_kernels as gk
 
         def run():
-            gk.RECURRENCE_BV, gk.RECURRENCE_WARPS = bv, warps
+            launch = (gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES)
+            gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES = bv, warps, early
             try:
                 return gk.chunk_states_output_gluon(q_raw, kn, w, u, G, None, plan, False, scale, torch.bfloat16,
                                                     True)[0]
             finally:
-                gk.RECURRENCE_BV, gk.RECURRENCE_WARPS = launch
-        launch = (gk.RECURRENCE_BV, gk.RECURRENCE_WARPS)
+                gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES = launch
         return run
 
 
     o_split = split()
     for name, fn in (("split", split), ("fused", fused), ("gluon fused BV64 4w", gluon_fused(64, 4)),
-                     ("gluon fused BV128 8w", gluon_fused(128, 8)), ("gluon fused BV32 4w", gluon_fused(32, 4))):
+                     ("gluon fused BV128 8w", gluon_fused(128, 8)),
+                     ("gluon fused BV128 8w early gates", gluon_fused(128, 8, True))):
         if name.startswith("gluon") and dev != "cuda":
             continue  # Gluon kernels don't run under the interpreter
         try:
@@ -273,7 +274,7 @@ if "gluon" in SECTIONS and dev == "cuda":
     from tileport.ops.gdn import gluon_kernels as gk
 
     print("\n== whole forward: triton against gluon (FORWARD_FORM, fused launch shape)")
-    gluon_defaults = (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS)
+    gluon_defaults = (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES)
     for b_, t_ in ((B, T), (1, B * T)):
         xs = (torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16),
               torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16),
@@ -284,18 +285,20 @@ if "gluon" in SECTIONS and dev == "cuda":
         ms = triton.testing.do_bench(lambda: tk.gdn_forward_triton(*xs, K ** -0.5, None, False, True, None),
                                      warmup=10, rep=60, return_mode="median")
         print(f"forward B={b_} T={t_} triton: {ms:.3f} ms", flush=True)
-        for form, bv, warps in (("split", 64, 4), ("fused", 64, 4), ("fused", 128, 8), ("fused", 32, 4)):
-            gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS = form, bv, warps
+        forms = (("split", 64, 4, False), ("fused", 128, 8, False), ("fused", 128, 8, True))
+        for form, bv, warps, early in forms if b_ > 1 else forms[:1]:
+            gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES = form, bv, warps, early
             try:
                 o = gk.gdn_forward_gluon(*xs, K ** -0.5, None, False, True, None)[0]
                 ms = triton.testing.do_bench(lambda: gk.gdn_forward_gluon(*xs, K ** -0.5, None, False, True, None),
                                              warmup=10, rep=60, return_mode="median")
-                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w: {ms:.3f} ms, vs triton {rel(o, base):.2e}",
+                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w early gates {early}: {ms:.3f} ms, "
+                      f"vs triton {rel(o, base):.2e}",
                       flush=True)
             except Exception as exc:
-                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w: FAILED {type(exc).__name__}: "
+                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w early gates {early}: FAILED {type(exc).__name__}: "
                       f"{str(exc)[:200]}", flush=True)
-    gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS = gluon_defaults
+    gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES = gluon_defaults
 
 
 # the backward's products (BACKWARD_PRODUCTS): "bf16" (rounded operands, the form the bench timed

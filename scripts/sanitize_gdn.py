@@ -3,7 +3,7 @@ one warpgroup and on two) for compute-sanitizer memcheck and racecheck (issue 5 
 clean: triton 3.6's WGMMA race, issue 11047, which needs more than 4 warps: the fused kernel's
 8-warp launch).
 
-    python3 scripts/sanitize_gdn.py [quick]
+    python3 scripts/sanitize_gdn.py [quick] [FORM ...]     (FORM: one-shot, persistent, fused-BV64-4w, fused-BV128-8w)
 
 A dense batch with a ragged T (a partial last chunk) and a varlen batch with a length-1 and an
 empty sequence, forward and backward, K = V = 64 and 128; each OUTPUT_FORM of the gluon backend, and FORWARD_FORM "fused" at (RECURRENCE_BV, RECURRENCE_WARPS)
@@ -25,7 +25,12 @@ if not quick:
     cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
 forms = (("one-shot", "split", 64, 4), ("persistent", "split", 64, 4), ("fused-BV64-4w", "fused", 64, 4),
          ("fused-BV128-8w", "fused", 128, 8))
+only = [a for a in sys.argv[1:] if a != "quick"]
+if set(only) - {f[0] for f in forms}:
+    raise SystemExit(f"unknown forms {sorted(set(only) - {f[0] for f in forms})}: {[f[0] for f in forms]}")
 for form, forward_form, bv, warps in forms:
+    if only and form not in only:
+        continue
     gluon_kernels.OUTPUT_FORM = form if forward_form == "split" else "one-shot"
     gluon_kernels.FORWARD_FORM, gluon_kernels.RECURRENCE_BV, gluon_kernels.RECURRENCE_WARPS = forward_form, bv, warps
     for c in cases:

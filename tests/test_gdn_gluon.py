@@ -2,7 +2,8 @@
 through the frozen parity gate's cases, forward and backward, on the shapes it accepts (bf16,
 K and V of 64 or 128), in each of its forward forms: the two output kernels (one chunk per
 program, and the persistent one with two TMA buffer sets) and the fused recurrence + output in
-both launch shapes (BV = 64 on one warpgroup, BV = V on two). GPU only: Gluon kernels don't run on the CPU, where
+both launch shapes (BV = 64 on one warpgroup, BV = V on two; the latter also with the gates
+loaded early). GPU only: Gluon kernels don't run on the CPU, where
 tests/test_gluon_compile.py compile-checks the kernel for sm_90a instead.
 """
 
@@ -17,7 +18,7 @@ from tileport.ops.gdn import DISPATCHER, explain_call
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] in (64, 128) and c[4] in (64, 128)]
 
 
-@pytest.mark.parametrize("form", ["one-shot", "persistent", "fused", "fused-wide"])
+@pytest.mark.parametrize("form", ["one-shot", "persistent", "fused", "fused-wide", "fused-wide-early"])
 @pytest.mark.parametrize("case_id", ACCEPTED)
 def test_forward_backward(case_id, form, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
@@ -27,10 +28,12 @@ def test_forward_backward(case_id, form, device, seed, monkeypatch):
     # 1-5 (OUTPUT_FORM), and the fused recurrence + output kernel (FORWARD_FORM)
     if form.startswith("fused"):
         monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "fused")
-        bv, warps = (128, 8) if form == "fused-wide" else (64, 4)
+        bv, warps = (128, 8) if form.startswith("fused-wide") else (64, 4)
         monkeypatch.setattr(gluon_kernels, "RECURRENCE_BV", bv)
         monkeypatch.setattr(gluon_kernels, "RECURRENCE_WARPS", warps)
+        monkeypatch.setattr(gluon_kernels, "RECURRENCE_EARLY_GATES", form.endswith("early"))
     else:
+        monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "split")
         monkeypatch.setattr(gluon_kernels, "OUTPUT_FORM", form)
     parity._run_and_check("gluon", case_id, device, seed)
 
@@ -53,7 +56,7 @@ def test_forward_form_rule_and_refusals(monkeypatch):
     monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "auto")
     monkeypatch.setattr(triton_kernels, "STATES_FORM", "auto")
     many, few = triton_kernels.FUSED_STATES_MIN_PAIRS, triton_kernels.FUSED_STATES_MIN_PAIRS - 1
-    assert (gluon_kernels.forward_form(many), gluon_kernels.forward_form(few)) == ("fused", "split")
+    assert (gluon_kernels.forward_form(many), gluon_kernels.forward_form(few)) == ("fused", "triton")
     monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "ping-pong")
     with pytest.raises(ValueError, match="FORWARD_FORM"):
         gluon_kernels.forward_form(many)

@@ -178,18 +178,20 @@ def _gluon_refusal(call: GDNCall) -> str | None:
     return _triton_refusal(call) or gluon_refusal(call.K, call.V, call.dtype)
 
 
-# Preference: triton, then gluon, then the float64 reference. Gluon came first while its output
-# kernel was the faster stage 6 (909a64e: 1.484 ms against 1.501); since f7de67f Triton's forward
-# fuses stages 5 and 6 and is faster (one H200 bench: 1.199 ms against gluon's 1.335 at S1), so
-# gluon is forced with TILEPORT_GDN_BACKEND=gluon until its state recurrence is Gluon (issue 5).
+# Preference: gluon (Hopper, bf16, K and V of 64 or 128), then triton, then the float64
+# reference. Gluon came first while its output kernel was the faster stage 6 (909a64e), Triton from
+# f7de67f (its fused states + output beat gluon's split forward), and gluon again since its fused
+# recurrence + output on two warpgroups (H200 at 470f621, scripts/gdn_ab.py, whole forward at
+# S1: 0.690 ms against Triton's 0.818; with few (sequence, head) pairs gluon runs Triton's forward,
+# FORWARD_FORM "auto"). The backward is Triton's in both.
 DISPATCHER = register(
     OpDispatcher(
         "gdn",
         [
-            Backend("triton", triton_available("tileport.ops.gdn.triton_kernels"), _triton_refusal,
-                    lazy_stages("tileport.ops.gdn.triton_kernels", "gdn_forward_triton", "gdn_backward_triton")),
             Backend("gluon", gluon_available("tileport.ops.gdn.gluon_kernels"), _gluon_refusal,
                     lazy_stages("tileport.ops.gdn.gluon_kernels", "gdn_forward_gluon", "gdn_backward_gluon")),
+            Backend("triton", triton_available("tileport.ops.gdn.triton_kernels"), _triton_refusal,
+                    lazy_stages("tileport.ops.gdn.triton_kernels", "gdn_forward_triton", "gdn_backward_triton")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

@@ -1,18 +1,16 @@
-"""Gated DeltaNet, Gluon backend for Hopper (sm_90): the first stage ported, the output.
+"""Gated DeltaNet, Gluon backend for Hopper (sm_90): the state recurrence and the output in Gluon.
 
-The backend "gluon" is the Triton backend (tileport.ops.gdn.triton_kernels) with stage 6, the
-output O = scale (diag(exp(G)) Q h_c + lower(Q K^T * Gam) Vn), replaced by `_output_kernel`
-below: TMA tensor descriptors for the four tiles of a chunk, one mbarrier, and three WGMMAs with
-fp32 accumulators. Stages 1-5 and the backward are Triton's. On the H200 (909a64e) it passed
-tests/test_gdn_gluon.py (dense, varlen, full-size-like shapes) and took the S1 forward from
-1.501 to 1.484 ms: Triton's output kernel took 0.41 ms in the profile (2.4x its memory floor),
-this one about 0.02 ms less, as its TMA loads are not yet overlapped with another chunk's WGMMAs. The CPU compile check asserts
-wgmma.mma_async and cp.async.bulk.tensor in its PTX.
-
-The next step of issue 5 is written but not yet run: `_states_output_kernel`, the state
-recurrence and the output fused in one Gluon kernel (a two-deep TMA ring over the chunks, five
-WGMMAs per chunk, h on chip), behind FORWARD_FORM = "fused" (off until tests/test_gdn_gluon.py's
-fused cases pass on the H200 and scripts/gdn_ab.py has timed it against Triton's fused form).
+The backend "gluon" is the Triton backend (tileport.ops.gdn.triton_kernels) with the forward's
+stages 5 and 6 replaced by Gluon kernels (FORWARD_FORM):
+- "fused" (where there are enough (sequence, head) pairs, the default at S1):
+  `_states_output_kernel`, the state recurrence and each chunk's output in one kernel, h on chip:
+  a two-deep TMA ring over the chunks, five asynchronous WGMMAs per chunk waited for in the
+  recurrence's order, BV = 128 columns of the state on two warpgroups. H200 at 470f621: 0.385 ms
+  at S1 against Triton's fused form's 0.514; whole forward 0.690 against 0.818.
+- "split": Triton's stages 1-5, then `_output_kernel` or `_output_persistent_kernel` (OUTPUT_FORM):
+  TMA for the four tiles of a chunk, three WGMMAs with fp32 accumulators.
+Stages 1-3 and the backward are Triton's. The CPU compile check asserts wgmma.mma_async and
+cp.async.bulk.tensor in every kernel's PTX (tests/test_gluon_compile.py).
 
 bf16 only: the Triton kernels give fp16 inputs bf16 matmul operands (gate products underflow
 fp16), which would need a conversion pass before TMA, and fp32 inputs exact fp32 products, which
@@ -73,16 +71,26 @@ if _GLUON_ERROR is None:
         tma.async_copy_global_to_shared(h_desc, [(c * H + hh) * K, 0], bar, h_b)
 
     @gluon.jit
-    def _gated_causal(s, G_ptr, t0, eos, H, hh, S_L: gl.constexpr):
-        """P = lower(S * Gam) for the chunk starting at token t0: S [64, 64] (Q K^T, layout S_L)
-        times exp(G_t - G_s) on t >= s and both rows in the sequence (< eos), 0 elsewhere."""
-        BT: gl.constexpr = s.shape[0]
+    def _chunk_gates(G_ptr, t0, eos, H, hh, S_L: gl.constexpr):
+        """The gates G of the chunk starting at token t0 as P's rows and columns want them (the
+        two slices of S_L, 0 past the sequence), and which rows are in it (< eos). Loaded apart
+        from their use so a caller can issue them early, under other work."""
+        BT: gl.constexpr = S_L.instr_shape[0] * 4  # the chunk: M of the [64, 64] accumulator
         r = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
         cidx = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
         r_ok = t0 + r < eos
         c_ok = t0 + cidx < eos
         Gr = gl.load(G_ptr + (t0 + r).to(gl.int64) * H + hh, mask=r_ok, other=0.0)
         Gc = gl.load(G_ptr + (t0 + cidx).to(gl.int64) * H + hh, mask=c_ok, other=0.0)
+        return Gr, Gc, r_ok, c_ok
+
+    @gluon.jit
+    def _gated_causal(s, Gr, Gc, r_ok, c_ok):
+        """P = lower(S * Gam) for one chunk: S [64, 64] (Q K^T) times exp(G_t - G_s) on t >= s
+        and both rows in the sequence, 0 elsewhere; Gr, Gc, r_ok, c_ok from `_chunk_gates`."""
+        BT: gl.constexpr = s.shape[0]
+        r = gl.arange(0, BT, layout=Gr.type.layout)
+        cidx = gl.arange(0, BT, layout=Gc.type.layout)
         m = (r[:, None] >= cidx[None, :]) & r_ok[:, None] & c_ok[None, :]
         gam = gl.exp(gl.where(m, (Gr[:, None] - Gc[None, :]).to(gl.float32), float("-inf")))  # 0 off the mask
         return gl.where(m, s * gam, 0.0)
@@ -113,7 +121,8 @@ if _GLUON_ERROR is None:
         s = warpgroup_mma(q_b, k_b.permute((1, 0)), gl.zeros([BT, BT], gl.float32, S_L))
         o = warpgroup_mma(q_b, h_b, gl.zeros([BT, V], gl.float32, O_L))
 
-        P = _gated_causal(s, G_ptr, bos, eos, H, hh, S_L)
+        Gr, Gc, r_ok, c_ok = _chunk_gates(G_ptr, bos, eos, H, hh, S_L)
+        P = _gated_causal(s, Gr, Gc, r_ok, c_ok)
 
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, O_L))
         co = gl.arange(0, V, layout=gl.SliceLayout(0, O_L))
@@ -210,7 +219,7 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _states_output_kernel(q_desc, k_desc, w_desc, u_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, H, scale, eps,
                               K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HAS_H0: gl.constexpr,
-                              STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr):
+                              STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr, EARLY_GATES: gl.constexpr):
         """5 and 6 fused: the state recurrence and each chunk's output, h never leaving the chip.
         One program per (sequence, head, V block of BV columns), sequential over the sequence's
         chunks; grid (N * H, V / BV), 4 or 8 warps (one or two warpgroups; with two, each owns half
@@ -228,7 +237,8 @@ if _GLUON_ERROR is None:
         W h, Q h and Q K^T are issued together, the scaled keys are formed while they run, W h is
         waited for alone (`warpgroup_mma_wait(2)`: WGMMA groups retire in order), the update is
         issued as soon as Vn is in shared memory, and the gated P and its product with Vn run
-        under it. The chunk's gates are loaded before its tiles are waited for.
+        under it. The chunk's gates are loaded before its tiles are waited for (EARLY_GATES: P's
+        row and column gates too, at the cost of a few spilled registers).
 
         Explicit here (Triton would choose, and in the fused Triton kernel chose a latency-bound
         schedule): a two-deep TMA ring over the chunks (the next chunk's q, k, W, U tiles load
@@ -303,6 +313,8 @@ if _GLUON_ERROR is None:
             Gk = gl.load(G_ptr + (t0 + rr).to(gl.int64) * H + hh, mask=r_ok, other=0.0)
             ro_ok = t0 + ro < eos
             Go = gl.load(G_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0)
+            if EARLY_GATES:  # P's gates too (fp64, in S_L's slices): 12-64 B of spills at K = 128 (sm_90a)
+                Gr, Gc, sr_ok, sc_ok = _chunk_gates(G_ptr, t0, eos, H, hh, S_L)
             mbarrier.wait(bars.index(buf), (i // 2) & 1)
             q_b = q_s.index(buf)
             k_b = k_s.index(buf)
@@ -332,7 +344,9 @@ if _GLUON_ERROR is None:
             h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL.to(gl.float32)), is_async=True)
 
             qh, sqk = warpgroup_mma_wait(1, deps=[qh, sqk])  # the output's products; the update runs on
-            P = _gated_causal(sqk, G_ptr, t0, eos, H, hh, S_L)
+            if not EARLY_GATES:
+                Gr, Gc, sr_ok, sc_ok = _chunk_gates(G_ptr, t0, eos, H, hh, S_L)
+            P = _gated_causal(sqk, Gr, Gc, sr_ok, sc_ok)
             o = warpgroup_mma(gl.convert_layout(P.to(vn_s.dtype), P_L), vn_s, qh * gl.exp(Go.to(gl.float32))[:, None],
                               is_async=True)
             h, o = warpgroup_mma_wait(0, deps=[h, o])
@@ -390,27 +404,35 @@ def chunk_output_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtyp
 # Which forward the "gluon" backend runs: "split" (Triton stages 1-5, then the output kernel of
 # OUTPUT_FORM), "fused" (Triton stages 1-3 in the fused forward's forms, then
 # `_states_output_kernel`: the recurrence and the output in one Gluon kernel), or "auto": fused
-# where Triton's STATES_FORM rule fuses (enough (sequence, head) pairs to fill the card), split
-# otherwise. "split" until the fused kernel has passed tests/test_gdn_gluon.py on the H200 and been
-# timed against Triton's fused form (scripts/gdn_ab.py).
+# where Triton's STATES_FORM rule fuses (enough (sequence, head) pairs to fill the card), and
+# Triton's whole forward otherwise. H200 at 470f621 (scripts/gdn_ab.py, whole forward): S1 fused
+# (BV 128, 8 warps) 0.690 ms against Triton's 0.818; B=1 T=32768 (16 pairs) Triton's split
+# forward 1.577 against gluon split 1.665 (its output kernel is the slower stage 6 there) and
+# fused 2.385-3.088 (16-64 programs on 132 SMs).
 FORWARD_FORMS = ("split", "fused", "auto")
-FORWARD_FORM = "split"
+FORWARD_FORM = "auto"
 
 
 def forward_form(pairs: int) -> str:
-    """"fused" or "split" for a forward over `pairs` (sequence, head) pairs (FORWARD_FORM)."""
+    """"fused", "split" or "triton" (Triton's own forward) for a forward over `pairs` (sequence,
+    head) pairs (FORWARD_FORM)."""
     from tileport.ops.gdn.triton_kernels import _checked, states_form
 
     form = _checked("FORWARD_FORM", FORWARD_FORM, FORWARD_FORMS)
     if form == "auto":
-        return "fused" if states_form(pairs) == "fused" else "split"
+        return "fused" if states_form(pairs) == "fused" else "triton"
     return form
+
+
 # The fused kernel's V columns per program and warps: BV = 64 on one warpgroup (256 programs at
 # S1, N * H * V / 64; 152 KB of shared memory at K = 128, so one CTA per SM and two waves), or
 # BV = 128 on two warpgroups side by side (128 programs, one wave; the chunk's scaled keys, q's
-# norms and the gates formed once for all V). Read at each call, so scripts/gdn_ab.py can time both.
-RECURRENCE_BV = 64
-RECURRENCE_WARPS = 4
+# norms and the gates formed once for all V). Read at each call, so scripts/gdn_ab.py can time
+# both. H200 at 470f621, S1, the kernel alone: 0.636 ms at (64, 4), 0.385 at (128, 8), 1.086 at
+# (32, 4); Triton's fused states + output 0.514.
+RECURRENCE_BV = 128
+RECURRENCE_WARPS = 8
+RECURRENCE_EARLY_GATES = False  # the fused kernel's EARLY_GATES
 
 
 def check_recurrence_launch(V: int) -> int:
@@ -443,13 +465,14 @@ def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool,
         _states_output_kernel[(plan.N * H, V // BV)](*descs, G, h0 if h0 is not None else o, ht if ht is not None else o,
                                                      o, plan.cu, H, float(scale), L2NORM_EPS, K, V, BV,
                                                      h0 is not None, output_final_state, l2norm_q,
-                                                     num_warps=RECURRENCE_WARPS)
+                                                     bool(RECURRENCE_EARLY_GATES), num_warps=RECURRENCE_WARPS)
     return o, ht
 
 
 def gdn_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    """Triton stages 1-5 and the Gluon output kernel ("split"), or Triton stages 1-3 and the fused
-    Gluon recurrence + output ("fused"): FORWARD_FORM."""
+    """Triton stages 1-5 and the Gluon output kernel ("split"), Triton stages 1-3 and the fused
+    Gluon recurrence + output ("fused"), or Triton's forward where "auto" finds too few (sequence,
+    head) pairs for the fused kernel: FORWARD_FORM."""
     from tileport.ops.gdn import triton_kernels as tk
 
     B, T, H, K = q.shape
@@ -457,7 +480,11 @@ def gdn_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state
     plan = tk.make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (tk._flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    if forward_form(plan.N * H) == "fused":
+    form = forward_form(plan.N * H)
+    if form == "triton":
+        return tk.gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                     use_qk_l2norm_in_kernel, cu_seqlens)
+    if form == "fused":
         tk._check_forward_switches()
         kn, G, w, u, _ = tk.fused_forward_stages_1_to_3(kf, vf, gf, bf, plan, use_qk_l2norm_in_kernel,
                                                         keys_in_kernel_ok=False)
@@ -513,7 +540,9 @@ def compile_cases():
                          ht_ptr=TensorStandIn([N, H, K, V], torch.float32), o_ptr=TensorStandIn([Ntok, H, V], bf),
                          cu_ptr=TensorStandIn([N + 1], torch.int64), H=H, scale=0.1, eps=1e-6, K=K, V=V, BV=BV,
                          HAS_H0=True, STORE_FINAL=True, L2NORM_Q=l2)
-            cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}", kernel=_states_output_kernel, args=fused,
-                                     num_warps=warps, expect_ptx=expect, expect_max_spills=0,
-                                     expect_max_shared=SMEM_PER_SM))
+            for early in (False, True):
+                cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}{'_early' if early else ''}",
+                                         kernel=_states_output_kernel, args=dict(fused, EARLY_GATES=early),
+                                         num_warps=warps, expect_ptx=expect, expect_max_spills=64 if early else 0,
+                                         expect_max_shared=SMEM_PER_SM))
     return cases
