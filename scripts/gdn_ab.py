@@ -274,7 +274,8 @@ if "gluon" in SECTIONS and dev == "cuda":
     from tileport.ops.gdn import gluon_kernels as gk
 
     print("\n== whole forward: triton against gluon (FORWARD_FORM, fused launch shape)")
-    gluon_defaults = (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES)
+    gluon_defaults = (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES,
+                      gk.RECURRENCE_LEAN_BARRIERS)
     for b_, t_ in ((B, T), (1, B * T)):
         xs = (torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16),
               torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16),
@@ -285,20 +286,23 @@ if "gluon" in SECTIONS and dev == "cuda":
         ms = triton.testing.do_bench(lambda: tk.gdn_forward_triton(*xs, K ** -0.5, None, False, True, None),
                                      warmup=10, rep=60, return_mode="median")
         print(f"forward B={b_} T={t_} triton: {ms:.3f} ms", flush=True)
-        forms = (("split", 64, 4, False), ("fused", 128, 8, False), ("fused", 128, 8, True))
-        for form, bv, warps, early in forms if b_ > 1 else forms[:1]:
-            gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES = form, bv, warps, early
+        forms = (("split", 64, 4, False, False), ("fused", 128, 8, False, False), ("fused", 128, 8, True, False),
+                 ("fused", 128, 8, False, True), ("fused", 128, 8, True, True))
+        for form, bv, warps, early, lean in forms if b_ > 1 else forms[:1]:
+            gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS = form, bv, warps
+            gk.RECURRENCE_EARLY_GATES, gk.RECURRENCE_LEAN_BARRIERS = early, lean
             try:
                 o = gk.gdn_forward_gluon(*xs, K ** -0.5, None, False, True, None)[0]
                 ms = triton.testing.do_bench(lambda: gk.gdn_forward_gluon(*xs, K ** -0.5, None, False, True, None),
                                              warmup=10, rep=60, return_mode="median")
-                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w early gates {early}: {ms:.3f} ms, "
+                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w early gates {early} lean {lean}: {ms:.3f} ms, "
                       f"vs triton {rel(o, base):.2e}",
                       flush=True)
             except Exception as exc:
-                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w early gates {early}: FAILED {type(exc).__name__}: "
+                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w early gates {early} lean {lean}: FAILED {type(exc).__name__}: "
                       f"{str(exc)[:200]}", flush=True)
-    gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES = gluon_defaults
+    (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_EARLY_GATES,
+     gk.RECURRENCE_LEAN_BARRIERS) = gluon_defaults
 
 
 # the backward's products (BACKWARD_PRODUCTS): "bf16" (rounded operands, the form the bench timed

@@ -3,11 +3,12 @@ one warpgroup and on two) for compute-sanitizer memcheck and racecheck (issue 5 
 clean: triton 3.6's WGMMA race, issue 11047, which needs more than 4 warps: the fused kernel's
 8-warp launch).
 
-    python3 scripts/sanitize_gdn.py [quick] [FORM ...]     (FORM: one-shot, persistent, fused-BV64-4w, fused-BV128-8w)
+    python3 scripts/sanitize_gdn.py [quick] [FORM ...]     (FORM: one-shot, persistent, fused-BV64-4w, fused-BV128-8w, fused-BV128-8w-lean)
 
 A dense batch with a ragged T (a partial last chunk) and a varlen batch with a length-1 and an
 empty sequence, forward and backward, K = V = 64 and 128; each OUTPUT_FORM of the gluon backend, and FORWARD_FORM "fused" at (RECURRENCE_BV, RECURRENCE_WARPS)
-(64, 4) and (128, 8).
+(64, 4) and (128, 8), the latter also with RECURRENCE_LEAN_BARRIERS (two thread barriers fewer per chunk:
+what racecheck has to clear).
 """
 
 import sys
@@ -23,14 +24,16 @@ quick = "quick" in sys.argv[1:]
 cases = [dict(B=2, T=130, H=2, K=64, cu=None), dict(B=1, T=200, H=2, K=128, cu=[0, 1, 70, 70, 200])]
 if not quick:
     cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
-forms = (("one-shot", "split", 64, 4), ("persistent", "split", 64, 4), ("fused-BV64-4w", "fused", 64, 4),
-         ("fused-BV128-8w", "fused", 128, 8))
+forms = (("one-shot", "split", 64, 4, False), ("persistent", "split", 64, 4, False),
+         ("fused-BV64-4w", "fused", 64, 4, False), ("fused-BV128-8w", "fused", 128, 8, False),
+         ("fused-BV128-8w-lean", "fused", 128, 8, True))
 only = [a for a in sys.argv[1:] if a != "quick"]
 if set(only) - {f[0] for f in forms}:
     raise SystemExit(f"unknown forms {sorted(set(only) - {f[0] for f in forms})}: {[f[0] for f in forms]}")
-for form, forward_form, bv, warps in forms:
+for form, forward_form, bv, warps, lean in forms:
     if only and form not in only:
         continue
+    gluon_kernels.RECURRENCE_LEAN_BARRIERS = lean
     gluon_kernels.OUTPUT_FORM = form if forward_form == "split" else "one-shot"
     gluon_kernels.FORWARD_FORM, gluon_kernels.RECURRENCE_BV, gluon_kernels.RECURRENCE_WARPS = forward_form, bv, warps
     for c in cases:

@@ -3,7 +3,7 @@ through the frozen parity gate's cases, forward and backward, on the shapes it a
 K and V of 64 or 128), in each of its forward forms: the two output kernels (one chunk per
 program, and the persistent one with two TMA buffer sets) and the fused recurrence + output in
 both launch shapes (BV = 64 on one warpgroup, BV = V on two; the latter also with the gates
-loaded early). GPU only: Gluon kernels don't run on the CPU, where
+loaded early, and with the lean barrier set). GPU only: Gluon kernels don't run on the CPU, where
 tests/test_gluon_compile.py compile-checks the kernel for sm_90a instead.
 """
 
@@ -18,7 +18,7 @@ from tileport.ops.gdn import DISPATCHER, explain_call
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] in (64, 128) and c[4] in (64, 128)]
 
 
-@pytest.mark.parametrize("form", ["one-shot", "persistent", "fused", "fused-wide", "fused-wide-early"])
+@pytest.mark.parametrize("form", ["one-shot", "persistent", "fused", "fused-wide", "fused-wide-early", "fused-wide-lean"])
 @pytest.mark.parametrize("case_id", ACCEPTED)
 def test_forward_backward(case_id, form, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
@@ -32,6 +32,7 @@ def test_forward_backward(case_id, form, device, seed, monkeypatch):
         monkeypatch.setattr(gluon_kernels, "RECURRENCE_BV", bv)
         monkeypatch.setattr(gluon_kernels, "RECURRENCE_WARPS", warps)
         monkeypatch.setattr(gluon_kernels, "RECURRENCE_EARLY_GATES", form.endswith("early"))
+        monkeypatch.setattr(gluon_kernels, "RECURRENCE_LEAN_BARRIERS", form.endswith("lean"))
     else:
         monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "split")
         monkeypatch.setattr(gluon_kernels, "OUTPUT_FORM", form)

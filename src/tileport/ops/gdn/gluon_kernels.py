@@ -219,7 +219,8 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _states_output_kernel(q_desc, k_desc, w_desc, u_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, H, scale, eps,
                               K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HAS_H0: gl.constexpr,
-                              STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr, EARLY_GATES: gl.constexpr):
+                              STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr, EARLY_GATES: gl.constexpr,
+                              LEAN_BARRIERS: gl.constexpr):
         """5 and 6 fused: the state recurrence and each chunk's output, h never leaving the chip.
         One program per (sequence, head, V block of BV columns), sequential over the sequence's
         chunks; grid (N * H, V / BV), 4 or 8 warps (one or two warpgroups; with two, each owns half
@@ -238,7 +239,10 @@ if _GLUON_ERROR is None:
         waited for alone (`warpgroup_mma_wait(2)`: WGMMA groups retire in order), the update is
         issued as soon as Vn is in shared memory, and the gated P and its product with Vn run
         under it. The chunk's gates are loaded before its tiles are waited for (EARLY_GATES: P's
-        row and column gates too, at the cost of a few spilled registers).
+        row and column gates too, at the cost of a few spilled registers). LEAN_BARRIERS: three
+        thread barriers per chunk instead of five, leaving out the two that order nothing another
+        barrier does not (the refill's, after the one that ends the previous chunk; and the one
+        inside q's normalisation, where each thread rewrites only the elements it read).
 
         Explicit here (Triton would choose, and in the fused Triton kernel chose a latency-bound
         schedule): a two-deep TMA ring over the chunks (the next chunk's q, k, W, U tiles load
@@ -301,8 +305,10 @@ if _GLUON_ERROR is None:
             t0 = bos + i * BT
             if i + 1 < nc:
                 # every warpgroup's WGMMAs of chunk i - 1 have retired (each waited for all of its
-                # own) and every warp has passed them before buffer set 1 - buf is refilled
-                gl.thread_barrier()
+                # own) and every warp has passed them before buffer set 1 - buf is refilled: the
+                # barrier that ends chunk i - 1 already says so (LEAN_BARRIERS drops this one)
+                if not LEAN_BARRIERS:
+                    gl.thread_barrier()
                 _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, t0 + BT, hh, hh * V + jv * BV,
                                         q_s.index(1 - buf), k_s.index(1 - buf), w_s.index(1 - buf),
                                         u_s.index(1 - buf), bars.index(1 - buf), K)
@@ -321,7 +327,8 @@ if _GLUON_ERROR is None:
             if L2NORM_Q:
                 qf = q_b.load(ROWS_L).to(gl.float32)
                 qn = qf * gl.rsqrt(gl.sum(qf * qf, axis=1) + eps)[:, None]
-                gl.thread_barrier()  # every warp has read q before any overwrites it
+                if not LEAN_BARRIERS:  # each thread writes back exactly the elements it read (same layout)
+                    gl.thread_barrier()
                 q_b.store(qn.to(q_b.dtype))
             fence_async_shared()  # h (last iteration) and q written by the generic proxy, read by WGMMA
             gl.thread_barrier()
@@ -433,6 +440,7 @@ def forward_form(pairs: int) -> str:
 RECURRENCE_BV = 128
 RECURRENCE_WARPS = 8
 RECURRENCE_EARLY_GATES = False  # the fused kernel's EARLY_GATES
+RECURRENCE_LEAN_BARRIERS = False  # the fused kernel's LEAN_BARRIERS
 
 
 def check_recurrence_launch(V: int) -> int:
@@ -465,7 +473,8 @@ def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool,
         _states_output_kernel[(plan.N * H, V // BV)](*descs, G, h0 if h0 is not None else o, ht if ht is not None else o,
                                                      o, plan.cu, H, float(scale), L2NORM_EPS, K, V, BV,
                                                      h0 is not None, output_final_state, l2norm_q,
-                                                     bool(RECURRENCE_EARLY_GATES), num_warps=RECURRENCE_WARPS)
+                                                     bool(RECURRENCE_EARLY_GATES), bool(RECURRENCE_LEAN_BARRIERS),
+                                                     num_warps=RECURRENCE_WARPS)
     return o, ht
 
 
@@ -540,9 +549,11 @@ def compile_cases():
                          ht_ptr=TensorStandIn([N, H, K, V], torch.float32), o_ptr=TensorStandIn([Ntok, H, V], bf),
                          cu_ptr=TensorStandIn([N + 1], torch.int64), H=H, scale=0.1, eps=1e-6, K=K, V=V, BV=BV,
                          HAS_H0=True, STORE_FINAL=True, L2NORM_Q=l2)
-            for early in (False, True):
-                cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}{'_early' if early else ''}",
-                                         kernel=_states_output_kernel, args=dict(fused, EARLY_GATES=early),
+            for early, lean in ((False, False), (True, False), (True, True)):
+                cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}{'_early' if early else ''}"
+                                              f"{'_lean' if lean else ''}",
+                                         kernel=_states_output_kernel, args=dict(fused, EARLY_GATES=early,
+                                                                                  LEAN_BARRIERS=lean),
                                          num_warps=warps, expect_ptx=expect, expect_max_spills=64 if early else 0,
                                          expect_max_shared=SMEM_PER_SM))
     return cases
