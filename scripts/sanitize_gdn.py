@@ -3,12 +3,11 @@ one warpgroup and on two) for compute-sanitizer memcheck and racecheck (issue 5 
 clean: triton 3.6's WGMMA race, issue 11047, which needs more than 4 warps: the fused kernel's
 8-warp launch).
 
-    python3 scripts/sanitize_gdn.py [quick] [FORM ...]     (FORM: one-shot, persistent, fused-BV64-4w, fused-BV128-8w, fused-BV128-8w-lean)
+    python3 scripts/sanitize_gdn.py [quick] [fwd] [FORM ...]     (fwd: forward only; the Gluon kernels are all there)     (FORM: one-shot, persistent, fused-BV64-4w, fused-BV128-8w, fused-BV128-8w-staged)
 
 A dense batch with a ragged T (a partial last chunk) and a varlen batch with a length-1 and an
 empty sequence, forward and backward, K = V = 64 and 128; each OUTPUT_FORM of the gluon backend, and FORWARD_FORM "fused" at (RECURRENCE_BV, RECURRENCE_WARPS)
-(64, 4) and (128, 8), the latter also with RECURRENCE_LEAN_BARRIERS (two thread barriers fewer per chunk:
-what racecheck has to clear).
+(64, 4) and (128, 8).
 """
 
 import sys
@@ -24,16 +23,17 @@ quick = "quick" in sys.argv[1:]
 cases = [dict(B=2, T=130, H=2, K=64, cu=None), dict(B=1, T=200, H=2, K=128, cu=[0, 1, 70, 70, 200])]
 if not quick:
     cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
-forms = (("one-shot", "split", 64, 4, False), ("persistent", "split", 64, 4, False),
-         ("fused-BV64-4w", "fused", 64, 4, False), ("fused-BV128-8w", "fused", 128, 8, False),
-         ("fused-BV128-8w-lean", "fused", 128, 8, True))
-only = [a for a in sys.argv[1:] if a != "quick"]
+forms = (("one-shot", "split", 64, 4, "late"), ("persistent", "split", 64, 4, "late"),
+         ("fused-BV64-4w", "fused", 64, 4, "early"), ("fused-BV128-8w", "fused", 128, 8, "early"),
+         ("fused-BV128-8w-staged", "fused", 128, 8, "staged"))
+forward_only = "fwd" in sys.argv[1:]
+only = [a for a in sys.argv[1:] if a not in ("quick", "fwd")]
 if set(only) - {f[0] for f in forms}:
     raise SystemExit(f"unknown forms {sorted(set(only) - {f[0] for f in forms})}: {[f[0] for f in forms]}")
-for form, forward_form, bv, warps, lean in forms:
+for form, forward_form, bv, warps, gates in forms:
     if only and form not in only:
         continue
-    gluon_kernels.RECURRENCE_LEAN_BARRIERS = lean
+    gluon_kernels.RECURRENCE_GATES = gates
     gluon_kernels.OUTPUT_FORM = form if forward_form == "split" else "one-shot"
     gluon_kernels.FORWARD_FORM, gluon_kernels.RECURRENCE_BV, gluon_kernels.RECURRENCE_WARPS = forward_form, bv, warps
     for c in cases:
@@ -45,6 +45,7 @@ for form, forward_form, bv, warps, lean in forms:
         cu = torch.tensor(c["cu"], device=dev, dtype=torch.int32) if c["cu"] else None
         with use_backend("gluon", op="gdn"):
             o, _ = tileport.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-            o.backward(torch.randn_like(o))
+            if not forward_only:
+                o.backward(torch.randn_like(o))
         torch.cuda.synchronize()
         print(f"gluon {form} B={B} T={T} H={H} K={K} varlen={cu is not None}: ok")

@@ -19,6 +19,8 @@ WGMMA (tf32) does not give.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tileport.memory import new_empty
@@ -219,8 +221,7 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _states_output_kernel(q_desc, k_desc, w_desc, u_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, H, scale, eps,
                               K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HAS_H0: gl.constexpr,
-                              STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr, EARLY_GATES: gl.constexpr,
-                              LEAN_BARRIERS: gl.constexpr):
+                              STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr, GATES: gl.constexpr):
         """5 and 6 fused: the state recurrence and each chunk's output, h never leaving the chip.
         One program per (sequence, head, V block of BV columns), sequential over the sequence's
         chunks; grid (N * H, V / BV), 4 or 8 warps (one or two warpgroups; with two, each owns half
@@ -238,11 +239,12 @@ if _GLUON_ERROR is None:
         W h, Q h and Q K^T are issued together, the scaled keys are formed while they run, W h is
         waited for alone (`warpgroup_mma_wait(2)`: WGMMA groups retire in order), the update is
         issued as soon as Vn is in shared memory, and the gated P and its product with Vn run
-        under it. The chunk's gates are loaded before its tiles are waited for (EARLY_GATES: P's
-        row and column gates too, at the cost of a few spilled registers). LEAN_BARRIERS: three
-        thread barriers per chunk instead of five, leaving out the two that order nothing another
-        barrier does not (the refill's, after the one that ends the previous chunk; and the one
-        inside q's normalisation, where each thread rewrites only the elements it read).
+        under it. GATES says when the chunk's gates G come in: "late" (from global memory at the
+        top of the chunk, P's row and column gates after the WGMMAs), "early" (all of them at the
+        top: a few spilled registers; 0.690 -> 0.677 ms for the whole forward at S1, H200, two
+        runs), or "staged" (loaded from global memory one chunk ahead, into one register per
+        thread, and kept in shared memory for the chunk that reads them: their latency hides under
+        a whole chunk, and every layout reads them from shared memory when it needs them).
 
         Explicit here (Triton would choose, and in the fused Triton kernel chose a latency-bound
         schedule): a two-deep TMA ring over the chunks (the next chunk's q, k, W, U tiles load
@@ -294,6 +296,13 @@ if _GLUON_ERROR is None:
         else:
             h = gl.zeros([K, BV], gl.float32, V_L)
         h_s.store(h.to(h_s.dtype))
+        if GATES == "staged":  # chunk 0's gates into shared memory; the first barrier in the loop orders them
+            G1_L: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+            g_s = gl.allocate_shared_memory(G_ptr.dtype.element_ty, [BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            r1 = gl.arange(0, BT, layout=G1_L)
+            g_s.store(gl.load(G_ptr + (bos + r1).to(gl.int64) * H + hh, mask=bos + r1 < eos, other=0.0))
+            last0 = gl.minimum(bos + BT, eos) - 1
+            GL_cur = gl.load(G_ptr + last0.to(gl.int64) * H + hh, mask=last0 >= bos, other=0.0)
 
         if nc > 0:
             _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, bos, hh, hh * V + jv * BV, q_s.index(0),
@@ -305,35 +314,45 @@ if _GLUON_ERROR is None:
             t0 = bos + i * BT
             if i + 1 < nc:
                 # every warpgroup's WGMMAs of chunk i - 1 have retired (each waited for all of its
-                # own) and every warp has passed them before buffer set 1 - buf is refilled: the
-                # barrier that ends chunk i - 1 already says so (LEAN_BARRIERS drops this one)
-                if not LEAN_BARRIERS:
-                    gl.thread_barrier()
+                # own) and every warp has passed them before buffer set 1 - buf is refilled (the
+                # barrier that ends chunk i - 1 orders this too; leaving this one out measured no
+                # faster on the H200, 4d9f371, and it keeps the refill safe on its own)
+                gl.thread_barrier()
                 _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, t0 + BT, hh, hh * V + jv * BV,
                                         q_s.index(1 - buf), k_s.index(1 - buf), w_s.index(1 - buf),
                                         u_s.index(1 - buf), bars.index(1 - buf), K)
-            # the chunk's gates, before its tiles are waited for: their latency hides under the wait
-            last = gl.minimum(t0 + BT, eos) - 1
-            GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
             r_ok = t0 + rr < eos
-            Gk = gl.load(G_ptr + (t0 + rr).to(gl.int64) * H + hh, mask=r_ok, other=0.0)
             ro_ok = t0 + ro < eos
-            Go = gl.load(G_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0)
-            if EARLY_GATES:  # P's gates too (fp64, in S_L's slices): 12-64 B of spills at K = 128 (sm_90a)
-                Gr, Gc, sr_ok, sc_ok = _chunk_gates(G_ptr, t0, eos, H, hh, S_L)
+            if GATES == "staged":
+                # the next chunk's gates: loaded now, into shared memory when this chunk is done
+                t1 = t0 + BT
+                g_next = gl.load(G_ptr + (t1 + r1).to(gl.int64) * H + hh, mask=t1 + r1 < eos, other=0.0)
+                last1 = gl.minimum(t1 + BT, eos) - 1
+                GL_next = gl.load(G_ptr + last1.to(gl.int64) * H + hh, mask=last1 >= t1, other=0.0)
+                GL = GL_cur
+            else:
+                # the chunk's gates, before its tiles are waited for: their latency hides under the wait
+                last = gl.minimum(t0 + BT, eos) - 1
+                GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
+                Gk = gl.load(G_ptr + (t0 + rr).to(gl.int64) * H + hh, mask=r_ok, other=0.0)
+                Go = gl.load(G_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0)
+                if GATES == "early":  # P's gates too (fp64, in S_L's slices): 12-64 B of spills at K = 128 (sm_90a)
+                    Gr, Gc, sr_ok, sc_ok = _chunk_gates(G_ptr, t0, eos, H, hh, S_L)
             mbarrier.wait(bars.index(buf), (i // 2) & 1)
             q_b = q_s.index(buf)
             k_b = k_s.index(buf)
             if L2NORM_Q:
                 qf = q_b.load(ROWS_L).to(gl.float32)
                 qn = qf * gl.rsqrt(gl.sum(qf * qf, axis=1) + eps)[:, None]
-                if not LEAN_BARRIERS:  # each thread writes back exactly the elements it read (same layout)
-                    gl.thread_barrier()
+                gl.thread_barrier()  # every warp has read q before any overwrites it
                 q_b.store(qn.to(q_b.dtype))
             fence_async_shared()  # h (last iteration) and q written by the generic proxy, read by WGMMA
             gl.thread_barrier()
 
             wh = warpgroup_mma(w_s.index(buf), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
+            if GATES == "staged":
+                Gk = g_s.load(gl.SliceLayout(1, ROWS_L))
+                Go = g_s.load(gl.SliceLayout(1, V_L))
             qh = warpgroup_mma(q_b, h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
             sqk = warpgroup_mma(q_b, k_b.permute((1, 0)), gl.zeros([BT, BT], gl.float32, S_L), is_async=True)
 
@@ -351,8 +370,13 @@ if _GLUON_ERROR is None:
             h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL.to(gl.float32)), is_async=True)
 
             qh, sqk = warpgroup_mma_wait(1, deps=[qh, sqk])  # the output's products; the update runs on
-            if not EARLY_GATES:
+            if GATES == "late":
                 Gr, Gc, sr_ok, sc_ok = _chunk_gates(G_ptr, t0, eos, H, hh, S_L)
+            if GATES == "staged":
+                Gr = g_s.load(gl.SliceLayout(1, S_L))
+                Gc = g_s.load(gl.SliceLayout(0, S_L))
+                sr_ok = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, S_L)) < eos
+                sc_ok = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, S_L)) < eos
             P = _gated_causal(sqk, Gr, Gc, sr_ok, sc_ok)
             o = warpgroup_mma(gl.convert_layout(P.to(vn_s.dtype), P_L), vn_s, qh * gl.exp(Go.to(gl.float32))[:, None],
                               is_async=True)
@@ -362,6 +386,9 @@ if _GLUON_ERROR is None:
             gl.store(o_ptr + offs, (o * scale).to(o_ptr.dtype.element_ty), mask=ro_ok[:, None])
             gl.thread_barrier()  # every warpgroup's WGMMAs have read h_s, vn_s and kd_s before they are rewritten
             h_s.store(h.to(h_s.dtype))
+            if GATES == "staged":  # every warp has read this chunk's gates (before the barrier above)
+                g_s.store(g_next)
+                GL_cur = GL_next
         if STORE_FINAL:
             # lint: allow TP001 -- once per program, after the chunk loop: the state from its accumulator layout, no staging through shared memory
             gl.store(ht_ptr + sbase, h)
@@ -369,8 +396,16 @@ if _GLUON_ERROR is None:
             mbarrier.invalidate(bars.index(b))
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout_cached(block: tuple[int, ...], dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), {torch.bfloat16: gl.bfloat16}[dtype])
+
+
 def _smem_layout(block, dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, {torch.bfloat16: gl.bfloat16}[dtype])
+    """The NVMMA shared layout of a TMA block, built once per (block, dtype): building one costs
+    ~15 us of host time (H200 host profile at 4d9f371: four per forward, in a call whose host
+    time, 0.67 ms, had caught up with its 0.68 ms of GPU time)."""
+    return _smem_layout_cached(tuple(block), dtype)
 
 
 def _descriptor(t2d: torch.Tensor, block: list[int]):
@@ -439,13 +474,18 @@ def forward_form(pairs: int) -> str:
 # (32, 4); Triton's fused states + output 0.514.
 RECURRENCE_BV = 128
 RECURRENCE_WARPS = 8
-RECURRENCE_EARLY_GATES = False  # the fused kernel's EARLY_GATES
-RECURRENCE_LEAN_BARRIERS = False  # the fused kernel's LEAN_BARRIERS
+RECURRENCE_GATES = "early"  # the fused kernel's GATES: "late", "early" or "staged"
+
+
+GATE_FORMS = ("late", "early", "staged")
 
 
 def check_recurrence_launch(V: int) -> int:
     """The fused kernel's BV for head dim V (RECURRENCE_BV, RECURRENCE_WARPS), or a ValueError
     naming the switch it cannot take."""
+    from tileport.ops.gdn.triton_kernels import _checked
+
+    _checked("RECURRENCE_GATES", RECURRENCE_GATES, GATE_FORMS)
     BV = min(V, RECURRENCE_BV)
     if RECURRENCE_WARPS not in (4, 8):
         raise ValueError(f"RECURRENCE_WARPS {RECURRENCE_WARPS}: the fused kernel runs on 4 or 8 warps")
@@ -459,7 +499,7 @@ def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool,
                               out_dtype: torch.dtype, l2norm_q: bool):
     """5 and 6 on one Gluon kernel: (o [Ntok, H, V] in out_dtype, final state [N, H, K, V] fp32 or
     None) from q (raw when l2norm_q), normalised k, and W, U in bf16 (stage 3's compact form)."""
-    from tileport.ops.gdn.triton_kernels import L2NORM_EPS
+    from tileport.ops.gdn.triton_kernels import L2NORM_EPS, _checked
 
     Ntok, H, K = q.shape
     V = u.shape[-1]
@@ -473,7 +513,7 @@ def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool,
         _states_output_kernel[(plan.N * H, V // BV)](*descs, G, h0 if h0 is not None else o, ht if ht is not None else o,
                                                      o, plan.cu, H, float(scale), L2NORM_EPS, K, V, BV,
                                                      h0 is not None, output_final_state, l2norm_q,
-                                                     bool(RECURRENCE_EARLY_GATES), bool(RECURRENCE_LEAN_BARRIERS),
+                                                     _checked("RECURRENCE_GATES", RECURRENCE_GATES, GATE_FORMS),
                                                      num_warps=RECURRENCE_WARPS)
     return o, ht
 
@@ -549,11 +589,10 @@ def compile_cases():
                          ht_ptr=TensorStandIn([N, H, K, V], torch.float32), o_ptr=TensorStandIn([Ntok, H, V], bf),
                          cu_ptr=TensorStandIn([N + 1], torch.int64), H=H, scale=0.1, eps=1e-6, K=K, V=V, BV=BV,
                          HAS_H0=True, STORE_FINAL=True, L2NORM_Q=l2)
-            for early, lean in ((False, False), (True, False), (True, True)):
-                cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}{'_early' if early else ''}"
-                                              f"{'_lean' if lean else ''}",
-                                         kernel=_states_output_kernel, args=dict(fused, EARLY_GATES=early,
-                                                                                  LEAN_BARRIERS=lean),
-                                         num_warps=warps, expect_ptx=expect, expect_max_spills=64 if early else 0,
+            for gates in GATE_FORMS:
+                cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}_{gates}",
+                                         kernel=_states_output_kernel, args=dict(fused, GATES=gates),
+                                         num_warps=warps, expect_ptx=expect,
+                                         expect_max_spills=0 if gates == "late" or warps == 8 and gates == "staged" else 64,
                                          expect_max_shared=SMEM_PER_SM))
     return cases
