@@ -5,8 +5,9 @@ stages 5 and 6 replaced by Gluon kernels (FORWARD_FORM):
 - "fused" (where there are enough (sequence, head) pairs, the default at S1):
   `_states_output_kernel`, the state recurrence and each chunk's output in one kernel, h on chip:
   a two-deep TMA ring over the chunks, five asynchronous WGMMAs per chunk waited for in the
-  recurrence's order, BV = 128 columns of the state on two warpgroups. H200 at 470f621: 0.385 ms
-  at S1 against Triton's fused form's 0.514; whole forward 0.690 against 0.818.
+  recurrence's order, BV = 128 columns of the state on two warpgroups, the gates staged a chunk
+  ahead. H200: 0.385 ms at S1 against Triton's fused form's 0.514 (470f621); whole forward 0.654
+  ms against Triton's 0.813 (c9aa543; FLA 0.96-1.09 in the bench of the same commit).
 - "split": Triton's stages 1-5, then `_output_kernel` or `_output_persistent_kernel` (OUTPUT_FORM):
   TMA for the four tiles of a chunk, three WGMMAs with fp32 accumulators.
 Stages 1-3 and the backward are Triton's. The CPU compile check asserts wgmma.mma_async and
@@ -474,7 +475,10 @@ def forward_form(pairs: int) -> str:
 # (32, 4); Triton's fused states + output 0.514.
 RECURRENCE_BV = 128
 RECURRENCE_WARPS = 8
-RECURRENCE_GATES = "early"  # the fused kernel's GATES: "late", "early" or "staged"
+# The fused kernel's GATES: "late", "early" or "staged". H200 at c9aa543 (scripts/gdn_ab.py, whole
+# forward at S1, same inputs): late 0.685 ms, early 0.677, staged 0.654; ncu at early: long-scoreboard
+# stalls lead (1.74 per issued instruction), which staging the gates a chunk ahead shortens.
+RECURRENCE_GATES = "staged"
 
 
 GATE_FORMS = ("late", "early", "staged")
