@@ -187,24 +187,24 @@ if "states" in SECTIONS:
                                l2norm_q=True)[0]
 
 
-    def gluon_fused(bv, warps, gates="early"):
+    def gluon_fused(bv, warps, gates="staged", ring=2):
         from tileport.ops.gdn import gluon_kernels as gk
 
         def run():
-            launch = (gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES)
-            gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES = bv, warps, gates
+            launch = (gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES, gk.RECURRENCE_RING)
+            gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES, gk.RECURRENCE_RING = bv, warps, gates, ring
             try:
                 return gk.chunk_states_output_gluon(q_raw, kn, w, u, G, None, plan, False, scale, torch.bfloat16,
                                                     True)[0]
             finally:
-                gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES = launch
+                gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES, gk.RECURRENCE_RING = launch
         return run
 
 
     o_split = split()
     for name, fn in (("split", split), ("fused", fused), ("gluon fused BV64 4w", gluon_fused(64, 4)),
                      ("gluon fused BV128 8w", gluon_fused(128, 8)),
-                     ("gluon fused BV128 8w staged gates", gluon_fused(128, 8, "staged"))):
+                     ("gluon fused BV64 4w one buffer set (2 CTAs/SM)", gluon_fused(64, 4, ring=1))):
         if name.startswith("gluon") and dev != "cuda":
             continue  # Gluon kernels don't run under the interpreter
         try:
@@ -274,7 +274,7 @@ if "gluon" in SECTIONS and dev == "cuda":
     from tileport.ops.gdn import gluon_kernels as gk
 
     print("\n== whole forward: triton against gluon (FORWARD_FORM, fused launch shape)")
-    gluon_defaults = (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES)
+    gluon_defaults = (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES, gk.RECURRENCE_RING)
     for b_, t_ in ((B, T), (1, B * T)):
         xs = (torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16),
               torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16),
@@ -285,21 +285,22 @@ if "gluon" in SECTIONS and dev == "cuda":
         ms = triton.testing.do_bench(lambda: tk.gdn_forward_triton(*xs, K ** -0.5, None, False, True, None),
                                      warmup=10, rep=60, return_mode="median")
         print(f"forward B={b_} T={t_} triton: {ms:.3f} ms", flush=True)
-        forms = (("split", 64, 4, "late"), ("fused", 128, 8, "late"), ("fused", 128, 8, "early"),
-                 ("fused", 128, 8, "staged"), ("fused", 64, 4, "staged"))
-        for form, bv, warps, gates in forms if b_ > 1 else forms[:1]:
+        forms = (("split", 64, 4, "late", 2), ("fused", 128, 8, "early", 2), ("fused", 128, 8, "staged", 2),
+                 ("fused", 64, 4, "staged", 2), ("fused", 64, 4, "staged", 1), ("fused", 64, 4, "late", 1))
+        for form, bv, warps, gates, ring in forms if b_ > 1 else forms[:1]:
             gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES = form, bv, warps, gates
+            gk.RECURRENCE_RING = ring
             try:
                 o = gk.gdn_forward_gluon(*xs, K ** -0.5, None, False, True, None)[0]
                 ms = triton.testing.do_bench(lambda: gk.gdn_forward_gluon(*xs, K ** -0.5, None, False, True, None),
                                              warmup=10, rep=60, return_mode="median")
-                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w gates {gates}: {ms:.3f} ms, "
+                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w gates {gates} ring {ring}: {ms:.3f} ms, "
                       f"vs triton {rel(o, base):.2e}",
                       flush=True)
             except Exception as exc:
-                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w gates {gates}: FAILED {type(exc).__name__}: "
+                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w gates {gates} ring {ring}: FAILED {type(exc).__name__}: "
                       f"{str(exc)[:200]}", flush=True)
-    gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES = gluon_defaults
+    gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES, gk.RECURRENCE_RING = gluon_defaults
 
 
 # the backward's products (BACKWARD_PRODUCTS): "bf16" (rounded operands, the form the bench timed

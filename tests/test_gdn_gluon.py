@@ -3,7 +3,7 @@ through the frozen parity gate's cases, forward and backward, on the shapes it a
 K and V of 64 or 128), in each of its forward forms: the two output kernels (one chunk per
 program, and the persistent one with two TMA buffer sets) and the fused recurrence + output in
 both launch shapes (BV = 64 on one warpgroup, BV = V on two; the latter in each way of bringing
-in the gates, RECURRENCE_GATES). GPU only: Gluon kernels don't run on the CPU, where
+in the gates, RECURRENCE_GATES; the former also with one TMA buffer set, RECURRENCE_RING 1). GPU only: Gluon kernels don't run on the CPU, where
 tests/test_gluon_compile.py compile-checks the kernel for sm_90a instead.
 """
 
@@ -18,8 +18,8 @@ from tileport.ops.gdn import DISPATCHER, explain_call
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] in (64, 128) and c[4] in (64, 128)]
 
 
-@pytest.mark.parametrize("form", ["one-shot", "persistent", "fused", "fused-wide-late", "fused-wide-early",
-                                  "fused-wide-staged"])
+@pytest.mark.parametrize("form", ["one-shot", "persistent", "fused", "fused-ring1", "fused-wide-late",
+                                  "fused-wide-early", "fused-wide-staged"])
 @pytest.mark.parametrize("case_id", ACCEPTED)
 def test_forward_backward(case_id, form, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
@@ -34,6 +34,7 @@ def test_forward_backward(case_id, form, device, seed, monkeypatch):
         monkeypatch.setattr(gluon_kernels, "RECURRENCE_WARPS", warps)
         if form.startswith("fused-wide-"):  # each way of bringing in the gates (RECURRENCE_GATES)
             monkeypatch.setattr(gluon_kernels, "RECURRENCE_GATES", form.rsplit("-", 1)[1])
+        monkeypatch.setattr(gluon_kernels, "RECURRENCE_RING", 1 if form == "fused-ring1" else 2)
     else:
         monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "split")
         monkeypatch.setattr(gluon_kernels, "OUTPUT_FORM", form)
@@ -68,4 +69,8 @@ def test_forward_form_rule_and_refusals(monkeypatch):
     monkeypatch.setattr(gluon_kernels, "RECURRENCE_WARPS", 8)
     monkeypatch.setattr(gluon_kernels, "RECURRENCE_GATES", "prefetched")
     with pytest.raises(ValueError, match="RECURRENCE_GATES"):
+        gluon_kernels.check_recurrence_launch(128)
+    monkeypatch.setattr(gluon_kernels, "RECURRENCE_GATES", "staged")
+    monkeypatch.setattr(gluon_kernels, "RECURRENCE_RING", 3)
+    with pytest.raises(ValueError, match="RECURRENCE_RING"):
         gluon_kernels.check_recurrence_launch(128)

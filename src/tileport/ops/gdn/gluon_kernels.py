@@ -222,7 +222,8 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _states_output_kernel(q_desc, k_desc, w_desc, u_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, H, scale, eps,
                               K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HAS_H0: gl.constexpr,
-                              STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr, GATES: gl.constexpr):
+                              STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr, GATES: gl.constexpr,
+                              RING: gl.constexpr):
         """5 and 6 fused: the state recurrence and each chunk's output, h never leaving the chip.
         One program per (sequence, head, V block of BV columns), sequential over the sequence's
         chunks; grid (N * H, V / BV), 4 or 8 warps (one or two warpgroups; with two, each owns half
@@ -247,9 +248,15 @@ if _GLUON_ERROR is None:
         thread, and kept in shared memory for the chunk that reads them: their latency hides under
         a whole chunk, and every layout reads them from shared memory when it needs them).
 
+        RING: the depth of the TMA ring over the chunks. 2: the next chunk's q, k, W, U tiles load
+        while this chunk computes (buffer b's phase flips at each reuse). 1: one buffer set, refilled
+        once the chunk is done, so the load is exposed in this program's chain; but at BV = 64 on
+        one warpgroup the kernel then fits in ~97 KB of shared memory and two programs share an SM,
+        each one's chain running in the issue slots the other leaves (ncu at c9aa543: one 8-warp
+        CTA per SM issues on 27% of cycles).
+
         Explicit here (Triton would choose, and in the fused Triton kernel chose a latency-bound
-        schedule): a two-deep TMA ring over the chunks (the next chunk's q, k, W, U tiles load
-        while this chunk computes; buffer b's phase flips at each reuse), the accumulator layouts,
+        schedule): the TMA ring over the chunks, the accumulator layouts,
         the order in which asynchronous WGMMAs are waited for, and the thread barriers that order
         the generic-proxy stores of h, Vn and the scaled keys before the WGMMAs (async proxy) read
         them, and every warpgroup's reads of a buffer before any refill of it (with two warpgroups
@@ -269,15 +276,15 @@ if _GLUON_ERROR is None:
         eos = gl.load(cu_ptr + n + 1).to(gl.int32)
         nc = (eos - bos + BT - 1) // BT
 
-        q_s = gl.allocate_shared_memory(q_desc.dtype, [2, BT, K], q_desc.layout)
-        k_s = gl.allocate_shared_memory(k_desc.dtype, [2, BT, K], k_desc.layout)
-        w_s = gl.allocate_shared_memory(w_desc.dtype, [2, BT, K], w_desc.layout)
-        u_s = gl.allocate_shared_memory(u_desc.dtype, [2, BT, BV], u_desc.layout)
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [RING, BT, K], q_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [RING, BT, K], k_desc.layout)
+        w_s = gl.allocate_shared_memory(w_desc.dtype, [RING, BT, K], w_desc.layout)
+        u_s = gl.allocate_shared_memory(u_desc.dtype, [RING, BT, BV], u_desc.layout)
         h_s = gl.allocate_shared_memory(u_desc.dtype, [K, BV], u_desc.layout)  # the same 128-byte swizzle
         vn_s = gl.allocate_shared_memory(u_desc.dtype, [BT, BV], u_desc.layout)
         kd_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(2):
+        bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(RING):
             mbarrier.init(bars.index(b), count=1)
         fence_async_shared()
 
@@ -311,9 +318,9 @@ if _GLUON_ERROR is None:
         rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, V_L))
         for i in range(nc):
-            buf = i % 2
+            buf = i % RING
             t0 = bos + i * BT
-            if i + 1 < nc:
+            if RING == 2 and i + 1 < nc:
                 # every warpgroup's WGMMAs of chunk i - 1 have retired (each waited for all of its
                 # own) and every warp has passed them before buffer set 1 - buf is refilled (the
                 # barrier that ends chunk i - 1 orders this too; leaving this one out measured no
@@ -339,7 +346,7 @@ if _GLUON_ERROR is None:
                 Go = gl.load(G_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0)
                 if GATES == "early":  # P's gates too (fp64, in S_L's slices): 12-64 B of spills at K = 128 (sm_90a)
                     Gr, Gc, sr_ok, sc_ok = _chunk_gates(G_ptr, t0, eos, H, hh, S_L)
-            mbarrier.wait(bars.index(buf), (i // 2) & 1)
+            mbarrier.wait(bars.index(buf), (i // RING) & 1)
             q_b = q_s.index(buf)
             k_b = k_s.index(buf)
             if L2NORM_Q:
@@ -371,6 +378,13 @@ if _GLUON_ERROR is None:
             h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL.to(gl.float32)), is_async=True)
 
             qh, sqk = warpgroup_mma_wait(1, deps=[qh, sqk])  # the output's products; the update runs on
+            if RING == 1 and i + 1 < nc:
+                # the one buffer set is free once every warp is past this wait: W h, Q h and Q K^T
+                # were its last readers (the update and P Vn read kd_s and vn_s); the next chunk's
+                # tiles load under this chunk's P, P Vn, update and stores
+                gl.thread_barrier()
+                _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, t0 + BT, hh, hh * V + jv * BV, q_s.index(buf),
+                                        k_s.index(buf), w_s.index(buf), u_s.index(buf), bars.index(buf), K)
             if GATES == "late":
                 Gr, Gc, sr_ok, sc_ok = _chunk_gates(G_ptr, t0, eos, H, hh, S_L)
             if GATES == "staged":
@@ -393,7 +407,7 @@ if _GLUON_ERROR is None:
         if STORE_FINAL:
             # lint: allow TP001 -- once per program, after the chunk loop: the state from its accumulator layout, no staging through shared memory
             gl.store(ht_ptr + sbase, h)
-        for b in gl.static_range(2):
+        for b in gl.static_range(RING):
             mbarrier.invalidate(bars.index(b))
 
 
@@ -479,6 +493,11 @@ RECURRENCE_WARPS = 8
 # forward at S1, same inputs): late 0.685 ms, early 0.677, staged 0.654; ncu at early: long-scoreboard
 # stalls lead (1.74 per issued instruction), which staging the gates a chunk ahead shortens.
 RECURRENCE_GATES = "staged"
+# The fused kernel's RING (TMA buffer sets): 2, or 1 so that two BV = 64, 4-warp programs fit on
+# an SM (RECURRENCE_BV 64, RECURRENCE_WARPS 4, RECURRENCE_RING 1: ~97 KB of shared memory each;
+# sm_90a: 156-180 B of spills per thread at K = 128 against 64 with two buffer sets). Not yet run
+# on the card (written in the ninth session after its device time was spent).
+RECURRENCE_RING = 2
 
 
 GATE_FORMS = ("late", "early", "staged")
@@ -490,6 +509,7 @@ def check_recurrence_launch(V: int) -> int:
     from tileport.ops.gdn.triton_kernels import _checked
 
     _checked("RECURRENCE_GATES", RECURRENCE_GATES, GATE_FORMS)
+    _checked("RECURRENCE_RING", RECURRENCE_RING, (1, 2))
     BV = min(V, RECURRENCE_BV)
     if RECURRENCE_WARPS not in (4, 8):
         raise ValueError(f"RECURRENCE_WARPS {RECURRENCE_WARPS}: the fused kernel runs on 4 or 8 warps")
@@ -517,8 +537,7 @@ def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool,
         _states_output_kernel[(plan.N * H, V // BV)](*descs, G, h0 if h0 is not None else o, ht if ht is not None else o,
                                                      o, plan.cu, H, float(scale), L2NORM_EPS, K, V, BV,
                                                      h0 is not None, output_final_state, l2norm_q,
-                                                     _checked("RECURRENCE_GATES", RECURRENCE_GATES, GATE_FORMS),
-                                                     num_warps=RECURRENCE_WARPS)
+                                                     RECURRENCE_GATES, RECURRENCE_RING, num_warps=RECURRENCE_WARPS)
     return o, ht
 
 
@@ -595,8 +614,14 @@ def compile_cases():
                          HAS_H0=True, STORE_FINAL=True, L2NORM_Q=l2)
             for gates in GATE_FORMS:
                 cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}_{gates}",
-                                         kernel=_states_output_kernel, args=dict(fused, GATES=gates),
+                                         kernel=_states_output_kernel, args=dict(fused, GATES=gates, RING=2),
                                          num_warps=warps, expect_ptx=expect,
                                          expect_max_spills=0 if gates == "late" or warps == 8 and gates == "staged" else 64,
                                          expect_max_shared=SMEM_PER_SM))
+            if warps == 4:  # one buffer set: two programs per SM (half its shared memory each)
+                cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}_staged_ring1",
+                                         kernel=_states_output_kernel, args=dict(fused, GATES="staged", RING=1),
+                                         num_warps=warps, expect_ptx=expect,
+                                         expect_max_spills=200,  # sm_90a: 156-180 B at K = 128 (ring 2: 64)
+                                         expect_max_shared=SMEM_PER_SM // 2))
     return cases
