@@ -274,7 +274,8 @@ if "gluon" in SECTIONS and dev == "cuda":
     from tileport.ops.gdn import gluon_kernels as gk
 
     print("\n== whole forward: triton against gluon (FORWARD_FORM, fused launch shape)")
-    gluon_defaults = (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES, gk.RECURRENCE_RING)
+    gluon_defaults = (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES, gk.RECURRENCE_RING,
+                      gk.RECURRENCE_O_STORE)
     for b_, t_ in ((B, T), (1, B * T)):
         xs = (torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16),
               torch.randn(b_, t_, H, K, device=dev, dtype=torch.bfloat16),
@@ -285,22 +286,25 @@ if "gluon" in SECTIONS and dev == "cuda":
         ms = triton.testing.do_bench(lambda: tk.gdn_forward_triton(*xs, K ** -0.5, None, False, True, None),
                                      warmup=10, rep=60, return_mode="median")
         print(f"forward B={b_} T={t_} triton: {ms:.3f} ms", flush=True)
-        forms = (("split", 64, 4, "late", 2), ("fused", 128, 8, "early", 2), ("fused", 128, 8, "staged", 2),
-                 ("fused", 64, 4, "staged", 2), ("fused", 64, 4, "staged", 1), ("fused", 64, 4, "late", 1))
-        for form, bv, warps, gates, ring in forms if b_ > 1 else forms[:1]:
+        forms = (("split", 64, 4, "late", 2, "masked"), ("fused", 128, 8, "staged", 2, "masked"),
+                 ("fused", 128, 8, "staged", 2, "tma"), ("fused", 64, 4, "staged", 2, "masked"),
+                 ("fused", 64, 4, "staged", 1, "masked"), ("fused", 64, 4, "late", 1, "masked"),
+                 ("fused", 64, 4, "staged", 1, "tma"))
+        for form, bv, warps, gates, ring, ostore in forms if b_ > 1 else forms[:1]:
             gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES = form, bv, warps, gates
-            gk.RECURRENCE_RING = ring
+            gk.RECURRENCE_RING, gk.RECURRENCE_O_STORE = ring, ostore
             try:
                 o = gk.gdn_forward_gluon(*xs, K ** -0.5, None, False, True, None)[0]
                 ms = triton.testing.do_bench(lambda: gk.gdn_forward_gluon(*xs, K ** -0.5, None, False, True, None),
                                              warmup=10, rep=60, return_mode="median")
-                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w gates {gates} ring {ring}: {ms:.3f} ms, "
+                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w gates {gates} ring {ring} o {ostore}: {ms:.3f} ms, "
                       f"vs triton {rel(o, base):.2e}",
                       flush=True)
             except Exception as exc:
-                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w gates {gates} ring {ring}: FAILED {type(exc).__name__}: "
+                print(f"forward B={b_} T={t_} gluon {form} BV{bv} {warps}w gates {gates} ring {ring} o {ostore}: FAILED {type(exc).__name__}: "
                       f"{str(exc)[:200]}", flush=True)
-    gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES, gk.RECURRENCE_RING = gluon_defaults
+    (gk.FORWARD_FORM, gk.RECURRENCE_BV, gk.RECURRENCE_WARPS, gk.RECURRENCE_GATES, gk.RECURRENCE_RING,
+     gk.RECURRENCE_O_STORE) = gluon_defaults
 
 
 # the backward's products (BACKWARD_PRODUCTS): "bf16" (rounded operands, the form the bench timed

@@ -3,7 +3,8 @@ through the frozen parity gate's cases, forward and backward, on the shapes it a
 K and V of 64 or 128), in each of its forward forms: the two output kernels (one chunk per
 program, and the persistent one with two TMA buffer sets) and the fused recurrence + output in
 both launch shapes (BV = 64 on one warpgroup, BV = V on two; the latter in each way of bringing
-in the gates, RECURRENCE_GATES; the former also with one TMA buffer set, RECURRENCE_RING 1). GPU only: Gluon kernels don't run on the CPU, where
+in the gates, RECURRENCE_GATES, and with o leaving by TMA store, RECURRENCE_O_STORE; the former also
+with one TMA buffer set, RECURRENCE_RING 1). GPU only: Gluon kernels don't run on the CPU, where
 tests/test_gluon_compile.py compile-checks the kernel for sm_90a instead.
 """
 
@@ -19,7 +20,7 @@ ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] in
 
 
 @pytest.mark.parametrize("form", ["one-shot", "persistent", "fused", "fused-ring1", "fused-wide-late",
-                                  "fused-wide-early", "fused-wide-staged"])
+                                  "fused-wide-early", "fused-wide-staged", "fused-wide-tma-store"])
 @pytest.mark.parametrize("case_id", ACCEPTED)
 def test_forward_backward(case_id, form, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
@@ -32,9 +33,10 @@ def test_forward_backward(case_id, form, device, seed, monkeypatch):
         bv, warps = (128, 8) if form.startswith("fused-wide") else (64, 4)
         monkeypatch.setattr(gluon_kernels, "RECURRENCE_BV", bv)
         monkeypatch.setattr(gluon_kernels, "RECURRENCE_WARPS", warps)
-        if form.startswith("fused-wide-"):  # each way of bringing in the gates (RECURRENCE_GATES)
+        if form in ("fused-wide-late", "fused-wide-early", "fused-wide-staged"):  # RECURRENCE_GATES
             monkeypatch.setattr(gluon_kernels, "RECURRENCE_GATES", form.rsplit("-", 1)[1])
         monkeypatch.setattr(gluon_kernels, "RECURRENCE_RING", 1 if form == "fused-ring1" else 2)
+        monkeypatch.setattr(gluon_kernels, "RECURRENCE_O_STORE", "tma" if form == "fused-wide-tma-store" else "masked")
     else:
         monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "split")
         monkeypatch.setattr(gluon_kernels, "OUTPUT_FORM", form)
@@ -73,4 +75,8 @@ def test_forward_form_rule_and_refusals(monkeypatch):
     monkeypatch.setattr(gluon_kernels, "RECURRENCE_GATES", "staged")
     monkeypatch.setattr(gluon_kernels, "RECURRENCE_RING", 3)
     with pytest.raises(ValueError, match="RECURRENCE_RING"):
+        gluon_kernels.check_recurrence_launch(128)
+    monkeypatch.setattr(gluon_kernels, "RECURRENCE_RING", 2)
+    monkeypatch.setattr(gluon_kernels, "RECURRENCE_O_STORE", "async")
+    with pytest.raises(ValueError, match="RECURRENCE_O_STORE"):
         gluon_kernels.check_recurrence_launch(128)

@@ -220,10 +220,10 @@ if _GLUON_ERROR is None:
         tma.async_copy_global_to_shared(u_desc, [t0, ucol], bar, u_b)
 
     @gluon.jit
-    def _states_output_kernel(q_desc, k_desc, w_desc, u_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, H, scale, eps,
+    def _states_output_kernel(q_desc, k_desc, w_desc, u_desc, o_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, H, scale, eps,
                               K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HAS_H0: gl.constexpr,
                               STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr, GATES: gl.constexpr,
-                              RING: gl.constexpr):
+                              RING: gl.constexpr, O_STORE: gl.constexpr):
         """5 and 6 fused: the state recurrence and each chunk's output, h never leaving the chip.
         One program per (sequence, head, V block of BV columns), sequential over the sequence's
         chunks; grid (N * H, V / BV), 4 or 8 warps (one or two warpgroups; with two, each owns half
@@ -255,6 +255,13 @@ if _GLUON_ERROR is None:
         each one's chain running in the issue slots the other leaves (ncu at c9aa543: one 8-warp
         CTA per SM issues on 27% of cycles).
 
+        O_STORE: how o leaves. "masked": a masked store from the accumulator layout (4-byte stores,
+        int64 addresses; ncu at c9aa543: LSU-throttle stalls 0.46 per issued instruction). "tma":
+        a chunk whose rows all belong to its sequence goes through shared memory (o_s, one buffer:
+        the TMA store of chunk i - 1 is waited for before the barrier that orders chunk i's Vn, a
+        chunk ahead of o_s's reuse) and a TMA store; a sequence's last, partial chunk keeps the
+        masked store (its tail rows are the next sequence's).
+
         Explicit here (Triton would choose, and in the fused Triton kernel chose a latency-bound
         schedule): the TMA ring over the chunks, the accumulator layouts,
         the order in which asynchronous WGMMAs are waited for, and the thread barriers that order
@@ -283,6 +290,8 @@ if _GLUON_ERROR is None:
         h_s = gl.allocate_shared_memory(u_desc.dtype, [K, BV], u_desc.layout)  # the same 128-byte swizzle
         vn_s = gl.allocate_shared_memory(u_desc.dtype, [BT, BV], u_desc.layout)
         kd_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
+        if O_STORE == "tma":
+            o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, BV], o_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(RING):
             mbarrier.init(bars.index(b), count=1)
@@ -373,6 +382,8 @@ if _GLUON_ERROR is None:
             wh = warpgroup_mma_wait(2, deps=[wh])  # W h alone: the chain's first link
             # lint: allow TP005 -- vn_s's readers (chunk i - 1's update and P Vn) were waited for (wait 0) before the thread barrier that ends that chunk; the wait just above is W h's, which reads w_s and h_s only
             vn_s.store((u_r - wh).to(vn_s.dtype))
+            if O_STORE == "tma":
+                tma.store_wait(0)  # chunk i - 1's o has left o_s; the barrier below tells every warp
             fence_async_shared()
             gl.thread_barrier()  # Vn and the scaled keys of every warp, before the update reads them
             h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL.to(gl.float32)), is_async=True)
@@ -396,14 +407,23 @@ if _GLUON_ERROR is None:
             o = warpgroup_mma(gl.convert_layout(P.to(vn_s.dtype), P_L), vn_s, qh * gl.exp(Go.to(gl.float32))[:, None],
                               is_async=True)
             h, o = warpgroup_mma_wait(0, deps=[h, o])
-            offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
-            # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: a 64-row TMA store would overwrite them; the masked store writes only this chunk's rows
-            gl.store(o_ptr + offs, (o * scale).to(o_ptr.dtype.element_ty), mask=ro_ok[:, None])
+            full = t0 + BT <= eos
+            if O_STORE == "tma" and full:
+                o_s.store((o * scale).to(o_s.dtype))
+                fence_async_shared()
+            else:
+                offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
+                # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: a 64-row TMA store would overwrite them; the masked store writes only this chunk's rows
+                gl.store(o_ptr + offs, (o * scale).to(o_ptr.dtype.element_ty), mask=ro_ok[:, None])
             gl.thread_barrier()  # every warpgroup's WGMMAs have read h_s, vn_s and kd_s before they are rewritten
+            if O_STORE == "tma" and full:  # every warp's part of o is in o_s (the barrier above)
+                tma.async_copy_shared_to_global(o_desc, [t0, hh * V + jv * BV], o_s)
             h_s.store(h.to(h_s.dtype))
             if GATES == "staged":  # every warp has read this chunk's gates (before the barrier above)
                 g_s.store(g_next)
                 GL_cur = GL_next
+        if O_STORE == "tma":
+            tma.store_wait(0)  # o_s is read by the last TMA store until it completes
         if STORE_FINAL:
             # lint: allow TP001 -- once per program, after the chunk loop: the state from its accumulator layout, no staging through shared memory
             gl.store(ht_ptr + sbase, h)
@@ -498,6 +518,9 @@ RECURRENCE_GATES = "staged"
 # sm_90a: 156-180 B of spills per thread at K = 128 against 64 with two buffer sets). Not yet run
 # on the card (written in the ninth session after its device time was spent).
 RECURRENCE_RING = 2
+# The fused kernel's O_STORE: "masked" or "tma" (full chunks through shared memory and a TMA store;
+# 16 KB more shared memory at BV 128). Not yet run on the card (ninth session, after its device time).
+RECURRENCE_O_STORE = "masked"
 
 
 GATE_FORMS = ("late", "early", "staged")
@@ -510,6 +533,7 @@ def check_recurrence_launch(V: int) -> int:
 
     _checked("RECURRENCE_GATES", RECURRENCE_GATES, GATE_FORMS)
     _checked("RECURRENCE_RING", RECURRENCE_RING, (1, 2))
+    _checked("RECURRENCE_O_STORE", RECURRENCE_O_STORE, ("masked", "tma"))
     BV = min(V, RECURRENCE_BV)
     if RECURRENCE_WARPS not in (4, 8):
         raise ValueError(f"RECURRENCE_WARPS {RECURRENCE_WARPS}: the fused kernel runs on 4 or 8 warps")
@@ -532,12 +556,14 @@ def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool,
     ht = new_empty((plan.N, H, K, V), torch.float32, q.device) if output_final_state else None
     if plan.N:
         descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
-                 _descriptor(w.view(Ntok, H * K), [BT, K]), _descriptor(u.view(Ntok, H * V), [BT, BV]))
+                 _descriptor(w.view(Ntok, H * K), [BT, K]), _descriptor(u.view(Ntok, H * V), [BT, BV]),
+                 _descriptor(o.view(Ntok, H * V), [BT, BV]))
         h0 = h0.float().contiguous() if h0 is not None else None
         _states_output_kernel[(plan.N * H, V // BV)](*descs, G, h0 if h0 is not None else o, ht if ht is not None else o,
                                                      o, plan.cu, H, float(scale), L2NORM_EPS, K, V, BV,
                                                      h0 is not None, output_final_state, l2norm_q,
-                                                     RECURRENCE_GATES, RECURRENCE_RING, num_warps=RECURRENCE_WARPS)
+                                                     RECURRENCE_GATES, RECURRENCE_RING, RECURRENCE_O_STORE,
+                                                     num_warps=RECURRENCE_WARPS)
     return o, ht
 
 
@@ -608,19 +634,28 @@ def compile_cases():
         for BV, warps in ((min(V, 64), 4), (V, 8)):
             fused = dict(q_desc=desc(Ntok, H * K, [BT, K]), k_desc=desc(Ntok, H * K, [BT, K]),
                          w_desc=desc(Ntok, H * K, [BT, K]), u_desc=desc(Ntok, H * V, [BT, BV]),
+                         o_desc=desc(Ntok, H * V, [BT, BV]),
                          G_ptr=TensorStandIn([Ntok, H], torch.float64), h0_ptr=TensorStandIn([N, H, K, V], torch.float32),
                          ht_ptr=TensorStandIn([N, H, K, V], torch.float32), o_ptr=TensorStandIn([Ntok, H, V], bf),
                          cu_ptr=TensorStandIn([N + 1], torch.int64), H=H, scale=0.1, eps=1e-6, K=K, V=V, BV=BV,
                          HAS_H0=True, STORE_FINAL=True, L2NORM_Q=l2)
             for gates in GATE_FORMS:
                 cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}_{gates}",
-                                         kernel=_states_output_kernel, args=dict(fused, GATES=gates, RING=2),
+                                         kernel=_states_output_kernel,
+                                         args=dict(fused, GATES=gates, RING=2, O_STORE="masked"),
                                          num_warps=warps, expect_ptx=expect,
                                          expect_max_spills=0 if gates == "late" or warps == 8 and gates == "staged" else 64,
                                          expect_max_shared=SMEM_PER_SM))
+            if warps == 8:  # o through shared memory and a TMA store (cp.async.bulk.tensor both ways)
+                cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}_staged_tma_store",
+                                         kernel=_states_output_kernel,
+                                         args=dict(fused, GATES="staged", RING=2, O_STORE="tma"),
+                                         num_warps=warps, expect_ptx=expect + ["cp.async.bulk.tensor.2d.global.shared"],
+                                         expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
             if warps == 4:  # one buffer set: two programs per SM (half its shared memory each)
                 cases.append(CompileCase(name=f"gdn_states_output_{tag}_BV{BV}_w{warps}_staged_ring1",
-                                         kernel=_states_output_kernel, args=dict(fused, GATES="staged", RING=1),
+                                         kernel=_states_output_kernel,
+                                         args=dict(fused, GATES="staged", RING=1, O_STORE="masked"),
                                          num_warps=warps, expect_ptx=expect,
                                          expect_max_spills=200,  # sm_90a: 156-180 B at K = 128 (ring 2: 64)
                                          expect_max_shared=SMEM_PER_SM // 2))
