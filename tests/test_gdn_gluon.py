@@ -53,9 +53,9 @@ def test_explain_says_why_gluon_refuses():
     assert "Hopper" in DISPATCHER._by_name["gluon"].refusal(explain_call("1,64,1,64,64", torch.bfloat16, "cuda", (8, 0)))
 
 
-def test_forward_form_rule_and_refusals(monkeypatch):
-    """FORWARD_FORM "auto" follows Triton's STATES_FORM rule; unknown forms and launch shapes the
-    fused kernel cannot take are refused by name (CPU: nothing launches)."""
+def test_forward_form_rule_and_refusal(monkeypatch):
+    """FORWARD_FORM "auto" follows Triton's STATES_FORM rule; an unknown form is refused by name
+    (CPU: nothing launches)."""
     from tileport.ops.gdn import gluon_kernels, triton_kernels
 
     monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "auto")
@@ -65,18 +65,17 @@ def test_forward_form_rule_and_refusals(monkeypatch):
     monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "ping-pong")
     with pytest.raises(ValueError, match="FORWARD_FORM"):
         gluon_kernels.forward_form(many)
-    monkeypatch.setattr(gluon_kernels, "RECURRENCE_WARPS", 12)
-    with pytest.raises(ValueError, match="RECURRENCE_WARPS"):
-        gluon_kernels.check_recurrence_launch(128)
-    monkeypatch.setattr(gluon_kernels, "RECURRENCE_WARPS", 8)
-    monkeypatch.setattr(gluon_kernels, "RECURRENCE_GATES", "prefetched")
-    with pytest.raises(ValueError, match="RECURRENCE_GATES"):
-        gluon_kernels.check_recurrence_launch(128)
-    monkeypatch.setattr(gluon_kernels, "RECURRENCE_GATES", "staged")
-    monkeypatch.setattr(gluon_kernels, "RECURRENCE_RING", 3)
-    with pytest.raises(ValueError, match="RECURRENCE_RING"):
-        gluon_kernels.check_recurrence_launch(128)
-    monkeypatch.setattr(gluon_kernels, "RECURRENCE_RING", 2)
-    monkeypatch.setattr(gluon_kernels, "RECURRENCE_O_STORE", "async")
-    with pytest.raises(ValueError, match="RECURRENCE_O_STORE"):
+
+
+@pytest.mark.parametrize("switch, bad", [("RECURRENCE_WARPS", 12), ("RECURRENCE_BV", 48),
+                                         ("RECURRENCE_GATES", "prefetched"), ("RECURRENCE_RING", 3),
+                                         ("RECURRENCE_O_STORE", "async")])
+def test_fused_launch_refuses(switch, bad, monkeypatch):
+    """A value of one of the fused kernel's launch switches it cannot take is refused by name, the
+    others at their defaults (CPU: nothing launches)."""
+    from tileport.ops.gdn import gluon_kernels
+
+    gluon_kernels.check_recurrence_launch(128)  # the defaults pass
+    monkeypatch.setattr(gluon_kernels, switch, bad)
+    with pytest.raises(ValueError, match=switch):
         gluon_kernels.check_recurrence_launch(128)
