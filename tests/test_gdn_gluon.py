@@ -1,6 +1,6 @@
 """The GDN "gluon" backend (Triton stages and backward around the Gluon TMA + WGMMA kernels)
 through the frozen parity gate's cases, forward and backward, on the shapes it accepts (bf16,
-K and V of 64 or 128), in each of its forward forms: the two output kernels (one chunk per
+K = V of 64 or 128), in each of its forward forms: the two output kernels (one chunk per
 program, and the persistent one with two TMA buffer sets) and the fused recurrence + output in
 both launch shapes (BV = 64 on one warpgroup, BV = V on two; the latter in each way of bringing
 in the gates, RECURRENCE_GATES, and with o leaving by TMA store, RECURRENCE_O_STORE; the former also
@@ -16,30 +16,33 @@ from test_gdn_parity import _one_thread  # noqa: F401 (autouse fixture)
 
 from tileport.ops.gdn import DISPATCHER, explain_call
 
-ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] in (64, 128) and c[4] in (64, 128)]
+ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)]
 
 
-@pytest.mark.parametrize("form", ["one-shot", "persistent", "fused", "fused-ring1", "fused-wide-late",
-                                  "fused-wide-early", "fused-wide-staged", "fused-wide-tma-store"])
+# every Gluon forward form, each switch it depends on set explicitly: (FORWARD_FORM, OUTPUT_FORM,
+# RECURRENCE_BV, RECURRENCE_WARPS, RECURRENCE_GATES, RECURRENCE_RING, RECURRENCE_O_STORE)
+FORMS = {
+    "one-shot": ("split", "one-shot", 64, 4, "staged", 2, "masked"),  # the output kernels after Triton's 1-5
+    "persistent": ("split", "persistent", 64, 4, "staged", 2, "masked"),
+    "fused": ("fused", "one-shot", 64, 4, "staged", 2, "masked"),  # one warpgroup, BV 64
+    "fused-ring1": ("fused", "one-shot", 64, 4, "staged", 1, "masked"),  # one TMA buffer set: 2 programs per SM
+    "fused-wide-late": ("fused", "one-shot", 128, 8, "late", 2, "masked"),  # two warpgroups, BV 128
+    "fused-wide-early": ("fused", "one-shot", 128, 8, "early", 2, "masked"),
+    "fused-wide-staged": ("fused", "one-shot", 128, 8, "staged", 2, "masked"),
+    "fused-wide-tma-store": ("fused", "one-shot", 128, 8, "staged", 2, "tma"),
+}
+_SWITCHES = ("FORWARD_FORM", "OUTPUT_FORM", "RECURRENCE_BV", "RECURRENCE_WARPS", "RECURRENCE_GATES", "RECURRENCE_RING",
+             "RECURRENCE_O_STORE")
+
+
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("case_id", ACCEPTED)
 def test_forward_backward(case_id, form, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
     from tileport.ops.gdn import gluon_kernels
 
-    # every Gluon forward through the same gate: the two output kernels after Triton's stages
-    # 1-5 (OUTPUT_FORM), and the fused recurrence + output kernel (FORWARD_FORM)
-    if form.startswith("fused"):
-        monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "fused")
-        bv, warps = (128, 8) if form.startswith("fused-wide") else (64, 4)
-        monkeypatch.setattr(gluon_kernels, "RECURRENCE_BV", bv)
-        monkeypatch.setattr(gluon_kernels, "RECURRENCE_WARPS", warps)
-        if form in ("fused-wide-late", "fused-wide-early", "fused-wide-staged"):  # RECURRENCE_GATES
-            monkeypatch.setattr(gluon_kernels, "RECURRENCE_GATES", form.rsplit("-", 1)[1])
-        monkeypatch.setattr(gluon_kernels, "RECURRENCE_RING", 1 if form == "fused-ring1" else 2)
-        monkeypatch.setattr(gluon_kernels, "RECURRENCE_O_STORE", "tma" if form == "fused-wide-tma-store" else "masked")
-    else:
-        monkeypatch.setattr(gluon_kernels, "FORWARD_FORM", "split")
-        monkeypatch.setattr(gluon_kernels, "OUTPUT_FORM", form)
+    for name, value in zip(_SWITCHES, FORMS[form]):
+        monkeypatch.setattr(gluon_kernels, name, value)
     parity._run_and_check("gluon", case_id, device, seed)
 
 
@@ -50,6 +53,8 @@ def test_explain_says_why_gluon_refuses():
     assert "bfloat16 only" in DISPATCHER._by_name["gluon"].refusal(call)
     call = explain_call("1,64,1,48,80", torch.bfloat16, "cuda", (9, 0))
     assert "head dims" in DISPATCHER._by_name["gluon"].refusal(call)
+    call = explain_call("1,64,1,64,128", torch.bfloat16, "cuda", (9, 0))
+    assert "K == V only" in DISPATCHER._by_name["gluon"].refusal(call)
     assert "Hopper" in DISPATCHER._by_name["gluon"].refusal(explain_call("1,64,1,64,64", torch.bfloat16, "cuda", (8, 0)))
 
 

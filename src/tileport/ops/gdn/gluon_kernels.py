@@ -51,6 +51,10 @@ def gluon_refusal(K: int, V: int, dtype: torch.dtype) -> str | None:
         return f"{dtype}: the Gluon GDN kernels take bfloat16 only (fp16 needs bf16 operands, fp32 exact products)"
     if K not in HEAD_DIMS or V not in HEAD_DIMS:
         return f"K={K}, V={V}: the Gluon GDN kernels take head dims {HEAD_DIMS}"
+    if K != V:
+        # they compile for sm_90a at K != V, but every H200 run of them had K == V; Triton's
+        # kernels, run there at K != V, take these calls until a GPU gate covers the pair
+        return f"K={K}, V={V}: the Gluon GDN kernels have run on the H200 with K == V only"
     return None
 
 
@@ -458,7 +462,7 @@ SMEM_PER_SM = 227 * 1024  # Hopper: shared memory a CTA may use, per SM
 def chunk_output_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, l2norm_q: bool):
     """6 on a Gluon kernel: o [Ntok, H, V] from q, k [Ntok, H, K] (q raw when l2norm_q), h [NC, H,
     K, V] and Vn [Ntok, H, V] in bf16."""
-    from tileport.ops.gdn.triton_kernels import L2NORM_EPS, _sm_count
+    from tileport.ops.gdn.triton_kernels import L2NORM_EPS, _checked, _sm_count
 
     Ntok, H, K = q.shape
     V = vn.shape[-1]
@@ -466,7 +470,7 @@ def chunk_output_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtyp
     if plan.NC:
         descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
                  _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(h.view(plan.NC * H * K, V), [K, V]))
-        if OUTPUT_FORM == "persistent":
+        if _checked("OUTPUT_FORM", OUTPUT_FORM, ("one-shot", "persistent")) == "persistent":
             n_items = plan.NC * H
             smem = 2 * 2 * (2 * BT * K + BT * V + K * V)  # two buffer sets of bf16 tiles
             programs = min(n_items, _sm_count(q.device) * max(1, SMEM_PER_SM // smem))
@@ -547,7 +551,7 @@ def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool,
                               out_dtype: torch.dtype, l2norm_q: bool):
     """5 and 6 on one Gluon kernel: (o [Ntok, H, V] in out_dtype, final state [N, H, K, V] fp32 or
     None) from q (raw when l2norm_q), normalised k, and W, U in bf16 (stage 3's compact form)."""
-    from tileport.ops.gdn.triton_kernels import L2NORM_EPS, _checked
+    from tileport.ops.gdn.triton_kernels import L2NORM_EPS
 
     Ntok, H, K = q.shape
     V = u.shape[-1]
@@ -556,8 +560,10 @@ def chunk_states_output_gluon(q, k, w, u, G, h0, plan, output_final_state: bool,
     ht = new_empty((plan.N, H, K, V), torch.float32, q.device) if output_final_state else None
     if plan.N:
         descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
-                 _descriptor(w.view(Ntok, H * K), [BT, K]), _descriptor(u.view(Ntok, H * V), [BT, BV]),
-                 _descriptor(o.view(Ntok, H * V), [BT, BV]))
+                 _descriptor(w.view(Ntok, H * K), [BT, K]), _descriptor(u.view(Ntok, H * V), [BT, BV]))
+        # o's descriptor only where the kernel stores through it (U's, the same block and dtype,
+        # stands in otherwise: no host time for an unused one)
+        descs += (_descriptor(o.view(Ntok, H * V), [BT, BV]) if RECURRENCE_O_STORE == "tma" else descs[3],)
         h0 = h0.float().contiguous() if h0 is not None else None
         _states_output_kernel[(plan.N * H, V // BV)](*descs, G, h0 if h0 is not None else o, ht if ht is not None else o,
                                                      o, plan.cu, H, float(scale), L2NORM_EPS, K, V, BV,
@@ -575,15 +581,18 @@ def gdn_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state
 
     B, T, H, K = q.shape
     V = v.shape[-1]
-    plan = tk.make_plan(B, T, cu_seqlens, q.device)
-    qf, kf, vf, gf, bf = (tk._flatten(x) for x in (q, k, v, g, beta))
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    form = forward_form(plan.N * H)
+    # the form first: the plan of a varlen call reads cu_seqlens back from the GPU, which Triton's
+    # forward would do again
+    form = forward_form((B if cu_seqlens is None else cu_seqlens.numel() - 1) * H)
     if form == "triton":
         return tk.gdn_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state,
                                      use_qk_l2norm_in_kernel, cu_seqlens)
+    plan = tk.make_plan(B, T, cu_seqlens, q.device)
+    qf, kf, vf, gf, bf = (tk._flatten(x) for x in (q, k, v, g, beta))
+    h0 = initial_state.contiguous() if initial_state is not None else None
     if form == "fused":
         tk._check_forward_switches()
+        check_recurrence_launch(V)  # before stages 1-3 are launched
         kn, G, w, u, _ = tk.fused_forward_stages_1_to_3(kf, vf, gf, bf, plan, use_qk_l2norm_in_kernel,
                                                         keys_in_kernel_ok=False)
         o, ht = chunk_states_output_gluon(qf, kn, w, u, G, h0, plan, output_final_state, scale, q.dtype,

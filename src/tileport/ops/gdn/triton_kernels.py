@@ -1604,7 +1604,7 @@ FUSED_STATES_MIN_PAIRS = 64
 
 def states_form(pairs: int) -> str:
     """"fused" or "split" for a forward over `pairs` (sequence, head) pairs (STATES_FORM)."""
-    if STATES_FORM == "auto":
+    if _checked("STATES_FORM", STATES_FORM, ("split", "fused", "auto")) == "auto":
         return "fused" if pairs >= FUSED_STATES_MIN_PAIRS else "split"
     return STATES_FORM
 
