@@ -321,22 +321,22 @@ if "backward" in SECTIONS:
     do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
     grads = {}
     block = tk.WY_BWD_KEY_BLOCK
-    # (products, wy_bwd's block of key columns): the last row is wy_bwd in one block of all K columns,
-    # the products of the kernel before log row 17 though not its code (the real "before" is
-    # df3acc3's 11.77 ms in this table)
-    # (and the recompute's stage 3 at one-pass tf32, RECOMPUTE_NORMALISED_KEYS_PREC, log row 22)
-    # and dqkwg in blocks of 32 key columns (DQKWG_KEY_BLOCK, row 23)
-    # and the recompute's diagonal inverses on tensor cores (RECOMPUTE_NORMALISED_KEYS_DIAG_PREC, row 28)
+    # (products, wy_bwd's block of key columns, the recompute's stage-3 precision and diagonal
+    # inverses' precision, dqkwg's block of key columns, dqkwg's form). Measured before and no
+    # longer timed here: bf16x3 products (14.57 ms at ed4ca69), wy_bwd in one 128-column block
+    # (11.73), the recompute's stage 3 at tf32x3 (11.27), dqkwg in 32-column blocks (11.64).
     rdefault, qdefault, ddefault = tk.RECOMPUTE_NORMALISED_KEYS_PREC, tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC
+    fdefault = tk.DQKWG_FORM
     other_diag = {"ieee": "tf32", "tf32": "ieee"}[ddefault]
-    for products, wy_block, rprec, qblock, rdiag in (
-            ("bf16", block, rdefault, qdefault, ddefault), ("bf16x3", block, rdefault, qdefault, ddefault),
-            ("tf32", block, rdefault, qdefault, ddefault), ("tf32", 128, rdefault, qdefault, ddefault),
-            ("tf32", block, "tf32x3", qdefault, ddefault), ("tf32", block, rdefault, 32, ddefault),
-            ("tf32", block, rdefault, qdefault, other_diag)):
+    other_form = {"one": "split", "split": "one"}[fdefault]
+    for products, wy_block, rprec, qblock, rdiag, dform in (
+            ("tf32", block, rdefault, qdefault, ddefault, fdefault), ("bf16", block, rdefault, qdefault, ddefault, fdefault),
+            ("tf32", block, rdefault, qdefault, other_diag, fdefault),  # row 28
+            ("tf32", block, rdefault, qdefault, ddefault, other_form),  # DQKWG_FORM
+            ("tf32", block, rdefault, qdefault, other_diag, other_form)):
         tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = products, wy_block, rprec
-        tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC = qblock, rdiag
-        name = f"{products}, wy_bwd BKW={min(wy_block, BK)}, recompute {rprec} diag {rdiag}, dqkwg BKS={qblock}"
+        tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC, tk.DQKWG_FORM = qblock, rdiag, dform
+        name = f"{products}, wy_bwd BKW={min(wy_block, BK)}, recompute {rprec} diag {rdiag}, dqkwg {dform} BKS={qblock}"
 
         def bwd():
             return tk.gdn_backward_triton(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
@@ -346,6 +346,6 @@ if "backward" in SECTIONS:
         first = next(iter(grads))
         diff = "" if name == first else f", vs {first}: " + " ".join(
             f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[name], grads[first]))
-        print(f"backward S1 products={name:62}: {ms:.3f} ms{diff}", flush=True)
+        print(f"backward S1 products={name:70}: {ms:.3f} ms{diff}", flush=True)
     tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = DEFAULTS[4], block, rdefault
-    tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC = qdefault, ddefault
+    tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC, tk.DQKWG_FORM = qdefault, ddefault, fdefault

@@ -83,10 +83,16 @@ def cases():
             dht_ptr=T([N, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32), dvn_ptr=tok(V, f32), dh0_ptr=T([N, H, K, V], f32),
             cu_ptr=T([N + 1], idx), choff_ptr=T([N], idx), NH_BUCKET=128, scale=0.1, V=V, BV=o["BV"], HAS_DHT=True, STORE_DH0=True,
             **bwd)
-    yield "dqkwg", tk._dqkwg_kernel, L["dqkwg"], dict(
-        q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
-        vn_ptr=tok(V, f32), dvn_ptr=tok(V, f32), do_ptr=tok(V), dq_ptr=tok(K), dk_ptr=tok(K, f32), dw_ptr=tok(K, f32),
-        dG_ptr=T([2, Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1, dG_stride=Ntok * H, V=V, BV=BV, NV=NV,
+    for ds_here in (True, False):  # DQKWG_FORM "one", and "split"'s state part
+        yield f"dqkwg{'' if ds_here else ' (split: state part)'}", tk._dqkwg_kernel, L["dqkwg"], dict(
+            q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
+            vn_ptr=tok(V, f32), dvn_ptr=tok(V, f32), do_ptr=tok(V), dql_ptr=tok(K, f32), dkl_ptr=tok(K, f32), dq_ptr=tok(K),
+            dk_ptr=tok(K, f32), dw_ptr=tok(K, f32), dG_ptr=T([2, Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1,
+            dG_stride=Ntok * H, V=V, BV=BV, NV=NV, BKS=tk._key_split(K)[0], DS_HERE=ds_here,
+            **{k: v for k, v in bwd.items() if k != "BK"})
+    yield "dqk_local (split: chunk-local part)", tk._dqk_local_kernel, L["dqkwg"], dict(
+        q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), vn_ptr=tok(V, f32), do_ptr=tok(V), dql_ptr=tok(K, f32),
+        dkl_ptr=tok(K, f32), dG_ptr=T([Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1, V=V, BV=BV, NV=NV,
         BKS=tk._key_split(K)[0], **{k: v for k, v in bwd.items() if k != "BK"})
     yield "wy_bwd", tk._wy_bwd_kernel, L["wy_bwd"], dict(
         k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], dt), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),

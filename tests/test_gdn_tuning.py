@@ -180,6 +180,26 @@ def test_unsupported_dqkwg_key_block_is_refused(monkeypatch):
         tk._key_split(128)
 
 
+# Every case of the frozen gate with dqkwg in its other form (DQKWG_FORM: "one" kernel, or "split":
+# the chunk-local D terms once per chunk and head, then the state part), and an unknown form refused.
+OTHER_DQKWG_FORM = {"one": "split", "split": "one"}[tk.DQKWG_FORM]
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_other_dqkwg_form(case_id, device, seed, monkeypatch):
+    _gate_case_in(case_id, device, seed, monkeypatch, DQKWG_FORM=OTHER_DQKWG_FORM)
+
+
+def test_unknown_dqkwg_form_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(tk, "DQKWG_FORM", "fused")
+    x = torch.zeros(64, 1, 64)
+    state = torch.zeros(1, 1, 64, 64)
+    with pytest.raises(ValueError, match="DQKWG_FORM"):
+        tk.chunk_dqkwg(x, x, x[..., 0], state, state, x, x, x, 1.0, tk.make_plan(1, 64, None, "cpu"), torch.float32)
+
+
 # The 16-bit cases of the frozen gate with the backward's products in the other precise form
 # (BACKWARD_PRODUCTS: "tf32" or "bf16x3", both on fp32 operands; "bf16" is not a form the gate
 # can hold: dg and dbeta of the K = 128 case exceed their bound on ~1 in 130 draws).

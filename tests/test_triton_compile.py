@@ -221,11 +221,17 @@ def _backward_cases():
         q_ptr=tok(K, f32), k_ptr=tok(K, f32), w_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32),
         dht_ptr=T([N, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32), dvn_ptr=tok(V, f32), dh0_ptr=T([N, H, K, V], f32),
         scale=0.1, V=V, BK=BK, BV=d["BV"], HAS_DHT=True, STORE_DH0=True, **seq, **common)
-    yield "dqkwg", tk._dqkwg_kernel, dict(tk._LAUNCH["dqkwg"], num_stages=1), dict(
-        q_ptr=tok(K, f32), k_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32),
-        dh_ptr=T([NC, H, K, V], f32), vn_ptr=tok(V, f32), dvn_ptr=tok(V, f32), do_ptr=tok(V), dq_ptr=tok(K, f32),
-        dk_ptr=tok(K, f32), dw_ptr=tok(K, f32), dG_ptr=T([NK, Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1,
-        dG_stride=Ntok * H, V=V, BKS=BKS, BV=BV, NV=NV, **common)
+    for ds_here in (True, False):  # DQKWG_FORM "one" and "split"'s second kernel
+        yield f"dqkwg{'' if ds_here else ' (split: state part)'}", tk._dqkwg_kernel, dict(tk._LAUNCH["dqkwg"], num_stages=1), dict(
+            q_ptr=tok(K, f32), k_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32),
+            dh_ptr=T([NC, H, K, V], f32), vn_ptr=tok(V, f32), dvn_ptr=tok(V, f32), do_ptr=tok(V), dql_ptr=tok(K, f32),
+            dkl_ptr=tok(K, f32), dq_ptr=tok(K, f32), dk_ptr=tok(K, f32), dw_ptr=tok(K, f32), dG_ptr=T([NK, Ntok, H], f32),
+            chunks_ptr=T([2 * NC], idx), scale=0.1, dG_stride=Ntok * H, V=V, BKS=BKS, BV=BV, NV=NV, DS_HERE=ds_here,
+            **common)
+    yield "dqk_local (split: chunk-local part)", tk._dqk_local_kernel, dict(tk._LAUNCH["dqkwg"], num_stages=1), dict(
+        q_ptr=tok(K, f32), k_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), vn_ptr=tok(V, f32), do_ptr=tok(V),
+        dql_ptr=tok(K, f32), dkl_ptr=tok(K, f32), dG_ptr=T([Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1,
+        V=V, BKS=BKS, BV=BV, NV=NV, **common)
     yield "wy_bwd", tk._wy_bwd_kernel, dict(tk._LAUNCH["wy_bwd"], num_stages=1), dict(
         k_ptr=tok(K, f32), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
         w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),

@@ -965,12 +965,63 @@ def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr
         tl.store(dh0_ptr + (n.to(tl.int64) * H + hh) * (K * V) + sblk, dh, mask=smask)
 
 
+@triton.jit
+def _gated_lower_pair(ds, dsT, G, r, valid, scale):
+    """D = lower(scale dS * Gam) and D^T = upper(scale dS^T * Gam^T), each from its own
+    accumulator (D^T never by tl.trans of D: see 9), Gam_ts = exp(G_t - G_s) on valid rows."""
+    m = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
+    gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
+    mT = valid[:, None] & valid[None, :] & (r[:, None] <= r[None, :])
+    gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
+    return tl.where(m, ds * gam * scale, 0.0), tl.where(mT, dsT * gamT * scale, 0.0)
+
+
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
-def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
+def _dqk_local_kernel(q_ptr, k_ptr, G_ptr, vn_ptr, do_ptr, dql_ptr, dkl_ptr, dG_ptr, chunks_ptr, H, scale,
+                      K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                      BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr):
+    """9a (DQKWG_FORM "split"): the chunk-local part of 9, once per chunk and head (grid (NC, H)):
+        dS = dO Vn^T, dS^T = Vn dO^T (over V), D = lower(scale dS * Gam),
+        dql = D K, dkl = D^T Q (fp32, in blocks of BKS key columns), and dG's D' terms
+        rowsum(D' * QK^T) - colsum(D' * QK^T) (D' = D off the diagonal) as one partial of dG.
+    Why apart: in the one-kernel form every block of key columns formed dS, dS^T and Q K^T again
+    and held five accumulators (sm_90a: 800 B of spills per thread, 3.3 ms at S1 on the H200);
+    here they are formed once, and 9b (`_dqkwg_kernel` with DS_HERE False) keeps three."""
+    NK: tl.constexpr = (K + BKS - 1) // BKS
+    c, hh, bos, eos, r, tok, valid, row, _, _, _, _ = _chunk_program(chunks_ptr, H, K, V, BKS, BV, 1, BT,
+                                                                     tl.program_id(0))
+    ds = tl.full([BT, BT], 0.0, tl.float32)
+    dsT = tl.full([BT, BT], 0.0, tl.float32)
+    for j in tl.static_range(NV):
+        vc = j * BV + tl.arange(0, BV)
+        mv = valid[:, None] & (vc < V)[None, :]
+        vn = tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        do = tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+        ds += _mm(do, tl.trans(vn), PREC, DT, DA)
+        dsT += _mm(vn, tl.trans(do), PREC, DT, DA)
+    G = tl.load(G_ptr + row, mask=valid, other=0.0)
+    D, Dt = _gated_lower_pair(ds, dsT, G, r, valid, scale)
+    qk = tl.full([BT, BT], 0.0, tl.float32)
+    for kk in tl.static_range(NK):
+        kc = kk * BKS + tl.arange(0, BKS)
+        mk = valid[:, None] & (kc < K)[None, :]
+        q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+        tl.store(dql_ptr + row[:, None] * K + kc[None, :], _mm(D, k, PREC, DT, DA), mask=mk)
+        tl.store(dkl_ptr + row[:, None] * K + kc[None, :], _mm(Dt, q, PREC, DT, DA), mask=mk)
+        qk += _mm(q, tl.trans(k), PREC, DT, DA)
+    # the diagonal's terms left out, as in 9 (they cancel and would only leave rounding noise)
+    M = tl.where(r[:, None] > r[None, :], D * qk, 0.0)
+    tl.store(dG_ptr + row, tl.sum(M, 1) - tl.sum(M, 0), mask=valid)
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.jit
+def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, dql_ptr, dkl_ptr,
                   dq_ptr, dk_ptr, dw_ptr, dG_ptr, chunks_ptr, H, scale, dG_stride,
                   K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                  BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr):
+                  BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr, DS_HERE: tl.constexpr):
     """9: per chunk, head and block of BKS key columns (grid (NC * NK, H)), summing over V blocks:
         dQa = dO h_c^T,  dS = dO Vn^T,  dKs = Vn dh^T,  dW = -dVn h_c^T,  dgl = sum(h_c * dh)
     (dh: the gradient of the state leaving the chunk); then, with D = lower(scale dS * Gam):
@@ -987,7 +1038,9 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     kernel at 4.2 ms of the 13 ms forward+backward. dS, dS^T and Q K^T (all K) are formed again by
     every column block; each block writes its dQ, dK, dW columns and its own partial of dG (every
     term of dG is a sum over key columns, the D' terms taken by block 0 alone), and 10 adds the
-    partials."""
+    partials. DS_HERE False (DQKWG_FORM "split"): D K, D^T Q and the D' terms of dG come from
+    `_dqk_local_kernel` instead (dql, dkl, its own partial of dG), and this kernel keeps the three
+    state accumulators dQa, dKs, dW."""
     NK: tl.constexpr = (K + BKS - 1) // BKS
     kb = tl.program_id(0) % NK
     c, hh, bos, eos, r, tok, valid, row, _, _, _, _ = _chunk_program(chunks_ptr, H, K, V, BKS, BV, 1, BT,
@@ -1016,8 +1069,9 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
         # rounded copy of each tile live beside the fp32 one (sm_90a ptxas: 868 B of spills
         # against 644 B with all of them through `_mm`)
         dqa += _mm(do, ht, PREC, DT, DA)
-        ds += _mm(do, tl.trans(vn), PREC, DT, DA)
-        dsT += _mm(vn, tl.trans(do), PREC, DT, DA)
+        if DS_HERE:
+            ds += _mm(do, tl.trans(vn), PREC, DT, DA)
+            dsT += _mm(vn, tl.trans(do), PREC, DT, DA)
         dks += _mm(vn, tl.trans(dh), PREC, DT, DA)
         dw -= _mm(dvn, ht, PREC, DT, DA)
         hdh += tl.sum(h * dh)
@@ -1026,33 +1080,33 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     G = tl.load(G_ptr + row, mask=valid, other=0.0)
     last = tl.minimum(bos + BT, eos) - 1
     GL = tl.load(G_ptr + last.to(tl.int64) * H + hh)
-    m = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
-    gam = tl.exp(tl.where(m, (G[:, None] - G[None, :]).to(tl.float32), float("-inf")))
-    D = tl.where(m, ds * gam * scale, 0.0)
     eg = tl.exp(G.to(tl.float32))
-    dq = dqa * (scale * eg)[:, None] + _mm(D, k, PREC, DT, DA)
     decay = tl.exp(tl.where(valid, (GL - G).to(tl.float32), float("-inf")))
-    mT = valid[:, None] & valid[None, :] & (r[:, None] <= r[None, :])
-    gamT = tl.exp(tl.where(mT, (G[None, :] - G[:, None]).to(tl.float32), float("-inf")))
-    Dt = tl.where(mT, dsT * gamT * scale, 0.0)  # = D^T
-    dk = _mm(Dt, q, PREC, DT, DA) + dks * decay[:, None]
+    if DS_HERE:
+        D, Dt = _gated_lower_pair(ds, dsT, G, r, valid, scale)
+        dq = dqa * (scale * eg)[:, None] + _mm(D, k, PREC, DT, DA)
+        dk = _mm(Dt, q, PREC, DT, DA) + dks * decay[:, None]
+    else:
+        dq = dqa * (scale * eg)[:, None] + tl.load(dql_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+        dk = dks * decay[:, None] + tl.load(dkl_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
     x = tl.where(tok == last, 0.0, decay * tl.sum(k * dks, 1))
     dG = scale * eg * tl.sum(q * dqa, 1) - x
     dG += tl.where(tok == last, tl.exp(GL.to(tl.float32)) * hdh + tl.sum(x, 0), 0.0)
-    if kb == 0:
-        # The diagonal of Gam and exp(G_L - G_last) = 1 have no gradient: their terms would enter
-        # dG twice with opposite signs and only leave rounding noise, which swamps dg when it is
-        # tiny (very negative gates), so they are left out rather than cancelled. Q K^T over all
-        # of K, one BKS block at a time.
-        qk = tl.full([BT, BT], 0.0, tl.float32)
-        for kk in tl.static_range(NK):
-            kcc = kk * BKS + tl.arange(0, BKS)
-            mkk = valid[:, None] & (kcc < K)[None, :]
-            qb = tl.load(q_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0).to(tl.float32)
-            kbk = tl.load(k_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0).to(tl.float32)
-            qk += _mm(qb, tl.trans(kbk), PREC, DT, DA)
-        M = tl.where(r[:, None] > r[None, :], D * qk, 0.0)
-        dG += tl.sum(M, 1) - tl.sum(M, 0)
+    if DS_HERE:
+        if kb == 0:
+            # The diagonal of Gam and exp(G_L - G_last) = 1 have no gradient: their terms would enter
+            # dG twice with opposite signs and only leave rounding noise, which swamps dg when it is
+            # tiny (very negative gates), so they are left out rather than cancelled. Q K^T over all
+            # of K, one BKS block at a time.
+            qk = tl.full([BT, BT], 0.0, tl.float32)
+            for kk in tl.static_range(NK):
+                kcc = kk * BKS + tl.arange(0, BKS)
+                mkk = valid[:, None] & (kcc < K)[None, :]
+                qb = tl.load(q_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0).to(tl.float32)
+                kbk = tl.load(k_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0).to(tl.float32)
+                qk += _mm(qb, tl.trans(kbk), PREC, DT, DA)
+            M = tl.where(r[:, None] > r[None, :], D * qk, 0.0)
+            dG += tl.sum(M, 1) - tl.sum(M, 0)
     tl.store(dq_ptr + row[:, None] * K + kc[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mk)
     tl.store(dk_ptr + row[:, None] * K + kc[None, :], dk, mask=mk)
     tl.store(dw_ptr + row[:, None] * K + kc[None, :], dw, mask=mk)
@@ -1463,21 +1517,37 @@ def _key_split(K: int) -> tuple[int, int]:
     return BKS, cdiv(K, BKS)
 
 
+# How 9 runs: "one" (`_dqkwg_kernel` alone: every block of key columns forms dS, dS^T, D and Q K^T
+# again, five accumulators) or "split" (`_dqk_local_kernel` forms them once per chunk and head and
+# writes D K, D^T Q in fp32, 0.5 GB more traffic at S1; `_dqkwg_kernel` then keeps the three state
+# accumulators). The same products either way. Read at each call; "split" is off until timed
+# (written in the ninth session after its device time was spent).
+DQKWG_FORMS = ("one", "split")
+DQKWG_FORM = "one"
+
+
 def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_dtype: torch.dtype,
                 input_dtype: torch.dtype | None = None):
-    """9: dq [Ntok, H, K] in dq_dtype; partial dk, dW [Ntok, H, K] and NK partials of dG [NK, Ntok, H], fp32."""
+    """9: dq [Ntok, H, K] in dq_dtype; partial dk, dW [Ntok, H, K] and the partials of dG [NK (+ 1
+    in the split form), Ntok, H], fp32."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
     BKS, NK = _key_split(K)
+    split = _checked("DQKWG_FORM", DQKWG_FORM, DQKWG_FORMS) == "split"
     dq = _out((Ntok, H, K), dq_dtype, q.device)
     dk = new_empty((Ntok, H, K), _F32, q.device)
     dw = new_empty((Ntok, H, K), _F32, q.device)
-    dG = new_empty((NK, Ntok, H), _F32, q.device)
+    dG = new_empty((NK + split, Ntok, H), _F32, q.device)
     if plan.NC:
-        _dqkwg_kernel[(plan.NC * NK, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, plan.chunks, H, scale, Ntok * H,
-                                         K, V, BKS, BV, NV, BT, *_products(input_dtype or q.dtype, True, "dqkwg"),
-                                         **_LAUNCH["dqkwg"])
+        products = _products(input_dtype or q.dtype, True, "dqkwg")
+        dql = dkl = dk  # stand-ins for the pointers the one-kernel form does not read
+        if split:
+            dql, dkl = new_empty((Ntok, H, K), _F32, q.device), new_empty((Ntok, H, K), _F32, q.device)
+            _dqk_local_kernel[(plan.NC, H)](q, k, G, vn, do, dql, dkl, dG[NK], plan.chunks, H, scale, K, V, BKS, BV, NV,
+                                            BT, *products, **_LAUNCH["dqkwg"])
+        _dqkwg_kernel[(plan.NC * NK, H)](q, k, G, h, dh, vn, dvn, do, dql, dkl, dq, dk, dw, dG, plan.chunks, H, scale,
+                                         Ntok * H, K, V, BKS, BV, NV, BT, *products, not split, **_LAUNCH["dqkwg"])
     return _done(dq, dq_dtype), dk, dw, dG
 
 
