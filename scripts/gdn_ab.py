@@ -326,17 +326,22 @@ if "backward" in SECTIONS:
     # longer timed here: bf16x3 products (14.57 ms at ed4ca69), wy_bwd in one 128-column block
     # (11.73), the recompute's stage 3 at tf32x3 (11.27), dqkwg in 32-column blocks (11.64).
     rdefault, qdefault, ddefault = tk.RECOMPUTE_NORMALISED_KEYS_PREC, tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC
-    fdefault = tk.DQKWG_FORM
+    fdefault, wdefault = tk.DQKWG_FORM, tk.WY_BWD_FORM
     other_diag = {"ieee": "tf32", "tf32": "ieee"}[ddefault]
     other_form = {"one": "split", "split": "one"}[fdefault]
-    for products, wy_block, rprec, qblock, rdiag, dform in (
-            ("tf32", block, rdefault, qdefault, ddefault, fdefault), ("bf16", block, rdefault, qdefault, ddefault, fdefault),
-            ("tf32", block, rdefault, qdefault, other_diag, fdefault),  # row 28
-            ("tf32", block, rdefault, qdefault, ddefault, other_form),  # DQKWG_FORM
-            ("tf32", block, rdefault, qdefault, other_diag, other_form)):
+    other_wy = {"one": "split", "split": "one"}[wdefault]
+    for products, wy_block, rprec, qblock, rdiag, dform, wform in (
+            ("tf32", block, rdefault, qdefault, ddefault, fdefault, wdefault),
+            ("bf16", block, rdefault, qdefault, ddefault, fdefault, wdefault),
+            ("tf32", block, rdefault, qdefault, other_diag, fdefault, wdefault),  # row 28
+            ("tf32", block, rdefault, qdefault, ddefault, other_form, wdefault),  # DQKWG_FORM, row 29
+            ("tf32", block, rdefault, qdefault, ddefault, fdefault, other_wy),  # WY_BWD_FORM, row 30
+            ("tf32", block, rdefault, qdefault, other_diag, other_form, other_wy)):  # rows 28-30 together
         tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = products, wy_block, rprec
         tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC, tk.DQKWG_FORM = qblock, rdiag, dform
-        name = f"{products}, wy_bwd BKW={min(wy_block, BK)}, recompute {rprec} diag {rdiag}, dqkwg {dform} BKS={qblock}"
+        tk.WY_BWD_FORM = wform
+        name = (f"{products}, wy_bwd {wform} BKW={min(wy_block, BK)}, recompute {rprec} diag {rdiag}, "
+                f"dqkwg {dform} BKS={qblock}")
 
         def bwd():
             return tk.gdn_backward_triton(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
@@ -346,6 +351,7 @@ if "backward" in SECTIONS:
         first = next(iter(grads))
         diff = "" if name == first else f", vs {first}: " + " ".join(
             f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[name], grads[first]))
-        print(f"backward S1 products={name:70}: {ms:.3f} ms{diff}", flush=True)
+        print(f"backward S1 products={name:80}: {ms:.3f} ms{diff}", flush=True)
     tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = DEFAULTS[4], block, rdefault
     tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC, tk.DQKWG_FORM = qdefault, ddefault, fdefault
+    tk.WY_BWD_FORM = wdefault

@@ -94,12 +94,14 @@ def cases():
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), vn_ptr=tok(V, f32), do_ptr=tok(V), dql_ptr=tok(K, f32),
         dkl_ptr=tok(K, f32), dG_ptr=T([Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1, V=V, BV=BV, NV=NV,
         BKS=tk._key_split(K)[0], **{k: v for k, v in bwd.items() if k != "BK"})
-    yield "wy_bwd", tk._wy_bwd_kernel, L["wy_bwd"], dict(
-        k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], dt), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
-        w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
-        dGp_ptr=T([2, Ntok, H], f32), dk_ptr=tok(K), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], dt), dg_ptr=T([Ntok, H], f32),
-        chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=tk._key_split(K)[1],
-        BKW=min(bwd["BK"], tk.WY_BWD_KEY_BLOCK), **bwd)
+    for phase in ("all", "da", "apply"):  # WY_BWD_FORM "one", and "split"'s two halves
+        yield f"wy_bwd{'' if phase == 'all' else f' (split: {phase})'}", tk._wy_bwd_kernel, L["wy_bwd"], dict(
+            k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], dt), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
+            w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
+            dGp_ptr=T([2, Ntok, H], f32), dk_ptr=tok(K), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], dt), dg_ptr=T([Ntok, H], f32),
+            da_ptr=tok(64, f32), dat_ptr=tok(64, f32), vdu_ptr=T([Ntok, H], f32), chunks_ptr=T([2 * NC], idx),
+            dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=tk._key_split(K)[1], BKW=min(bwd["BK"], tk.WY_BWD_KEY_BLOCK),
+            PHASE=phase, **bwd)
 
 
 for name, fn, launch, args in cases():

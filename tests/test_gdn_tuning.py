@@ -180,24 +180,31 @@ def test_unsupported_dqkwg_key_block_is_refused(monkeypatch):
         tk._key_split(128)
 
 
-# Every case of the frozen gate with dqkwg in its other form (DQKWG_FORM: "one" kernel, or "split":
-# the chunk-local D terms once per chunk and head, then the state part), and an unknown form refused.
-OTHER_DQKWG_FORM = {"one": "split", "split": "one"}[tk.DQKWG_FORM]
+# Every case of the frozen gate with a backward stage in its other kernel form: DQKWG_FORM ("one"
+# kernel, or "split": the chunk-local D terms once per chunk and head, then the state part) and
+# WY_BWD_FORM ("one", or "split": dA, dA^T first, then the rest from them); unknown forms refused.
+OTHER_BACKWARD_FORMS = {"DQKWG_FORM": {"one": "split", "split": "one"}[tk.DQKWG_FORM],
+                        "WY_BWD_FORM": {"one": "split", "split": "one"}[tk.WY_BWD_FORM]}
 
 
+@pytest.mark.parametrize("switch", list(OTHER_BACKWARD_FORMS))
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_other_dqkwg_form(case_id, device, seed, monkeypatch):
-    _gate_case_in(case_id, device, seed, monkeypatch, DQKWG_FORM=OTHER_DQKWG_FORM)
+def test_other_backward_kernel_form(case_id, switch, device, seed, monkeypatch):
+    _gate_case_in(case_id, device, seed, monkeypatch, **{switch: OTHER_BACKWARD_FORMS[switch]})
 
 
-def test_unknown_dqkwg_form_is_refused(monkeypatch):
+@pytest.mark.parametrize("switch", list(OTHER_BACKWARD_FORMS))
+def test_unknown_backward_kernel_form_is_refused(switch, monkeypatch):
     import torch
 
-    monkeypatch.setattr(tk, "DQKWG_FORM", "fused")
+    monkeypatch.setattr(tk, switch, "fused")
     x = torch.zeros(64, 1, 64)
-    state = torch.zeros(1, 1, 64, 64)
-    with pytest.raises(ValueError, match="DQKWG_FORM"):
-        tk.chunk_dqkwg(x, x, x[..., 0], state, state, x, x, x, 1.0, tk.make_plan(1, 64, None, "cpu"), torch.float32)
+    state, plan = torch.zeros(1, 1, 64, 64), tk.make_plan(1, 64, None, "cpu")
+    with pytest.raises(ValueError, match=switch):
+        if switch == "DQKWG_FORM":
+            tk.chunk_dqkwg(x, x, x[..., 0], state, state, x, x, x, 1.0, plan, torch.float32)
+        else:
+            tk.chunk_wy_bwd(x, x, x[..., 0], x[..., 0], x, x, x, x, x, x, x[None, ..., 0], plan, *(torch.float32,) * 4)
 
 
 # The 16-bit cases of the frozen gate with the backward's products in the other precise form

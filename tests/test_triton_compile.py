@@ -232,13 +232,14 @@ def _backward_cases():
         q_ptr=tok(K, f32), k_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), vn_ptr=tok(V, f32), do_ptr=tok(V),
         dql_ptr=tok(K, f32), dkl_ptr=tok(K, f32), dG_ptr=T([Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1,
         V=V, BKS=BKS, BV=BV, NV=NV, **common)
-    yield "wy_bwd", tk._wy_bwd_kernel, dict(tk._LAUNCH["wy_bwd"], num_stages=1), dict(
-        k_ptr=tok(K, f32), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
-        w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
-        dGp_ptr=T([NK, Ntok, H], f32), dk_ptr=tok(K, f32), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], bf),
-        dg_ptr=T([Ntok, H], f32), chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BK=BK, BV=BV, NV=NV, NKP=NK,
-        BKW=min(BK, tk.WY_BWD_KEY_BLOCK),
-        **common)
+    for phase in ("all", "da", "apply"):  # WY_BWD_FORM "one", and "split"'s two halves
+        yield f"wy_bwd{'' if phase == 'all' else f' (split: {phase})'}", tk._wy_bwd_kernel, dict(tk._LAUNCH["wy_bwd"], num_stages=1), dict(
+            k_ptr=tok(K, f32), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
+            w_ptr=tok(K, f32), u_ptr=tok(V, f32), dw_ptr=tok(K, f32), dvn_ptr=tok(V, f32), dkp_ptr=tok(K, f32),
+            dGp_ptr=T([NK, Ntok, H], f32), dk_ptr=tok(K, f32), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], bf),
+            dg_ptr=T([Ntok, H], f32), da_ptr=tok(64, f32), dat_ptr=tok(64, f32), vdu_ptr=T([Ntok, H], f32),
+            chunks_ptr=T([2 * NC], idx), dGp_stride=Ntok * H, V=V, BK=BK, BV=BV, NV=NV, NKP=NK,
+            BKW=min(BK, tk.WY_BWD_KEY_BLOCK), PHASE=phase, **common)
 
 
 BACKWARD_CASES = list(_backward_cases())

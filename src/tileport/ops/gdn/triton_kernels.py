@@ -1116,10 +1116,10 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, d
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr,
-                   dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H, dGp_stride,
+                   dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, da_ptr, dat_ptr, vdu_ptr, chunks_ptr, H, dGp_stride,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                    BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr, NKP: tl.constexpr,
-                   BKW: tl.constexpr):
+                   BKW: tl.constexpr, PHASE: tl.constexpr):
     """10: back through W, U, T and A. With dU = dVn and dW from 9:  dU' = T^T dU,  dW' = T^T dW,
         dA = strict_lower(-(dU' U^T + dW' W^T))      (T = (I + A)^-1)
         dV = diag(beta) dU'
@@ -1136,7 +1136,12 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     dW', K or dK is live at once: with fp32 operands (BACKWARD_PRODUCTS) a whole [64, 128] fp32
     tile per operand is what made this kernel spill. BKW = BK is one block: the products of the
     kernel before the sixth session, though not its code (ptxas: 1876 B of spills per thread at
-    tf32 against that kernel's 1624 B)."""
+    tf32 against that kernel's 1624 B).
+
+    PHASE: "all" (the above in one program), or the two halves of WY_BWD_FORM "split": "da" (dA,
+    dA^T and rowsum(V * dU') stored to da, dat, vdu; dV stored) and "apply" (the rest, from them):
+    each half holds fewer [64, 64] fp32 tiles at once than the whole (sm_90a: 1044 B of spills per
+    thread for "all" at K = V = 128, 8 warps, tf32 products)."""
     c, hh, bos, eos, r, tok, valid, row, _, _, _, _ = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT,
                                                                      tl.program_id(0))
     NKW: tl.constexpr = BK // BKW
@@ -1147,6 +1152,32 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     # dbeta and dG read dA, dU' (rowsum(V * dU')), dW' and K K^T: those products go through
     # `_mm`; dA^T, dU'^T and dK's two products feed dK alone and stay plain products of
     # rounded operands
+    dA = tl.full([BT, BT], 0.0, tl.float32)
+    dAt = tl.full([BT, BT], 0.0, tl.float32)
+    vdu = tl.full([BT], 0.0, tl.float32)  # rowsum(V * dU'), accumulated as a vector (not a [BT, BV] tile)
+    if PHASE != "apply":
+        dA, dAt, vdu = _wy_bwd_da(Tt, Tr, beta, w_ptr, dw_ptr, dvn_ptr, v_ptr, u_ptr, dv_ptr, row, valid, K, V, BV, NV,
+                                  BKW, NKW, DT, DA, PREC)
+    if PHASE == "da":
+        tl.store(da_ptr + row[:, None] * BT + r[None, :], dA, mask=valid[:, None])
+        tl.store(dat_ptr + row[:, None] * BT + r[None, :], dAt, mask=valid[:, None])
+        tl.store(vdu_ptr + row, vdu, mask=valid)
+    else:
+        if PHASE == "apply":
+            dA = tl.load(da_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
+            dAt = tl.load(dat_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
+            vdu = tl.load(vdu_ptr + row, mask=valid, other=0.0)
+        _wy_bwd_apply(dA, dAt, vdu, Tt, beta, k_ptr, G_ptr, dw_ptr, dkp_ptr, dGp_ptr, dk_ptr, dbeta_ptr, dg_ptr, row, r,
+                      tok, valid, dGp_stride, K, BKW, NKW, NKP, DT, DA, PREC)
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.jit
+def _wy_bwd_da(Tt, Tr, beta, w_ptr, dw_ptr, dvn_ptr, v_ptr, u_ptr, dv_ptr, row, valid, K: tl.constexpr,
+               V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, BKW: tl.constexpr, NKW: tl.constexpr,
+               DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr):
+    """10's first half: (dA, dA^T, rowsum(V * dU')) of one chunk and head, dV stored."""
+    BT: tl.constexpr = Tt.shape[0]
     dA = tl.full([BT, BT], 0.0, tl.float32)
     dAt = tl.full([BT, BT], 0.0, tl.float32)
     for kb in tl.static_range(NKW):
@@ -1170,6 +1201,16 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
         u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
         dA -= _mm(dup, tl.trans(u), PREC, DT, DA)
         dAt -= tl.dot(_op(u, DT, DA), _op(dupT, DT, DA), input_precision="ieee")
+    return dA, dAt, vdu
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.jit
+def _wy_bwd_apply(dA, dAt, vdu, Tt, beta, k_ptr, G_ptr, dw_ptr, dkp_ptr, dGp_ptr, dk_ptr, dbeta_ptr, dg_ptr, row, r, tok,
+                  valid, dGp_stride, K: tl.constexpr, BKW: tl.constexpr, NKW: tl.constexpr, NKP: tl.constexpr,
+                  DT: tl.constexpr, DA: tl.constexpr, PREC: tl.constexpr):
+    """10's second half, from (dA, dA^T, rowsum(V * dU')): dK, dbeta and dg stored."""
+    BT: tl.constexpr = Tt.shape[0]
     G = tl.load(G_ptr + row, mask=valid, other=0.0)
     eg = tl.exp(G.to(tl.float32))
     m = valid[:, None] & valid[None, :] & (r[:, None] > r[None, :])
@@ -1562,6 +1603,14 @@ def _wy_key_block(BK: int) -> int:
     return _key_block("WY_BWD_KEY_BLOCK", WY_BWD_KEY_BLOCK, BK)
 
 
+# How 10 runs: "one" (`_wy_bwd_kernel` PHASE "all") or "split" (PHASE "da" stores dA, dA^T and
+# rowsum(V * dU') in fp32, 0.27 GB at S1, and PHASE "apply" finishes from them: each half holds
+# fewer [64, 64] fp32 tiles). The same products either way. Read at each call; "split" is off
+# until timed (written in the ninth session after its device time was spent).
+WY_BWD_FORMS = ("one", "split")
+WY_BWD_FORM = "one"
+
+
 def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
                  dk_dtype: torch.dtype, dv_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dtype: torch.dtype,
                  input_dtype: torch.dtype | None = None):
@@ -1569,14 +1618,20 @@ def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
+    split = _checked("WY_BWD_FORM", WY_BWD_FORM, WY_BWD_FORMS) == "split"
     dk = _out((Ntok, H, K), dk_dtype, k.device)
     dv = _out((Ntok, H, V), dv_dtype, k.device)
     dbeta = _out((Ntok, H), dbeta_dtype, k.device)
     dg = _out((Ntok, H), dg_dtype, k.device)
     if plan.NC:
-        _wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, dk, dv, dbeta, dg, plan.chunks, H,
-                                     Ntok * H, K, V, BK, BV, NV, BT, *_products(input_dtype or k.dtype, True, "wy_bwd"),
-                                     dGp.shape[0], _wy_key_block(BK), **_LAUNCH["wy_bwd"])
+        # the one-kernel form reads none of da, dat, vdu: Ai stands in for them there
+        da, dat, vdu = ((new_empty((Ntok, H, BT), _F32, k.device), new_empty((Ntok, H, BT), _F32, k.device),
+                         new_empty((Ntok, H), _F32, k.device)) if split else (Ai, Ai, Ai))
+        for phase in ("da", "apply") if split else ("all",):
+            _wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, dk, dv, dbeta, dg, da, dat, vdu,
+                                         plan.chunks, H, Ntok * H, K, V, BK, BV, NV, BT,
+                                         *_products(input_dtype or k.dtype, True, "wy_bwd"), dGp.shape[0],
+                                         _wy_key_block(BK), phase, **_LAUNCH["wy_bwd"])
     return _done(dk, dk_dtype), _done(dv, dv_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
 
