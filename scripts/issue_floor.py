@@ -67,11 +67,12 @@ for factored in (False, True):  # factored: both branches are in the PTX, so its
 # backward (the recompute's intermediates in fp32), GDN only
 L = tk._LAUNCH
 BKS, NK = tk._key_split(K)
+PREC = tk._products(torch.bfloat16, for_backward=True)[2]  # the backward's products (BACKWARD_PRODUCTS)
 report("gdn dqkwg 8w", tk._dqkwg_kernel, dict(
     q_ptr=tok(K), k_ptr=tok(K), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
     vn_ptr=tok(V, f32), dvn_ptr=tok(V, f32), do_ptr=tok(V), dql_ptr=tok(K, f32), dkl_ptr=tok(K, f32), dq_ptr=tok(K),
     dk_ptr=tok(K, f32), dw_ptr=tok(K, f32), dG_ptr=T([NK, Ntok, H], f32), chunks_ptr=T([2 * NC], idx), scale=0.1,
-    dG_stride=Ntok * H, V=V, BV=BV, NV=NV, BKS=BKS, DS_HERE=True, **{k: v for k, v in common.items() if k != "BK"}),
+    dG_stride=Ntok * H, V=V, BV=BV, NV=NV, BKS=BKS, DS_HERE=True, PREC=PREC, **{k: v for k, v in common.items() if k != "BK"}),
     L["dqkwg"]["num_warps"], NC * NK * H)
 report("gdn wy_bwd 8w", tk._wy_bwd_kernel, dict(
     k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf), G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32),
@@ -79,7 +80,7 @@ report("gdn wy_bwd 8w", tk._wy_bwd_kernel, dict(
     dGp_ptr=T([NK, Ntok, H], f32), dk_ptr=tok(K), dv_ptr=tok(V), dbeta_ptr=T([Ntok, H], bf), dg_ptr=T([Ntok, H], f32),
     da_ptr=tok(64, f32), dat_ptr=tok(64, f32), vdu_ptr=T([Ntok, H], f32), chunks_ptr=T([2 * NC], idx),
     dGp_stride=Ntok * H, V=V, BV=BV, NV=NV, NKP=NK, BKW=min(common["BK"], tk.WY_BWD_KEY_BLOCK), PHASE="all",
-    **common), L["wy_bwd"]["num_warps"], NC * H)
+    PREC=PREC, **common), L["wy_bwd"]["num_warps"], NC * H)
 report("gdn solve_wu blocks recompute 8w", tk._solve_wu_kernel.fn, dict(k_ptr=tok(K), v_ptr=tok(V), beta_ptr=T([Ntok, H], bf),
     G_ptr=T([Ntok, H], f64), Ai_ptr=tok(64, f32), w_ptr=tok(K, f32), u_ptr=tok(V, f32), chunks_ptr=T([2 * NC], idx), V=V, BV=BV,
     NV=NV, PER_CHANNEL=False, STORE_T=True, EXACT_WU=True, **common), 8, NC * H)
