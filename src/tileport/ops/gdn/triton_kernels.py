@@ -966,6 +966,15 @@ def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr
 
 
 @triton.jit
+def _d_prime_dG(D, qk, r):
+    """dG's D' terms, rowsum(D' * QK^T) - colsum(D' * QK^T), D' = D off the diagonal: the diagonal
+    of Gam has no gradient, its terms would enter dG twice with opposite signs and only leave
+    rounding noise (which swamps dg when it is tiny, at very negative gates)."""
+    M = tl.where(r[:, None] > r[None, :], D * qk, 0.0)
+    return tl.sum(M, 1) - tl.sum(M, 0)
+
+
+@triton.jit
 def _gated_lower_pair(ds, dsT, G, r, valid, scale):
     """D = lower(scale dS * Gam) and D^T = upper(scale dS^T * Gam^T), each from its own
     accumulator (D^T never by tl.trans of D: see 9), Gam_ts = exp(G_t - G_s) on valid rows."""
@@ -1011,9 +1020,7 @@ def _dqk_local_kernel(q_ptr, k_ptr, G_ptr, vn_ptr, do_ptr, dql_ptr, dkl_ptr, dG_
         tl.store(dql_ptr + row[:, None] * K + kc[None, :], _mm(D, k, PREC, DT, DA), mask=mk)
         tl.store(dkl_ptr + row[:, None] * K + kc[None, :], _mm(Dt, q, PREC, DT, DA), mask=mk)
         qk += _mm(q, tl.trans(k), PREC, DT, DA)
-    # the diagonal's terms left out, as in 9 (they cancel and would only leave rounding noise)
-    M = tl.where(r[:, None] > r[None, :], D * qk, 0.0)
-    tl.store(dG_ptr + row, tl.sum(M, 1) - tl.sum(M, 0), mask=valid)
+    tl.store(dG_ptr + row, _d_prime_dG(D, qk, r), mask=valid)
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
@@ -1089,15 +1096,14 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, d
     else:
         dq = dqa * (scale * eg)[:, None] + tl.load(dql_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
         dk = dks * decay[:, None] + tl.load(dkl_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    # exp(G_L - G_last) = 1 has no gradient: the last row's x is left out, not cancelled (as the
+    # diagonal of Gam in `_d_prime_dG`)
     x = tl.where(tok == last, 0.0, decay * tl.sum(k * dks, 1))
     dG = scale * eg * tl.sum(q * dqa, 1) - x
     dG += tl.where(tok == last, tl.exp(GL.to(tl.float32)) * hdh + tl.sum(x, 0), 0.0)
     if DS_HERE:
         if kb == 0:
-            # The diagonal of Gam and exp(G_L - G_last) = 1 have no gradient: their terms would enter
-            # dG twice with opposite signs and only leave rounding noise, which swamps dg when it is
-            # tiny (very negative gates), so they are left out rather than cancelled. Q K^T over all
-            # of K, one BKS block at a time.
+            # the D' terms (`_d_prime_dG`), Q K^T over all of K one BKS block at a time
             qk = tl.full([BT, BT], 0.0, tl.float32)
             for kk in tl.static_range(NK):
                 kcc = kk * BKS + tl.arange(0, BKS)
@@ -1105,8 +1111,7 @@ def _dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, d
                 qb = tl.load(q_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0).to(tl.float32)
                 kbk = tl.load(k_ptr + row[:, None] * K + kcc[None, :], mask=mkk, other=0.0).to(tl.float32)
                 qk += _mm(qb, tl.trans(kbk), PREC, DT, DA)
-            M = tl.where(r[:, None] > r[None, :], D * qk, 0.0)
-            dG += tl.sum(M, 1) - tl.sum(M, 0)
+            dG += _d_prime_dG(D, qk, r)
     tl.store(dq_ptr + row[:, None] * K + kc[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mk)
     tl.store(dk_ptr + row[:, None] * K + kc[None, :], dk, mask=mk)
     tl.store(dw_ptr + row[:, None] * K + kc[None, :], dw, mask=mk)
@@ -1152,10 +1157,12 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
     # dbeta and dG read dA, dU' (rowsum(V * dU')), dW' and K K^T: those products go through
     # `_mm`; dA^T, dU'^T and dK's two products feed dK alone and stay plain products of
     # rounded operands
-    dA = tl.full([BT, BT], 0.0, tl.float32)
-    dAt = tl.full([BT, BT], 0.0, tl.float32)
-    vdu = tl.full([BT], 0.0, tl.float32)  # rowsum(V * dU'), accumulated as a vector (not a [BT, BV] tile)
-    if PHASE != "apply":
+    # (dA, dA^T, rowsum(V * dU')): formed here, or by the "da" launch before this "apply" one
+    if PHASE == "apply":
+        dA = tl.load(da_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
+        dAt = tl.load(dat_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
+        vdu = tl.load(vdu_ptr + row, mask=valid, other=0.0)
+    else:
         dA, dAt, vdu = _wy_bwd_da(Tt, Tr, beta, w_ptr, dw_ptr, dvn_ptr, v_ptr, u_ptr, dv_ptr, row, valid, K, V, BV, NV,
                                   BKW, NKW, DT, DA, PREC)
     if PHASE == "da":
@@ -1163,10 +1170,6 @@ def _wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, 
         tl.store(dat_ptr + row[:, None] * BT + r[None, :], dAt, mask=valid[:, None])
         tl.store(vdu_ptr + row, vdu, mask=valid)
     else:
-        if PHASE == "apply":
-            dA = tl.load(da_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
-            dAt = tl.load(dat_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
-            vdu = tl.load(vdu_ptr + row, mask=valid, other=0.0)
         _wy_bwd_apply(dA, dAt, vdu, Tt, beta, k_ptr, G_ptr, dw_ptr, dkp_ptr, dGp_ptr, dk_ptr, dbeta_ptr, dg_ptr, row, r,
                       tok, valid, dGp_stride, K, BKW, NKW, NKP, DT, DA, PREC)
 
