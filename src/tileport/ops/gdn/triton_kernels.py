@@ -1450,8 +1450,9 @@ NORMALISED_KEYS_DIAG_PREC = "tf32"
 # The same for the backward's recompute of stage 3 (its T is stored in fp32 for the gradients):
 # "ieee" or "tf32". sm_90a, the recompute at RECOMPUTE_NORMALISED_KEYS_PREC "tf32", 4 warps: "ieee"
 # 255 registers, 848 B of spills, 4288 instructions (768 FFMA); "tf32" 255, 84 B, 3176 (log row
-# 28). Off until timed on the H200.
-RECOMPUTE_NORMALISED_KEYS_DIAG_PREC = "ieee"
+# 28). H200, gdn_ab.py at 646b62f, whole backward at S1, same inputs: ieee 10.163 ms, tf32 9.988,
+# gradients within 1.6e-4 (normwise) of ieee's; with rows 29 and 30 also on: 9.149. "tf32" since.
+RECOMPUTE_NORMALISED_KEYS_DIAG_PREC = "tf32"
 
 # The same for the backward's recompute of stage 3 (T stored in fp32, W and U from fp32 operands
 # in fp32, EXACT_WU), when the keys are l2-normalised: "tf32x3" or one-pass "tf32". H200,
@@ -1564,10 +1565,10 @@ def _key_split(K: int) -> tuple[int, int]:
 # How 9 runs: "one" (`_dqkwg_kernel` alone: every block of key columns forms dS, dS^T, D and Q K^T
 # again, five accumulators) or "split" (`_dqk_local_kernel` forms them once per chunk and head and
 # writes D K, D^T Q in fp32, 0.5 GB more traffic at S1; `_dqkwg_kernel` then keeps the three state
-# accumulators). The same products either way. Read at each call; "split" is off until timed
-# (written in the ninth session after its device time was spent).
+# accumulators). The same products either way. Read at each call. H200, gdn_ab.py at 646b62f, whole
+# backward at S1: one 10.163 ms, split 9.919 (gradients within 7e-6 of one's); "split" since.
 DQKWG_FORMS = ("one", "split")
-DQKWG_FORM = "one"
+DQKWG_FORM = "split"
 
 
 def chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale: float, plan: ChunkPlan, dq_dtype: torch.dtype,
@@ -1608,10 +1609,10 @@ def _wy_key_block(BK: int) -> int:
 
 # How 10 runs: "one" (`_wy_bwd_kernel` PHASE "all") or "split" (PHASE "da" stores dA, dA^T and
 # rowsum(V * dU') in fp32, 0.27 GB at S1, and PHASE "apply" finishes from them: each half holds
-# fewer [64, 64] fp32 tiles). The same products either way. Read at each call; "split" is off
-# until timed (written in the ninth session after its device time was spent).
+# fewer [64, 64] fp32 tiles). The same products either way. Read at each call. H200, gdn_ab.py at
+# 646b62f, whole backward at S1: one 10.163 ms, split 9.649 (dbeta within 2e-5); "split" since.
 WY_BWD_FORMS = ("one", "split")
-WY_BWD_FORM = "one"
+WY_BWD_FORM = "split"
 
 
 def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
