@@ -32,8 +32,9 @@ torch.manual_seed(0)
 BK, BV, NV = tk._blocks(K, V)
 DT, DA = tk._dot_types(torch.bfloat16)
 plan = tk.make_plan(B, T, None, dev)
-# GDN_AB_SECTIONS picks what to time (comma-separated; default all): solve, output, states, forward, backward
-_ALL = ("solve", "output", "states", "forward", "gluon", "backward")
+# GDN_AB_SECTIONS picks what to time (comma-separated; default all): solve, output, states, forward, gluon,
+# backward, dstates
+_ALL = ("solve", "output", "states", "forward", "gluon", "backward", "dstates")
 SECTIONS = [x.strip() for x in os.environ.get("GDN_AB_SECTIONS", ",".join(_ALL)).split(",")]
 if set(SECTIONS) - set(_ALL):
     raise SystemExit(f"GDN_AB_SECTIONS: unknown {sorted(set(SECTIONS) - set(_ALL))}")
@@ -355,3 +356,60 @@ if "backward" in SECTIONS:
     tk.BACKWARD_PRODUCTS, tk.WY_BWD_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_PREC = DEFAULTS[4], block, rdefault
     tk.DQKWG_KEY_BLOCK, tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC, tk.DQKWG_FORM = qdefault, ddefault, fdefault
     tk.WY_BWD_FORM = wdefault
+
+
+# the backward's stage 8 (the state recurrence) on Triton's `_dstates_kernel` and on the Gluon
+# `_dstates_kernel` in each launch shape, on the backward's own operands (fp32 q, k, W from the
+# recompute, tf32 products), dense at S1 with dht and d initial_state, and varlen with a ragged
+# tail; then the whole backward of each backend (the gluon one runs the Gluon stage 8)
+if "dstates" in SECTIONS and dev == "cuda":
+    from tileport.ops.gdn import gluon_kernels as gk
+
+    print("\n== stage 8 (dstates): Triton against Gluon (DSTATES_BV, DSTATES_WARPS), then the whole backward")
+    dstates_defaults = (gk.DSTATES_BV, gk.DSTATES_WARPS)
+    for label, cu in (("S1", None), ("varlen", [0, 1, 700, 700, 4100, 9000])):
+        ntok = B * T if cu is None else cu[-1]
+        shape = (B, T) if cu is None else (1, ntok)
+        qf = torch.randn(*shape, H, K, device=dev, dtype=torch.bfloat16)
+        kf = torch.randn(*shape, H, K, device=dev, dtype=torch.bfloat16)
+        vf = torch.randn(*shape, H, V, device=dev, dtype=torch.bfloat16)
+        gf = torch.nn.functional.logsigmoid(torch.randn(*shape, H, device=dev))
+        bf_ = torch.sigmoid(torch.randn(*shape, H, device=dev)).to(torch.bfloat16)
+        do = torch.randn(*shape, H, V, device=dev, dtype=torch.bfloat16)
+        cu_t = torch.tensor(cu, device=dev, dtype=torch.int32) if cu is not None else None
+        plan_ = tk.make_plan(shape[0], shape[1], cu_t, dev)
+        nseq = plan_.N
+        h0 = torch.randn(nseq, H, K, V, device=dev)
+        dht = torch.randn(nseq, H, K, V, device=dev)
+        flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
+        dof = tk._flatten(do)
+        qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, h0, True, plan_, False, for_backward=True)
+        dvl = tk.chunk_dv_local(qn, kn, G, dof, K ** -0.5, plan_, input_dtype=torch.bfloat16)
+        args = (qn, kn, w, G, dof, dvl, dht, K ** -0.5, plan_, True)
+        ref = tk.chunk_dstates(*args, input_dtype=torch.bfloat16)
+        ms = triton.testing.do_bench(lambda: tk.chunk_dstates(*args, input_dtype=torch.bfloat16), warmup=5, rep=40,
+                                     return_mode="median")
+        print(f"dstates {label} triton: {ms:.3f} ms", flush=True)
+        for bv, warps in ((128, 8), (64, 4)):
+            gk.DSTATES_BV, gk.DSTATES_WARPS = bv, warps
+            try:
+                got = gk.chunk_dstates_gluon(*args, input_dtype=torch.bfloat16)
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(lambda: gk.chunk_dstates_gluon(*args, input_dtype=torch.bfloat16),
+                                             warmup=5, rep=40, return_mode="median")
+                print(f"dstates {label} gluon BV{bv} {warps}w: {ms:.3f} ms, vs triton: " +
+                      " ".join(f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dh", "dvn", "dh0"), got, ref)), flush=True)
+            except Exception as exc:
+                print(f"dstates {label} gluon BV{bv} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        gk.DSTATES_BV, gk.DSTATES_WARPS = dstates_defaults
+        grads = {}
+        for name, fn in (("triton", tk.gdn_backward_triton), ("gluon", gk.gdn_backward_gluon)):
+            def bwd(fn=fn):
+                return fn(do, dht, qf, kf, vf, gf, bf_, K ** -0.5, h0, True, cu_t)
+
+            grads[name] = bwd()
+            ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median")
+            diff = "" if name == "triton" else ", vs triton: " + " ".join(
+                f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[name],
+                                                            grads["triton"]))
+            print(f"backward {label} {name}: {ms:.3f} ms{diff}", flush=True)

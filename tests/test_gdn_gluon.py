@@ -4,7 +4,8 @@ K = V of 64 or 128), in each of its forward forms: the two output kernels (one c
 program, and the persistent one with two TMA buffer sets) and the fused recurrence + output in
 both launch shapes (BV = 64 on one warpgroup, BV = V on two; the latter in each way of bringing
 in the gates, RECURRENCE_GATES, and with o leaving by TMA store, RECURRENCE_O_STORE; the former also
-with one TMA buffer set, RECURRENCE_RING 1). GPU only: Gluon kernels don't run on the CPU, where
+with one TMA buffer set, RECURRENCE_RING 1); and the backward's state recurrence (stage 8) on the
+Gluon kernel in both launch shapes and on Triton's. GPU only: Gluon kernels don't run on the CPU, where
 tests/test_gluon_compile.py compile-checks the kernel for sm_90a instead.
 """
 
@@ -19,20 +20,24 @@ from tileport.ops.gdn import DISPATCHER, explain_call
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)]
 
 
-# every Gluon forward form, each switch it depends on set explicitly: (FORWARD_FORM, OUTPUT_FORM,
-# RECURRENCE_BV, RECURRENCE_WARPS, RECURRENCE_GATES, RECURRENCE_RING, RECURRENCE_O_STORE)
+# every Gluon form, each switch it depends on set explicitly: the forward's (FORWARD_FORM,
+# OUTPUT_FORM, RECURRENCE_BV, RECURRENCE_WARPS, RECURRENCE_GATES, RECURRENCE_RING,
+# RECURRENCE_O_STORE) and the backward's stage 8 (BACKWARD_DSTATES, DSTATES_BV, DSTATES_WARPS)
+_DSTATES = ("gluon", 128, 8)  # the Gluon state recurrence of the backward, BV 128 on two warpgroups
 FORMS = {
-    "one-shot": ("split", "one-shot", 64, 4, "staged", 2, "masked"),  # the output kernels after Triton's 1-5
-    "persistent": ("split", "persistent", 64, 4, "staged", 2, "masked"),
-    "fused": ("fused", "one-shot", 64, 4, "staged", 2, "masked"),  # one warpgroup, BV 64
-    "fused-ring1": ("fused", "one-shot", 64, 4, "staged", 1, "masked"),  # one TMA buffer set: 2 programs per SM
-    "fused-wide-late": ("fused", "one-shot", 128, 8, "late", 2, "masked"),  # two warpgroups, BV 128
-    "fused-wide-early": ("fused", "one-shot", 128, 8, "early", 2, "masked"),
-    "fused-wide-staged": ("fused", "one-shot", 128, 8, "staged", 2, "masked"),
-    "fused-wide-tma-store": ("fused", "one-shot", 128, 8, "staged", 2, "tma"),
+    "one-shot": ("split", "one-shot", 64, 4, "staged", 2, "masked", *_DSTATES),  # the output kernels after Triton's 1-5
+    "persistent": ("split", "persistent", 64, 4, "staged", 2, "masked", *_DSTATES),
+    "fused": ("fused", "one-shot", 64, 4, "staged", 2, "masked", *_DSTATES),  # one warpgroup, BV 64
+    "fused-ring1": ("fused", "one-shot", 64, 4, "staged", 1, "masked", *_DSTATES),  # one TMA buffer set: 2 programs per SM
+    "fused-wide-late": ("fused", "one-shot", 128, 8, "late", 2, "masked", *_DSTATES),  # two warpgroups, BV 128
+    "fused-wide-early": ("fused", "one-shot", 128, 8, "early", 2, "masked", *_DSTATES),
+    "fused-wide-staged": ("fused", "one-shot", 128, 8, "staged", 2, "masked", *_DSTATES),
+    "fused-wide-tma-store": ("fused", "one-shot", 128, 8, "staged", 2, "tma", *_DSTATES),
+    "dstates-BV64-4w": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", 64, 4),  # stage 8 on one warpgroup
+    "dstates-triton": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", 128, 8),  # Triton's stage 8
 }
 _SWITCHES = ("FORWARD_FORM", "OUTPUT_FORM", "RECURRENCE_BV", "RECURRENCE_WARPS", "RECURRENCE_GATES", "RECURRENCE_RING",
-             "RECURRENCE_O_STORE")
+             "RECURRENCE_O_STORE", "BACKWARD_DSTATES", "DSTATES_BV", "DSTATES_WARPS")
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -84,3 +89,21 @@ def test_fused_launch_refuses(switch, bad, monkeypatch):
     monkeypatch.setattr(gluon_kernels, switch, bad)
     with pytest.raises(ValueError, match=switch):
         gluon_kernels.check_recurrence_launch(128)
+
+
+@pytest.mark.parametrize("switch, bad", [("DSTATES_WARPS", 12), ("DSTATES_BV", 32), ("BACKWARD_DSTATES", "cuda")])
+def test_dstates_launch_refuses(switch, bad, monkeypatch):
+    """A value of the backward's stage-8 switches the Gluon kernel cannot take is refused by name,
+    the others at their defaults (CPU: nothing launches)."""
+    import torch
+
+    from tileport.ops.gdn import gluon_kernels
+
+    x = torch.zeros(64, 1, 128)
+    g = torch.zeros(64, 1, dtype=torch.float64)
+    gluon_kernels.check_dstates_launch(128)  # the defaults pass
+    assert gluon_kernels.dstates_kernel_for(x, x, x, g, torch.bfloat16) == "triton"  # CPU tensors: Triton's kernel
+    monkeypatch.setattr(gluon_kernels, switch, bad)
+    with pytest.raises(ValueError, match=switch):
+        gluon_kernels.check_dstates_launch(128)
+        gluon_kernels.dstates_kernel_for(x, x, x, g, torch.bfloat16)

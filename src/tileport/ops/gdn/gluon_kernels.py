@@ -435,9 +435,140 @@ if _GLUON_ERROR is None:
             mbarrier.invalidate(bars.index(b))
 
 
+    @gluon.jit
+    def _dstates_kernel(k_desc, q_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr, choff_ptr,
+                        H, scale, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HAS_DHT: gl.constexpr,
+                        STORE_DH0: gl.constexpr):
+        """8, the backward's state recurrence: one program per (sequence, head, V block of BV
+        columns), its chunks in reverse; grid (N * H, V / BV), 4 or 8 warps (one or two
+        warpgroups side by side along BV). dh [K, BV] fp32 in registers (WGMMA accumulator
+        layout) is the gradient of the state leaving the chunk; per chunk it is stored (for 9),
+        then
+            dVn = dVl + diag(exp(G_L - G)) (K dh)                   (stored, fp32)
+            dh <- exp(G_L) dh + Q^T (scale diag(exp(G)) dO) - W^T dVn
+        as three tf32 WGMMAs on the fp32 q, k, W the backward's recompute keeps: the same products
+        as Triton's `_dstates_kernel` at BACKWARD_PRODUCTS "tf32", with the gates moved from the
+        keys and q onto the product's rows and onto dO (the operands rounded to tf32 are K and Q
+        themselves). At the end dh is d initial_state.
+
+        Explicit here (Triton would choose): tf32 WGMMA reads both operands K-major only, and
+        two of the three products contract over the chunk's tokens, along which q, W, dO and dVn
+        are strided in memory; so Q^T, W^T, dO^T and dVn^T are written to shared memory
+        transposed (tokens contiguous) from registers, and dh^T (K contiguous) for K dh, whose K
+        comes in by TMA into one buffer, refilled with chunk i - 1's keys as soon as K dh has read
+        it, under the update's WGMMAs (a second buffer would not fit beside the transposed
+        operands at BV 128: 224 KB). K dh is issued asynchronously and the chunk's loads and
+        transposed stores run under it. Rows past the sequence (a varlen
+        tail, whose TMA rows are the next sequence's) are 0 in Q^T, W^T, dO^T and, through the
+        gate factor, in dVn."""
+        BT: gl.constexpr = k_desc.block_type.shape[0]
+        NW: gl.constexpr = gl.num_warps()
+        WG: gl.constexpr = NW // 4
+        nh = gl.program_id(0)
+        jv = gl.program_id(1)
+        n = nh // H
+        hh = nh % H
+        bos = gl.load(cu_ptr + n).to(gl.int32)
+        eos = gl.load(cu_ptr + n + 1).to(gl.int32)
+        c0 = gl.load(choff_ptr + n).to(gl.int32)
+        nc = (eos - bos + BT - 1) // BT
+
+        # tf32 WGMMA: instruction K of 8; [64, BV] and [K, BV] accumulators share the layout
+        D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BV // WG, 8])
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # [64, K] rows, 16-byte loads
+        VROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # [64, BV]
+        HT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, K], gl.float32)
+        XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BT], gl.float32)
+        YT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, BT], gl.float32)
+        k_s = gl.allocate_shared_memory(gl.float32, [BT, K], k_desc.layout)
+        hT_s = gl.allocate_shared_memory(gl.float32, [BV, K], HT_SL)
+        qT_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
+        wT_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
+        doT_s = gl.allocate_shared_memory(gl.float32, [BV, BT], YT_SL)
+        dvnT_s = gl.allocate_shared_memory(gl.float32, [BV, BT], YT_SL)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        fence_async_shared()
+
+        kr = gl.arange(0, K, layout=gl.SliceLayout(1, D_L))
+        vcol = gl.arange(0, BV, layout=gl.SliceLayout(0, D_L))
+        sblk = kr[:, None] * V + (jv * BV + vcol)[None, :]
+        state = (n.to(gl.int64) * H + hh) * (K * V)
+        if HAS_DHT:
+            # lint: allow TP001 -- once per program, outside the chunk loop: the fp32 state straight into the accumulator layout it is used in
+            dh = gl.load(dht_ptr + state + sblk)
+        else:
+            dh = gl.zeros([K, BV], gl.float32, D_L)
+        if nc > 0:
+            mbarrier.expect(bar, k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [bos + (nc - 1) * BT, hh * K], bar, k_s)
+        rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+        kc = gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_L))
+        rv = gl.arange(0, BT, layout=gl.SliceLayout(1, VROWS_L))
+        vc = jv * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, VROWS_L))
+        ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
+        for ii in range(nc):
+            i = nc - 1 - ii
+            t0 = bos + i * BT
+            # lint: allow TP001 -- dh [NC, H, K, V] for stage 9, from its accumulator layout: a [K, BV] block of a row-major [K, V] state
+            gl.store(dh_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + sblk, dh)
+            hT_s.store(gl.permute(dh, (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of dh^T, before the WGMMA reads it
+            mbarrier.wait(bar, ii & 1)
+            kdh = warpgroup_mma(k_s, hT_s.permute((1, 0)), gl.zeros([BT, BV], gl.float32, D_L), is_async=True)
+
+            # under K dh: the chunk's rows, and the transposed operands of the update (their last
+            # readers, chunk i + 1's WGMMAs, were waited for before the barrier that ended it)
+            r_ok = t0 + rr < eos
+            rows = (t0 + rr).to(gl.int64) * H + hh
+            # lint: allow TP001 -- q goes to shared memory transposed (tokens contiguous, what tf32 WGMMA reads), which TMA cannot write
+            q = gl.load(q_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
+            qT_s.store(gl.permute(q, (1, 0)))
+            # lint: allow TP001 -- as q
+            w = gl.load(w_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
+            wT_s.store(gl.permute(w, (1, 0)))
+            v_ok = t0 + rv < eos
+            vrows = (t0 + rv).to(gl.int64) * H + hh
+            Gv = gl.load(G_ptr + vrows, mask=v_ok, other=0.0)
+            # lint: allow TP001 -- dO is scaled, widened to fp32 and transposed on its way to shared memory
+            do = gl.load(do_ptr + vrows[:, None] * V + vc[None, :], mask=v_ok[:, None], other=0.0).to(gl.float32)
+            doT_s.store(gl.permute(do * (scale * gl.exp(Gv.to(gl.float32)))[:, None], (1, 0)))
+            o_ok = t0 + ro < eos
+            drows = (t0 + ro).to(gl.int64) * H + hh
+            Go = gl.load(G_ptr + drows, mask=o_ok, other=0.0)
+            last = gl.minimum(t0 + BT, eos) - 1
+            GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
+            doffs = drows[:, None] * V + (jv * BV + vcol)[None, :]
+            # lint: allow TP001 -- dVl is added to the accumulator in its own layout; rows past the sequence masked
+            dvl = gl.load(dvl_ptr + doffs, mask=o_ok[:, None], other=0.0)
+
+            kdh = warpgroup_mma_wait(0, deps=[kdh])
+            dvn = dvl + kdh * gl.exp(gl.where(o_ok, (GL - Go).to(gl.float32), float("-inf")))[:, None]
+            # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: the masked store writes only this chunk's rows
+            gl.store(dvn_ptr + doffs, dvn, mask=o_ok[:, None])
+            dvnT_s.store(gl.permute(-dvn, (1, 0)))  # negated: the update accumulates W^T (-dVn)
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's operands are in, and every warpgroup has waited for K dh
+            if ii + 1 < nc:  # k_s is free (K dh was its only reader): chunk i - 1's keys load under the update
+                mbarrier.expect(bar, k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [t0 - BT, hh * K], bar, k_s)
+            upd = warpgroup_mma(qT_s, doT_s.permute((1, 0)), dh * gl.exp(GL.to(gl.float32)), is_async=True)
+            upd = warpgroup_mma(wT_s, dvnT_s.permute((1, 0)), upd, is_async=True)
+            dh = warpgroup_mma_wait(0, deps=[upd])
+            # every warpgroup's WGMMAs have read hT_s, qT_s, wT_s, doT_s and dvnT_s before the next
+            # chunk rewrites them (with two warpgroups also triton issue 11047's guard)
+            gl.thread_barrier()
+        if STORE_DH0:
+            # lint: allow TP001 -- once per program, after the chunk loop: the state from its accumulator layout
+            gl.store(dh0_ptr + state + sblk, dh)
+        mbarrier.invalidate(bar)
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_layout_cached(block: tuple[int, ...], dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), {torch.bfloat16: gl.bfloat16}[dtype])
+    return gl.NVMMASharedLayout.get_default_for(list(block), {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype])
 
 
 def _smem_layout(block, dtype):
@@ -606,11 +737,68 @@ def gdn_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state
     return o.view(B, T, H, V), ht
 
 
-def gdn_backward_gluon(*args):
-    """The backward is Triton's (its Gluon port is the next steps of issue 5)."""
+# Which kernel runs the backward's stage 8 (the state recurrence) in the "gluon" backend: "gluon"
+# (`_dstates_kernel`, wherever its products are tf32 on fp32 operands, BACKWARD_PRODUCTS's default
+# for 16-bit inputs) or "triton" (`triton_kernels._dstates_kernel`, which also takes every other
+# form). DSTATES_BV, DSTATES_WARPS: its launch (BV columns of the state per program, on one
+# warpgroup per 64 of them). Read at each call, so scripts/gdn_ab.py can time each.
+BACKWARD_DSTATES = "gluon"
+DSTATES_BV = 128
+DSTATES_WARPS = 8
+
+
+def dstates_kernel_for(q, k, w, G, input_dtype) -> str:
+    """"gluon" or "triton": which kernel runs stage 8 for these operands (BACKWARD_DSTATES)."""
+    from tileport.ops.gdn import triton_kernels as tk
+
+    if tk._checked("BACKWARD_DSTATES", BACKWARD_DSTATES, ("gluon", "triton")) == "triton":
+        return "triton"
+    tf32 = tk._products(input_dtype, True, "dstates")[2] == "tf32"
+    fp32 = all(x.dtype == torch.float32 for x in (q, k, w))
+    return "gluon" if tf32 and fp32 and G.dim() == 2 and q.is_cuda else "triton"
+
+
+def check_dstates_launch(V: int) -> int:
+    """The Gluon dstates kernel's BV for head dim V (DSTATES_BV, DSTATES_WARPS), or a ValueError."""
+    BV = min(V, DSTATES_BV)
+    if DSTATES_WARPS not in (4, 8) or BV not in (64, 128) or V % BV or BV // (DSTATES_WARPS // 4) < 32:
+        raise ValueError(f"DSTATES_BV {DSTATES_BV}, DSTATES_WARPS {DSTATES_WARPS} at V={V}: BV of 64 or 128 dividing "
+                         f"V on 4 or 8 warps, at least 32 columns per warpgroup")
+    return BV
+
+
+def chunk_dstates_gluon(q, k, w, G, do, dvl, dht, scale: float, plan, want_dh0: bool,
+                        input_dtype: torch.dtype | None = None):
+    """8 on the Gluon kernel where `dstates_kernel_for` says so, else Triton's: (dh [NC, H, K, V],
+    dVn [Ntok, H, V], d initial_state [N, H, K, V] or None), fp32; the same contract as
+    `triton_kernels.chunk_dstates`."""
+    from tileport.ops.gdn import triton_kernels as tk
+
+    input_dtype = input_dtype or q.dtype
+    if dstates_kernel_for(q, k, w, G, input_dtype) == "triton":
+        return tk.chunk_dstates(q, k, w, G, do, dvl, dht, scale, plan, want_dh0, input_dtype=input_dtype)
+    Ntok, H, K = q.shape
+    V = do.shape[-1]
+    BV = check_dstates_launch(V)
+    dh = new_empty((plan.NC, H, K, V), torch.float32, q.device)
+    dvn = new_empty((Ntok, H, V), torch.float32, q.device)
+    dh0 = new_empty((plan.N, H, K, V), torch.float32, q.device) if want_dh0 else None
+    if plan.N:
+        k_desc = _descriptor(k.view(Ntok, H * K), [BT, K])
+        _dstates_kernel[(plan.N * H, V // BV)](k_desc, q, w, G, do, dvl, dht if dht is not None else dh, dh, dvn,
+                                               dh0 if dh0 is not None else dh, plan.cu, plan.chunk_offsets, H,
+                                               float(scale), K, V, BV, dht is not None, want_dh0,
+                                               num_warps=DSTATES_WARPS)
+    return dh, dvn, dh0
+
+
+def gdn_backward_gluon(do, dht, q, k, v, *args):
+    """Triton's backward with stage 8, the state recurrence, on the Gluon kernel
+    (`chunk_dstates_gluon`); its other stages' Gluon ports are the next steps of issue 5."""
     from tileport.ops.gdn.triton_kernels import gdn_backward_triton
 
-    return gdn_backward_triton(*args)
+    check_dstates_launch(v.shape[-1])  # before the recompute is launched
+    return gdn_backward_triton(do, dht, q, k, v, *args, dstates=chunk_dstates_gluon)
 
 
 # --------------------------------------------------------------------------------------------
@@ -670,4 +858,22 @@ def compile_cases():
                                          num_warps=warps, expect_ptx=expect,
                                          expect_max_spills=200,  # sm_90a: 156-180 B at K = 128 (ring 2: 64)
                                          expect_max_shared=SMEM_PER_SM // 2))
+    for K in (128, 64):  # the backward's state recurrence (stage 8): fp32 operands, tf32 WGMMA
+        V = K
+        N = 8
+        for BV, warps in ((min(V, 64), 4), (min(V, 128), 8)):  # DSTATES_BV 64 and 128 (V = 64: 64 on 8 warps)
+            kdesc = descriptor_stand_in([Ntok, H * K], torch.float32, [BT, K], _smem_layout([BT, K], torch.float32))
+            f32 = torch.float32
+            args = dict(k_desc=kdesc, q_ptr=TensorStandIn([Ntok, H, K], f32), w_ptr=TensorStandIn([Ntok, H, K], f32),
+                        G_ptr=TensorStandIn([Ntok, H], torch.float64), do_ptr=TensorStandIn([Ntok, H, V], bf),
+                        dvl_ptr=TensorStandIn([Ntok, H, V], f32), dht_ptr=TensorStandIn([N, H, K, V], f32),
+                        dh_ptr=TensorStandIn([NC, H, K, V], f32), dvn_ptr=TensorStandIn([Ntok, H, V], f32),
+                        dh0_ptr=TensorStandIn([N, H, K, V], f32), cu_ptr=TensorStandIn([N + 1], torch.int32),
+                        choff_ptr=TensorStandIn([N + 1], torch.int32), H=H, scale=0.1, K=K, V=V, BV=BV,
+                        HAS_DHT=True, STORE_DH0=True)
+            cases.append(CompileCase(name=f"gdn_dstates_K{K}_V{V}_BV{BV}_w{warps}", kernel=_dstates_kernel, args=args,
+                                     num_warps=warps, expect_ptx=["wgmma.mma_async", "tf32", "cp.async.bulk.tensor",
+                                                                  "mbarrier.try_wait"],
+                                     expect_max_spills=0 if warps == 8 else 16,  # sm_90a: 8 B at K = 128, 4 warps
+                                     expect_max_shared=SMEM_PER_SM))
     return cases

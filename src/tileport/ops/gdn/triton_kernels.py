@@ -1770,9 +1770,11 @@ def _t_chain() -> str:
     return _checked("T_CHAIN", T_CHAIN, T_CHAINS)
 
 
-def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                        dstates=None):
     """(dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype. Recomputes
-    stages 1-5, then runs 7-11; dht (gradient of the final state) may be None."""
+    stages 1-5, then runs 7-11; dht (gradient of the final state) may be None. dstates: the
+    function that runs stage 8 (`chunk_dstates`'s contract; the gluon backend passes its own)."""
     B, T, H, K = q.shape
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
@@ -1783,7 +1785,7 @@ def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
                                                for_backward=True)
     dt = q.dtype
     dvl = chunk_dv_local(qn, kn, G, dof, scale, plan, input_dtype=dt)
-    dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
+    dh, dvn, dh0 = (dstates or chunk_dstates)(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
     l2 = use_qk_l2norm_in_kernel
     dq, dkp, dw, dGp = chunk_dqkwg(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, _F32 if l2 else q.dtype,
                                    input_dtype=dt)
