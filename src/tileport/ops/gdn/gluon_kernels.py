@@ -548,6 +548,7 @@ if _GLUON_ERROR is None:
             dvn = dvl + kdh * gl.exp(gl.where(o_ok, (GL - Go).to(gl.float32), float("-inf")))[:, None]
             # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: the masked store writes only this chunk's rows
             gl.store(dvn_ptr + doffs, dvn, mask=o_ok[:, None])
+            # lint: allow TP005 -- dvnT_s's readers (chunk i + 1's update) were waited for (wait 0) by every warpgroup before the barrier that ended that chunk; the wait just above is K dh's, which reads k_s and hT_s only
             dvnT_s.store(gl.permute(-dvn, (1, 0)))  # negated: the update accumulates W^T (-dVn)
             fence_async_shared()
             gl.thread_barrier()  # every warp's operands are in, and every warpgroup has waited for K dh
