@@ -156,3 +156,73 @@ def test_torch_compile_fullgraph_matches_eager(tmp_path, monkeypatch):
     torch.testing.assert_close(out, eager)
     for a, b in zip(g_comp, g_eager):
         torch.testing.assert_close(a, b)
+
+
+def _backward_on_another_thread(out, leaves):
+    """torch.autograd.grad of out.sum() on a fresh thread: where autograd runs a CUDA backward (its
+    device thread), without the caller's thread-local `use_backend` settings."""
+    import threading
+
+    result = {}
+
+    def run():
+        result["grads"] = torch.autograd.grad(out.float().sum(), leaves, allow_unused=True)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return result["grads"]
+
+
+def _choices_seen(monkeypatch, dispatcher):
+    """Record the forced backends in effect at each of the dispatcher's choices."""
+    from tileport.dispatch import forced_backends
+
+    seen = []
+    choose = dispatcher.choose
+
+    def spy(*args, **kwargs):
+        seen.append(forced_backends())
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(dispatcher, "choose", spy)
+    return seen
+
+
+@pytest.mark.parametrize("path", ["function", "custom_op"])
+def test_forced_backend_reaches_a_backward_on_another_thread(path, monkeypatch):
+    """A backend forced around the forward is forced in its backward too, wherever autograd runs
+    it: the backward of CUDA tensors runs on autograd's device thread, where `use_backend`'s
+    thread-local setting was absent (the H200 bench's "triton" backward rows timed gluon's). Both
+    autograd paths: the op's autograd.Function (eager) and the torch.library op (compile)."""
+    from tileport.ops.rms_norm import DISPATCHER as RMS
+
+    seen = _choices_seen(monkeypatch, RMS)
+    x = torch.randn(4, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    with tileport.use_backend("reference", op="rms_norm"):
+        y = tileport.rms_norm(x, w) if path == "function" else torch.ops.tileport.rms_norm_forward(x, w, 1e-6)
+    assert seen and all(s == {"rms_norm": "reference"} for s in seen)
+    seen.clear()
+    dx, dw = _backward_on_another_thread(y, [x, w])
+    assert dx is not None and dw is not None
+    assert seen == [{"rms_norm": "reference"}], seen  # the backward's choice, under the forward's setting
+
+
+def test_forced_backend_reaches_a_delta_rule_backward_on_another_thread(monkeypatch):
+    """The same for the delta-rule ops' shared autograd (GDN here; KDA runs the same code)."""
+    from tileport.ops.gdn import DISPATCHER as GDN
+
+    seen = _choices_seen(monkeypatch, GDN)
+    B, T, H, K = 1, 8, 1, 16
+    q, k, v = (torch.randn(B, T, H, K, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, dtype=torch.float64)).requires_grad_(True)
+    beta = torch.rand(B, T, H, dtype=torch.float64, requires_grad=True)
+    with tileport.use_backend("reference", op="gdn"):
+        o, _ = tileport.chunk_gated_delta_rule(q, k, v, g, beta)
+    seen.clear()
+    grads = _backward_on_another_thread(o, [q, k, v, g, beta])
+    assert all(gr is not None for gr in grads)
+    assert seen and all(s == {"gdn": "reference"} for s in seen), seen
+    from tileport.dispatch import forced_backends
+    assert forced_backends() == {}  # nothing leaks into this thread after the block

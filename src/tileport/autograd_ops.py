@@ -10,23 +10,78 @@ on the H200, 2026-11-29).
 `setup_context(ctx, inputs, output)` and `backward(ctx, *grads, backward_op=...)` are the op's
 own functions, shared by both paths; `backward_op` is the backward body in eager mode and the
 backward custom op under compile.
+
+Both paths carry the forward's forced backends (`tileport.use_backend`, thread-local) to the
+backward: autograd runs the backward of CUDA tensors on its own device thread, where they would
+be absent and the backward would dispatch to the default backend (seen on the H200, 2026-11-30:
+the bench's "triton" backward rows timed gluon's backward).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from tileport.dispatch import backends_forced_as, forced_backends
+
+_FORCED = "_tileport_forced_backends"
+
+
+def carrying_forced_backends(setup_context, backward):
+    """(setup_context, backward) that also record the forward thread's forced backends in ctx and
+    run the backward under them."""
+
+    @functools.wraps(setup_context)
+    def setup(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        setattr(ctx, _FORCED, forced_backends())
+
+    @functools.wraps(backward)
+    def run_backward(ctx, *grads, **kwargs):
+        with backends_forced_as(getattr(ctx, _FORCED, {})):
+            return backward(ctx, *grads, **kwargs)
+
+    return setup, run_backward
+
+
+def register_autograd(op_name: str, backward, setup_context) -> None:
+    """torch.library.register_autograd, with the forced backends carried to the backward."""
+    setup, run_backward = carrying_forced_backends(setup_context, backward)
+    torch.library.register_autograd(op_name, run_backward, setup_context=setup)
+
+
+def carries_forced_backends(cls):
+    """Class decorator for an autograd.Function with its own forward(ctx, ...) / backward(ctx, ...):
+    the forward records this thread's forced backends, the backward runs under them."""
+    forward, backward = cls.forward, cls.backward
+
+    @functools.wraps(forward)
+    def _forward(ctx, *args, **kwargs):
+        setattr(ctx, _FORCED, forced_backends())
+        return forward(ctx, *args, **kwargs)
+
+    @functools.wraps(backward)
+    def _backward(ctx, *grads):
+        with backends_forced_as(getattr(ctx, _FORCED, {})):
+            return backward(ctx, *grads)
+
+    cls.forward, cls.backward = staticmethod(_forward), staticmethod(_backward)
+    return cls
 
 
 def eager_function(name: str, forward_body, backward_body, setup_context, backward):
     """An autograd.Function class whose apply(*inputs) runs forward_body(*inputs)."""
 
+    setup, run_backward = carrying_forced_backends(setup_context, backward)
+
     def _forward(ctx, *inputs):
         out = forward_body(*inputs)
-        setup_context(ctx, inputs, out)
+        setup(ctx, inputs, out)
         return out
 
     def _backward(ctx, *grads):
-        return backward(ctx, *grads, backward_op=backward_body)
+        return run_backward(ctx, *grads, backward_op=backward_body)
 
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(_forward),

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from tileport.autograd_ops import eager_function
+from tileport.autograd_ops import eager_function, register_autograd
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -92,7 +92,7 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
                                                  cu_seqlens, ctx.scale, ctx.use_l2)
         return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None, None, None
 
-    torch.library.register_autograd(f"tileport::{op}_forward", backward, setup_context=setup_context)
+    register_autograd(f"tileport::{op}_forward", backward, setup_context)
     eager = eager_function(f"_{op.upper()}Function", forward_body, backward_body, setup_context, backward)
 
     def run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):

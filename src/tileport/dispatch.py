@@ -75,6 +75,25 @@ def use_backend(name: str, op: str | None = None):
         _local.forced = before
 
 
+def forced_backends() -> dict[str, str]:
+    """This thread's `use_backend` settings (op or "*" -> backend), a copy."""
+    return dict(_forced_override())
+
+
+@contextlib.contextmanager
+def backends_forced_as(forced: dict[str, str]):
+    """Run the block with this thread's `use_backend` settings replaced by `forced` (what
+    `forced_backends` returned on another thread: autograd runs a CUDA backward on its own device
+    thread, where the forward's thread-local settings are absent; tileport.autograd_ops carries them
+    over)."""
+    before = _forced_override()
+    _local.forced = dict(forced)
+    try:
+        yield
+    finally:
+        _local.forced = before
+
+
 def interpreter_enabled() -> bool:
     return getenv("TRITON_INTERPRET", "0") == "1"
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tileport.autograd_ops import carries_forced_backends, register_autograd
 from tileport.devices import capability
 from tileport.dispatch import Backend, OpDispatcher, gluon_available, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_copy
@@ -228,6 +229,7 @@ def _backward_impl(grad_o, query, residuals, rms_weight, output_rms_weight, eps,
     return [dq.view(query.shape), dw, dow] + [g.view(r0.shape) for g in grad_res]
 
 
+@carries_forced_backends
 class _AttnResFunction(torch.autograd.Function):
     """The eager path: the same bodies as the custom ops, without torch.library's per-call
     checks (tens of microseconds, and on torch 2.11 + CUDA its aliasing check raised
@@ -329,7 +331,7 @@ def _backward(ctx, grad_o, grad_p):
     return dq, list(grads[3].unbind(0)), dw, (dow if ctx.has_ow else None), None, None, None
 
 
-torch.library.register_autograd("tileport::attnres_forward", _backward, setup_context=_setup_context)
+register_autograd("tileport::attnres_forward", _backward, _setup_context)
 
 
 # --------------------------------------------------------------------------------------------

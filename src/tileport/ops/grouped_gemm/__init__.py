@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tileport.autograd_ops import carries_forced_backends, register_autograd
 from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
@@ -161,6 +162,7 @@ def _backward_impl(grad_c, a, b, want_da, want_db):
     return DISPATCHER.choose(_describe(a, b), a[0].device.type).impl.backward(g, a, b, want_da, want_db)
 
 
+@carries_forced_backends
 class _GroupedGemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, G, *ab):
@@ -225,7 +227,7 @@ def _backward(ctx, grad_c):
     return das, dbs
 
 
-torch.library.register_autograd("tileport::grouped_gemm_forward", _backward, setup_context=_setup_context)
+register_autograd("tileport::grouped_gemm_forward", _backward, _setup_context)
 
 
 def grouped_gemm_stacked(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from tileport.autograd_ops import carries_forced_backends, register_autograd
 from tileport.devices import capability
 from tileport.validation import check_eps, check_float_tensor
 from tileport.cutile_support import cutile_available
@@ -140,6 +141,7 @@ def _backward_impl(grad_y, x, weight, eps, want_dw):
     return backend.impl.backward(grad_y.to(x.dtype), x, weight, float(eps), want_dw)
 
 
+@carries_forced_backends
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -194,7 +196,7 @@ def _backward(ctx, grad_y):
     return dx, (dw if want_dw else None), None
 
 
-torch.library.register_autograd("tileport::rms_norm_forward", _backward, setup_context=_setup_context)
+register_autograd("tileport::rms_norm_forward", _backward, _setup_context)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from tileport.autograd_ops import carries_forced_backends, register_autograd
 from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
@@ -115,6 +116,7 @@ def _backward_impl(grad_y, cos, sin, dtype):
     return DISPATCHER.choose(_describe(g, cos), g.device.type).impl.backward(g, cos, sin)
 
 
+@carries_forced_backends
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -159,7 +161,7 @@ def _backward(ctx, grad_y):
     return _rope_backward_op(grad_y, cos, sin, ctx.x_dtype), None, None
 
 
-torch.library.register_autograd("tileport::rope_forward", _backward, setup_context=_setup_context)
+register_autograd("tileport::rope_forward", _backward, _setup_context)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from tileport.autograd_ops import carries_forced_backends, register_autograd
 from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
@@ -116,6 +117,7 @@ def _backward_impl(grad_y, x, stats):
     return DISPATCHER.choose(_describe(x), x.device.type).impl.backward(grad_y.to(x.dtype), x, stats)
 
 
+@carries_forced_backends
 class _SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -160,7 +162,7 @@ def _backward(ctx, grad_y, grad_stats):
     return _softmax_backward_op(grad_y, x, stats)
 
 
-torch.library.register_autograd("tileport::softmax_forward", _backward, setup_context=_setup_context)
+register_autograd("tileport::softmax_forward", _backward, _setup_context)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from tileport.autograd_ops import carries_forced_backends, register_autograd
 from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
@@ -102,6 +103,7 @@ def _backward_impl(grad_out, x, y):
     return DISPATCHER.choose(_describe(x), x.device.type).impl.backward(grad_out.to(x.dtype), x, y)
 
 
+@carries_forced_backends
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y):
@@ -143,7 +145,7 @@ def _backward(ctx, grad_out):
     return _swiglu_backward_op(grad_out, x, y)
 
 
-torch.library.register_autograd("tileport::swiglu_forward", _backward, setup_context=_setup_context)
+register_autograd("tileport::swiglu_forward", _backward, _setup_context)
 
 
 def swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
