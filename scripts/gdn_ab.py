@@ -358,15 +358,16 @@ if "backward" in SECTIONS:
     tk.WY_BWD_FORM = wdefault
 
 
-# the backward's stage 8 (the state recurrence) on Triton's `_dstates_kernel` and on the Gluon
-# `_dstates_kernel` in each launch shape, on the backward's own operands (fp32 q, k, W from the
+# the backward's recurrences (the recompute's stage 5 and stage 8) on Triton's `_states_kernel` /
+# `_dstates_kernel` and on the Gluon `_tf32_recurrence_kernel` in each launch shape, on the backward's own operands (fp32 q, k, W from the
 # recompute, tf32 products), dense at S1 with dht and d initial_state, and varlen with a ragged
 # tail; then the whole backward of each backend (the gluon one runs the Gluon stage 8)
 if "dstates" in SECTIONS and dev == "cuda":
     from tileport.ops.gdn import gluon_kernels as gk
 
-    print("\n== stage 8 (dstates): Triton against Gluon (DSTATES_BV, DSTATES_WARPS), then the whole backward")
-    dstates_defaults = (gk.DSTATES_BV, gk.DSTATES_WARPS)
+    print("\n== the backward's recurrences, the recompute's stage 5 (states) and stage 8 (dstates): Triton against "
+          "Gluon (TF32_RECURRENCE_BV, TF32_RECURRENCE_WARPS), then the whole backward")
+    dstates_defaults = (gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS)
     for label, cu in (("S1", None), ("varlen", [0, 1, 700, 700, 4100, 9000])):
         ntok = B * T if cu is None else cu[-1]
         shape = (B, T) if cu is None else (1, ntok)
@@ -384,6 +385,23 @@ if "dstates" in SECTIONS and dev == "cuda":
         flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
         dof = tk._flatten(do)
         qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, h0, True, plan_, False, for_backward=True)
+        sargs = (kn, w, u, G, h0, plan_, True)
+        sref = tk.chunk_states(*sargs, input_dtype=torch.bfloat16, for_backward=True)
+        ms = triton.testing.do_bench(lambda: tk.chunk_states(*sargs, input_dtype=torch.bfloat16, for_backward=True),
+                                     warmup=5, rep=40, return_mode="median")
+        print(f"states {label} triton: {ms:.3f} ms", flush=True)
+        for bv, warps in ((128, 8), (64, 4)):
+            gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS = bv, warps
+            try:
+                got = gk.chunk_states_recompute_gluon(*sargs, input_dtype=torch.bfloat16)
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(lambda: gk.chunk_states_recompute_gluon(*sargs, input_dtype=torch.bfloat16),
+                                             warmup=5, rep=40, return_mode="median")
+                print(f"states {label} gluon BV{bv} {warps}w: {ms:.3f} ms, vs triton: " +
+                      " ".join(f"{n} {rel(a, b):.2e}" for n, a, b in zip(("h", "vn", "ht"), got, sref)), flush=True)
+            except Exception as exc:
+                print(f"states {label} gluon BV{bv} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS = dstates_defaults
         dvl = tk.chunk_dv_local(qn, kn, G, dof, K ** -0.5, plan_, input_dtype=torch.bfloat16)
         args = (qn, kn, w, G, dof, dvl, dht, K ** -0.5, plan_, True)
         ref = tk.chunk_dstates(*args, input_dtype=torch.bfloat16)
@@ -391,7 +409,7 @@ if "dstates" in SECTIONS and dev == "cuda":
                                      return_mode="median")
         print(f"dstates {label} triton: {ms:.3f} ms", flush=True)
         for bv, warps in ((128, 8), (64, 4)):
-            gk.DSTATES_BV, gk.DSTATES_WARPS = bv, warps
+            gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS = bv, warps
             try:
                 got = gk.chunk_dstates_gluon(*args, input_dtype=torch.bfloat16)
                 torch.cuda.synchronize()
@@ -401,7 +419,7 @@ if "dstates" in SECTIONS and dev == "cuda":
                       " ".join(f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dh", "dvn", "dh0"), got, ref)), flush=True)
             except Exception as exc:
                 print(f"dstates {label} gluon BV{bv} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        gk.DSTATES_BV, gk.DSTATES_WARPS = dstates_defaults
+        gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS = dstates_defaults
         grads = {}
         for name, fn in (("triton", tk.gdn_backward_triton), ("gluon", gk.gdn_backward_gluon)):
             def bwd(fn=fn):

@@ -4,8 +4,8 @@ K = V of 64 or 128), in each of its forward forms: the two output kernels (one c
 program, and the persistent one with two TMA buffer sets) and the fused recurrence + output in
 both launch shapes (BV = 64 on one warpgroup, BV = V on two; the latter in each way of bringing
 in the gates, RECURRENCE_GATES, and with o leaving by TMA store, RECURRENCE_O_STORE; the former also
-with one TMA buffer set, RECURRENCE_RING 1); and the backward's state recurrence (stage 8) on the
-Gluon kernel in both launch shapes and on Triton's. GPU only: Gluon kernels don't run on the CPU, where
+with one TMA buffer set, RECURRENCE_RING 1); and the backward's two state recurrences (the
+recompute's stage 5 and stage 8) on the Gluon kernel in both launch shapes, each alone, and on Triton's. GPU only: Gluon kernels don't run on the CPU, where
 tests/test_gluon_compile.py compile-checks the kernel for sm_90a instead.
 """
 
@@ -22,8 +22,9 @@ ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] ==
 
 # every Gluon form, each switch it depends on set explicitly: the forward's (FORWARD_FORM,
 # OUTPUT_FORM, RECURRENCE_BV, RECURRENCE_WARPS, RECURRENCE_GATES, RECURRENCE_RING,
-# RECURRENCE_O_STORE) and the backward's stage 8 (BACKWARD_DSTATES, DSTATES_BV, DSTATES_WARPS)
-_DSTATES = ("gluon", 128, 8)  # the Gluon state recurrence of the backward, BV 128 on two warpgroups
+# RECURRENCE_O_STORE) and the backward's two recurrences (BACKWARD_STATES, BACKWARD_DSTATES,
+# TF32_RECURRENCE_BV, TF32_RECURRENCE_WARPS)
+_DSTATES = ("gluon", "gluon", 128, 8)  # the backward's recurrences in Gluon, BV 128 on two warpgroups
 FORMS = {
     "one-shot": ("split", "one-shot", 64, 4, "staged", 2, "masked", *_DSTATES),  # the output kernels after Triton's 1-5
     "persistent": ("split", "persistent", 64, 4, "staged", 2, "masked", *_DSTATES),
@@ -33,11 +34,13 @@ FORMS = {
     "fused-wide-early": ("fused", "one-shot", 128, 8, "early", 2, "masked", *_DSTATES),
     "fused-wide-staged": ("fused", "one-shot", 128, 8, "staged", 2, "masked", *_DSTATES),
     "fused-wide-tma-store": ("fused", "one-shot", 128, 8, "staged", 2, "tma", *_DSTATES),
-    "dstates-BV64-4w": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", 64, 4),  # stage 8 on one warpgroup
-    "dstates-triton": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", 128, 8),  # Triton's stage 8
+    "recurrences-BV64-4w": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 64, 4),  # one warpgroup
+    "recurrences-triton": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", "triton", 128, 8),  # Triton's
+    "dstates-only": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", "gluon", 128, 8),  # each alone
+    "states-only": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "triton", 128, 8),
 }
 _SWITCHES = ("FORWARD_FORM", "OUTPUT_FORM", "RECURRENCE_BV", "RECURRENCE_WARPS", "RECURRENCE_GATES", "RECURRENCE_RING",
-             "RECURRENCE_O_STORE", "BACKWARD_DSTATES", "DSTATES_BV", "DSTATES_WARPS")
+             "RECURRENCE_O_STORE", "BACKWARD_STATES", "BACKWARD_DSTATES", "TF32_RECURRENCE_BV", "TF32_RECURRENCE_WARPS")
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -91,19 +94,46 @@ def test_fused_launch_refuses(switch, bad, monkeypatch):
         gluon_kernels.check_recurrence_launch(128)
 
 
-@pytest.mark.parametrize("switch, bad", [("DSTATES_WARPS", 12), ("DSTATES_BV", 32), ("BACKWARD_DSTATES", "cuda")])
-def test_dstates_launch_refuses(switch, bad, monkeypatch):
-    """A value of the backward's stage-8 switches the Gluon kernel cannot take is refused by name,
-    the others at their defaults (CPU: nothing launches)."""
+@pytest.mark.parametrize("switch, bad", [("TF32_RECURRENCE_WARPS", 12), ("TF32_RECURRENCE_BV", 32),
+                                         ("BACKWARD_DSTATES", "cuda"), ("BACKWARD_STATES", "cuda")])
+def test_tf32_recurrence_launch_refuses(switch, bad, monkeypatch):
+    """A value of the backward recurrences' switches the Gluon kernel cannot take is refused by
+    name, the others at their defaults (CPU: nothing launches)."""
     import torch
 
     from tileport.ops.gdn import gluon_kernels
 
     x = torch.zeros(64, 1, 128)
     g = torch.zeros(64, 1, dtype=torch.float64)
-    gluon_kernels.check_dstates_launch(128)  # the defaults pass
-    assert gluon_kernels.dstates_kernel_for(x, x, x, g, torch.bfloat16) == "triton"  # CPU tensors: Triton's kernel
+    gluon_kernels.check_tf32_recurrence_launch(128)  # the defaults pass
+    for stage in ("states", "dstates"):  # CPU tensors: Triton's kernels
+        assert gluon_kernels.recurrence_kernel_for(stage, (x, x, x), g, torch.bfloat16) == "triton"
     monkeypatch.setattr(gluon_kernels, switch, bad)
     with pytest.raises(ValueError, match=switch):
-        gluon_kernels.check_dstates_launch(128)
-        gluon_kernels.dstates_kernel_for(x, x, x, g, torch.bfloat16)
+        gluon_kernels.check_tf32_recurrence_launch(128)
+        for stage in ("states", "dstates"):
+            gluon_kernels.recurrence_kernel_for(stage, (x, x, x), g, torch.bfloat16)
+
+
+def test_gluon_backward_plumbing_on_the_cpu(monkeypatch):
+    """gdn_backward_gluon hands its recurrences to Triton's where the Gluon kernel does not take
+    them (here: CPU tensors, under the interpreter) and gives Triton's gradients, bitwise."""
+    import torch
+
+    from tileport.dispatch import interpreter_enabled
+    from tileport.ops.gdn import gluon_kernels, triton_kernels
+
+    if not interpreter_enabled():
+        pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    B, T, H, K = 1, 70, 1, 64  # a head dim the gluon backend takes
+    q, k, v = (torch.randn(B, T, H, K, dtype=torch.bfloat16) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H))
+    beta = torch.rand(B, T, H, dtype=torch.bfloat16)
+    do = torch.randn(B, T, H, K, dtype=torch.bfloat16)
+    h0 = torch.randn(B, H, K, K)
+    args = (do, None, q, k, v, g, beta, K ** -0.5, h0, True, None)
+    ours = gluon_kernels.gdn_backward_gluon(*args)
+    theirs = triton_kernels.gdn_backward_triton(*args)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)

@@ -436,32 +436,36 @@ if _GLUON_ERROR is None:
 
 
     @gluon.jit
-    def _dstates_kernel(k_desc, q_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr, dvn_ptr, dh0_ptr, cu_ptr, choff_ptr,
-                        H, scale, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HAS_DHT: gl.constexpr,
-                        STORE_DH0: gl.constexpr):
-        """8, the backward's state recurrence: one program per (sequence, head, V block of BV
-        columns), its chunks in reverse; grid (N * H, V / BV), 4 or 8 warps (one or two
-        warpgroups side by side along BV). dh [K, BV] fp32 in registers (WGMMA accumulator
-        layout) is the gradient of the state leaving the chunk; per chunk it is stored (for 9),
-        then
-            dVn = dVl + diag(exp(G_L - G)) (K dh)                   (stored, fp32)
-            dh <- exp(G_L) dh + Q^T (scale diag(exp(G)) dO) - W^T dVn
-        as three tf32 WGMMAs on the fp32 q, k, W the backward's recompute keeps: the same products
-        as Triton's `_dstates_kernel` at BACKWARD_PRODUCTS "tf32", with the gates moved from the
-        keys and q onto the product's rows and onto dO (the operands rounded to tf32 are K and Q
-        themselves). At the end dh is d initial_state.
+    def _tf32_recurrence_kernel(a_desc, x1_ptr, x2_ptr, y2_ptr, add_ptr, G_ptr, s0_ptr, s_ptr, out_ptr, sfin_ptr,
+                                cu_ptr, choff_ptr, H, scale, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                                HAS_S0: gl.constexpr, STORE_FINAL: gl.constexpr, BACKWARD: gl.constexpr):
+        """The backward's two state recurrences on fp32 operands with tf32 WGMMA: one program per
+        (sequence, head, V block of BV columns), sequential over the sequence's chunks; grid
+        (N * H, V / BV), 4 or 8 warps (one or two warpgroups side by side along BV). The state S
+        [K, BV] fp32 lives in registers (WGMMA accumulator layout) and is stored as each chunk
+        starts (for stage 9); per chunk, with A the TMA'd [64, K] tile and X the chunk's row tile:
+            BACKWARD False, 5 (the recompute): S = h, A = W, X1 = K, add = U;
+                Vn = U - W h                                   (out, fp32)
+                h <- exp(G_L) h + K^T (diag(exp(G_L - G)) Vn)
+            BACKWARD True, 8: S = dh (the gradient of the state leaving the chunk; chunks in
+                reverse), A = K, X1 = W, X2 = Q, Y2 = dO, add = dVl;
+                dVn = dVl + diag(exp(G_L - G)) (K dh)          (out, fp32)
+                dh <- exp(G_L) dh + W^T (-dVn) + Q^T (scale diag(exp(G)) dO)
+        s0 is the initial state (h0, or dht) and sfin the final one (ht, or d initial_state).
+        The same products as Triton's `_states_kernel` / `_dstates_kernel` at BACKWARD_PRODUCTS
+        "tf32", the gates moved from K and Q onto the other operand's rows (the tf32-rounded
+        operands are K and Q themselves).
 
-        Explicit here (Triton would choose): tf32 WGMMA reads both operands K-major only, and
-        two of the three products contract over the chunk's tokens, along which q, W, dO and dVn
-        are strided in memory; so Q^T, W^T, dO^T and dVn^T are written to shared memory
-        transposed (tokens contiguous) from registers, and dh^T (K contiguous) for K dh, whose K
-        comes in by TMA into one buffer, refilled with chunk i - 1's keys as soon as K dh has read
-        it, under the update's WGMMAs (a second buffer would not fit beside the transposed
-        operands at BV 128: 224 KB). K dh is issued asynchronously and the chunk's loads and
-        transposed stores run under it. Rows past the sequence (a varlen
-        tail, whose TMA rows are the next sequence's) are 0 in Q^T, W^T, dO^T and, through the
-        gate factor, in dVn."""
-        BT: gl.constexpr = k_desc.block_type.shape[0]
+        Explicit here (Triton would choose): tf32 WGMMA reads both operands K-major only, and the
+        update contracts over the chunk's tokens, along which X and Y are strided in memory; so
+        X^T and Y^T are written to shared memory transposed (tokens contiguous) from registers,
+        and S^T (K contiguous) for the product with A, whose tile comes in by TMA into one buffer,
+        refilled with the next chunk's tile as soon as that product has read it, under the update
+        (a second buffer does not fit beside the transposed operands of 8 at BV 128: 224 KB). The
+        product with A is issued asynchronously and the chunk's loads and transposed stores run
+        under it. Rows past the sequence (a varlen tail, whose TMA rows are the next sequence's)
+        are 0 in X and Y and, through the gate factor or the masked addend, in the output."""
+        BT: gl.constexpr = a_desc.block_type.shape[0]
         NW: gl.constexpr = gl.num_warps()
         WG: gl.constexpr = NW // 4
         nh = gl.program_id(0)
@@ -476,17 +480,17 @@ if _GLUON_ERROR is None:
         # tf32 WGMMA: instruction K of 8; [64, BV] and [K, BV] accumulators share the layout
         D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                       instr_shape=[16, BV // WG, 8])
-        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # [64, K] rows, 16-byte loads
-        VROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # [64, BV]
-        HT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, K], gl.float32)
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # [64, K] and [64, BV] rows
+        ST_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, K], gl.float32)
         XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BT], gl.float32)
         YT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, BT], gl.float32)
-        k_s = gl.allocate_shared_memory(gl.float32, [BT, K], k_desc.layout)
-        hT_s = gl.allocate_shared_memory(gl.float32, [BV, K], HT_SL)
-        qT_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
-        wT_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
-        doT_s = gl.allocate_shared_memory(gl.float32, [BV, BT], YT_SL)
-        dvnT_s = gl.allocate_shared_memory(gl.float32, [BV, BT], YT_SL)
+        a_s = gl.allocate_shared_memory(gl.float32, [BT, K], a_desc.layout)
+        sT_s = gl.allocate_shared_memory(gl.float32, [BV, K], ST_SL)
+        x1T_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
+        y1T_s = gl.allocate_shared_memory(gl.float32, [BV, BT], YT_SL)
+        if BACKWARD:
+            x2T_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
+            y2T_s = gl.allocate_shared_memory(gl.float32, [BV, BT], YT_SL)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         fence_async_shared()
@@ -495,75 +499,82 @@ if _GLUON_ERROR is None:
         vcol = gl.arange(0, BV, layout=gl.SliceLayout(0, D_L))
         sblk = kr[:, None] * V + (jv * BV + vcol)[None, :]
         state = (n.to(gl.int64) * H + hh) * (K * V)
-        if HAS_DHT:
-            # lint: allow TP001 -- once per program, outside the chunk loop: the fp32 state straight into the accumulator layout it is used in
-            dh = gl.load(dht_ptr + state + sblk)
+        if HAS_S0:
+            # lint: allow TP001 -- once per program, outside the chunk loop: the state straight into the accumulator layout it is used in
+            S = gl.load(s0_ptr + state + sblk).to(gl.float32)
         else:
-            dh = gl.zeros([K, BV], gl.float32, D_L)
+            S = gl.zeros([K, BV], gl.float32, D_L)
         if nc > 0:
-            mbarrier.expect(bar, k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [bos + (nc - 1) * BT, hh * K], bar, k_s)
+            first = nc - 1 if BACKWARD else 0
+            mbarrier.expect(bar, a_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [bos + first * BT, hh * K], bar, a_s)
         rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
         kc = gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_L))
-        rv = gl.arange(0, BT, layout=gl.SliceLayout(1, VROWS_L))
-        vc = jv * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, VROWS_L))
+        vc = jv * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS_L))
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
         for ii in range(nc):
-            i = nc - 1 - ii
+            i = nc - 1 - ii if BACKWARD else ii
             t0 = bos + i * BT
-            # lint: allow TP001 -- dh [NC, H, K, V] for stage 9, from its accumulator layout: a [K, BV] block of a row-major [K, V] state
-            gl.store(dh_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + sblk, dh)
-            hT_s.store(gl.permute(dh, (1, 0)))
+            # lint: allow TP001 -- the state for stage 9, [NC, H, K, V], from its accumulator layout: a [K, BV] block of a row-major [K, V] state
+            gl.store(s_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + sblk, S)
+            sT_s.store(gl.permute(S, (1, 0)))
             fence_async_shared()
-            gl.thread_barrier()  # every warp's part of dh^T, before the WGMMA reads it
+            gl.thread_barrier()  # every warp's part of S^T, before the WGMMA reads it
             mbarrier.wait(bar, ii & 1)
-            kdh = warpgroup_mma(k_s, hT_s.permute((1, 0)), gl.zeros([BT, BV], gl.float32, D_L), is_async=True)
+            aS = warpgroup_mma(a_s, sT_s.permute((1, 0)), gl.zeros([BT, BV], gl.float32, D_L), is_async=True)
 
-            # under K dh: the chunk's rows, and the transposed operands of the update (their last
-            # readers, chunk i + 1's WGMMAs, were waited for before the barrier that ended it)
+            # under A S: the chunk's rows, and the transposed operands of the update (their last
+            # readers, the previous chunk's WGMMAs, were waited for before the barrier that ended it)
             r_ok = t0 + rr < eos
             rows = (t0 + rr).to(gl.int64) * H + hh
-            # lint: allow TP001 -- q goes to shared memory transposed (tokens contiguous, what tf32 WGMMA reads), which TMA cannot write
-            q = gl.load(q_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
-            qT_s.store(gl.permute(q, (1, 0)))
-            # lint: allow TP001 -- as q
-            w = gl.load(w_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
-            wT_s.store(gl.permute(w, (1, 0)))
-            v_ok = t0 + rv < eos
-            vrows = (t0 + rv).to(gl.int64) * H + hh
-            Gv = gl.load(G_ptr + vrows, mask=v_ok, other=0.0)
-            # lint: allow TP001 -- dO is scaled, widened to fp32 and transposed on its way to shared memory
-            do = gl.load(do_ptr + vrows[:, None] * V + vc[None, :], mask=v_ok[:, None], other=0.0).to(gl.float32)
-            doT_s.store(gl.permute(do * (scale * gl.exp(Gv.to(gl.float32)))[:, None], (1, 0)))
+            # lint: allow TP001 -- X goes to shared memory transposed (tokens contiguous, what tf32 WGMMA reads), which TMA cannot write
+            x1 = gl.load(x1_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
+            x1T_s.store(gl.permute(x1, (1, 0)))
+            if BACKWARD:
+                # lint: allow TP001 -- as X1
+                x2 = gl.load(x2_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
+                x2T_s.store(gl.permute(x2, (1, 0)))
+                Gr = gl.load(G_ptr + rows, mask=r_ok, other=0.0)
+                # lint: allow TP001 -- dO is scaled, widened to fp32 and transposed on its way to shared memory
+                y2 = gl.load(y2_ptr + rows[:, None] * V + vc[None, :], mask=r_ok[:, None], other=0.0).to(gl.float32)
+                y2T_s.store(gl.permute(y2 * (scale * gl.exp(Gr.to(gl.float32)))[:, None], (1, 0)))
             o_ok = t0 + ro < eos
-            drows = (t0 + ro).to(gl.int64) * H + hh
-            Go = gl.load(G_ptr + drows, mask=o_ok, other=0.0)
+            orows = (t0 + ro).to(gl.int64) * H + hh
+            Go = gl.load(G_ptr + orows, mask=o_ok, other=0.0)
             last = gl.minimum(t0 + BT, eos) - 1
             GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
-            doffs = drows[:, None] * V + (jv * BV + vcol)[None, :]
-            # lint: allow TP001 -- dVl is added to the accumulator in its own layout; rows past the sequence masked
-            dvl = gl.load(dvl_ptr + doffs, mask=o_ok[:, None], other=0.0)
+            gate = gl.exp(gl.where(o_ok, (GL - Go).to(gl.float32), float("-inf")))  # exp(G_L - G), 0 past the sequence
+            offs = orows[:, None] * V + (jv * BV + vcol)[None, :]
+            # lint: allow TP001 -- the addend joins the accumulator in its own layout; rows past the sequence masked
+            add = gl.load(add_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32)
 
-            kdh = warpgroup_mma_wait(0, deps=[kdh])
-            dvn = dvl + kdh * gl.exp(gl.where(o_ok, (GL - Go).to(gl.float32), float("-inf")))[:, None]
+            aS = warpgroup_mma_wait(0, deps=[aS])
+            if BACKWARD:
+                out = add + aS * gate[:, None]
+                y1 = -out  # the update accumulates W^T (-dVn)
+            else:
+                out = add - aS
+                y1 = out * gate[:, None]
             # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: the masked store writes only this chunk's rows
-            gl.store(dvn_ptr + doffs, dvn, mask=o_ok[:, None])
-            # lint: allow TP005 -- dvnT_s's readers (chunk i + 1's update) were waited for (wait 0) by every warpgroup before the barrier that ended that chunk; the wait just above is K dh's, which reads k_s and hT_s only
-            dvnT_s.store(gl.permute(-dvn, (1, 0)))  # negated: the update accumulates W^T (-dVn)
+            gl.store(out_ptr + offs, out, mask=o_ok[:, None])
+            # lint: allow TP005 -- y1T_s's readers (the previous chunk's update) were waited for (wait 0) by every warpgroup before the barrier that ended that chunk; the wait just above is A S's, which reads a_s and sT_s only
+            y1T_s.store(gl.permute(y1, (1, 0)))
             fence_async_shared()
-            gl.thread_barrier()  # every warp's operands are in, and every warpgroup has waited for K dh
-            if ii + 1 < nc:  # k_s is free (K dh was its only reader): chunk i - 1's keys load under the update
-                mbarrier.expect(bar, k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [t0 - BT, hh * K], bar, k_s)
-            upd = warpgroup_mma(qT_s, doT_s.permute((1, 0)), dh * gl.exp(GL.to(gl.float32)), is_async=True)
-            upd = warpgroup_mma(wT_s, dvnT_s.permute((1, 0)), upd, is_async=True)
-            dh = warpgroup_mma_wait(0, deps=[upd])
-            # every warpgroup's WGMMAs have read hT_s, qT_s, wT_s, doT_s and dvnT_s before the next
-            # chunk rewrites them (with two warpgroups also triton issue 11047's guard)
+            gl.thread_barrier()  # every warp's operands are in, and every warpgroup has waited for A S
+            if ii + 1 < nc:  # a_s is free (A S was its only reader): the next chunk's tile loads under the update
+                nxt = t0 - BT if BACKWARD else t0 + BT
+                mbarrier.expect(bar, a_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [nxt, hh * K], bar, a_s)
+            upd = warpgroup_mma(x1T_s, y1T_s.permute((1, 0)), S * gl.exp(GL.to(gl.float32)), is_async=True)
+            if BACKWARD:
+                upd = warpgroup_mma(x2T_s, y2T_s.permute((1, 0)), upd, is_async=True)
+            S = warpgroup_mma_wait(0, deps=[upd])
+            # every warpgroup's WGMMAs have read the shared operands before the next chunk rewrites
+            # them (with two warpgroups also triton issue 11047's guard)
             gl.thread_barrier()
-        if STORE_DH0:
+        if STORE_FINAL:
             # lint: allow TP001 -- once per program, after the chunk loop: the state from its accumulator layout
-            gl.store(dh0_ptr + state + sblk, dh)
+            gl.store(sfin_ptr + state + sblk, S)
         mbarrier.invalidate(bar)
 
 
@@ -738,68 +749,105 @@ def gdn_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state
     return o.view(B, T, H, V), ht
 
 
-# Which kernel runs the backward's stage 8 (the state recurrence) in the "gluon" backend: "gluon"
-# (`_dstates_kernel`, wherever its products are tf32 on fp32 operands, BACKWARD_PRODUCTS's default
-# for 16-bit inputs) or "triton" (`triton_kernels._dstates_kernel`, which also takes every other
-# form). DSTATES_BV, DSTATES_WARPS: its launch (BV columns of the state per program, on one
-# warpgroup per 64 of them). Read at each call, so scripts/gdn_ab.py can time each.
+# Which kernels run the backward's two state recurrences in the "gluon" backend (the recompute's
+# stage 5, BACKWARD_STATES, and stage 8, BACKWARD_DSTATES): "gluon" (`_tf32_recurrence_kernel`,
+# wherever the products are tf32 on fp32 operands, BACKWARD_PRODUCTS's default for 16-bit inputs)
+# or "triton" (`triton_kernels._states_kernel` / `_dstates_kernel`, which also take every other
+# form). TF32_RECURRENCE_BV, TF32_RECURRENCE_WARPS: the Gluon kernel's launch (BV columns of the
+# state per program, on one warpgroup per 64 of them). Read at each call, so scripts/gdn_ab.py can
+# time each. H200 at 5117b1b (gdn_ab.py "dstates", S1): stage 8 Triton 1.517 ms, Gluon 0.674 at
+# (128, 8) and 0.958 at (64, 4); the whole backward 9.162 -> 8.348.
+BACKWARD_STATES = "gluon"
 BACKWARD_DSTATES = "gluon"
-DSTATES_BV = 128
-DSTATES_WARPS = 8
+TF32_RECURRENCE_BV = 128
+TF32_RECURRENCE_WARPS = 8
+_KERNEL_CHOICES = ("gluon", "triton")
 
 
-def dstates_kernel_for(q, k, w, G, input_dtype) -> str:
-    """"gluon" or "triton": which kernel runs stage 8 for these operands (BACKWARD_DSTATES)."""
+def recurrence_kernel_for(stage: str, operands, G, input_dtype) -> str:
+    """"gluon" or "triton": which kernel runs the backward's recurrence `stage` ("states", the
+    recompute's stage 5, or "dstates", stage 8) on these operands (BACKWARD_STATES, BACKWARD_DSTATES)."""
     from tileport.ops.gdn import triton_kernels as tk
 
-    if tk._checked("BACKWARD_DSTATES", BACKWARD_DSTATES, ("gluon", "triton")) == "triton":
+    name = {"states": "BACKWARD_STATES", "dstates": "BACKWARD_DSTATES"}[stage]
+    if tk._checked(name, globals()[name], _KERNEL_CHOICES) == "triton":
         return "triton"
-    tf32 = tk._products(input_dtype, True, "dstates")[2] == "tf32"
-    fp32 = all(x.dtype == torch.float32 for x in (q, k, w))
-    return "gluon" if tf32 and fp32 and G.dim() == 2 and q.is_cuda else "triton"
+    tf32 = tk._products(input_dtype, True, stage)[2] == "tf32"
+    fp32 = all(x.dtype == torch.float32 for x in operands)
+    return "gluon" if tf32 and fp32 and G.dim() == 2 and G.is_cuda else "triton"
 
 
-def check_dstates_launch(V: int) -> int:
-    """The Gluon dstates kernel's BV for head dim V (DSTATES_BV, DSTATES_WARPS), or a ValueError."""
-    BV = min(V, DSTATES_BV)
-    if DSTATES_WARPS not in (4, 8) or BV not in (64, 128) or V % BV or BV // (DSTATES_WARPS // 4) < 32:
-        raise ValueError(f"DSTATES_BV {DSTATES_BV}, DSTATES_WARPS {DSTATES_WARPS} at V={V}: BV of 64 or 128 dividing "
-                         f"V on 4 or 8 warps, at least 32 columns per warpgroup")
+def check_tf32_recurrence_launch(V: int) -> int:
+    """The Gluon recurrence kernel's BV for head dim V (TF32_RECURRENCE_BV, TF32_RECURRENCE_WARPS),
+    or a ValueError naming them."""
+    BV = min(V, TF32_RECURRENCE_BV)
+    warps = TF32_RECURRENCE_WARPS
+    if warps not in (4, 8) or BV not in (64, 128) or V % BV or BV // (warps // 4) < 32:
+        raise ValueError(f"TF32_RECURRENCE_BV {TF32_RECURRENCE_BV}, TF32_RECURRENCE_WARPS {warps} at V={V}: BV of 64 "
+                         f"or 128 dividing V on 4 or 8 warps, at least 32 columns per warpgroup")
     return BV
+
+
+def _launch_tf32_recurrence(a, x1, x2, y2, add, G, s0, s, out, sfin, plan, scale: float, backward: bool):
+    Ntok, H, K = a.shape
+    V = add.shape[-1]
+    BV = check_tf32_recurrence_launch(V)
+    if plan.N:
+        a_desc = _descriptor(a.view(Ntok, H * K), [BT, K])
+        _tf32_recurrence_kernel[(plan.N * H, V // BV)](
+            a_desc, x1, x2 if x2 is not None else x1, y2 if y2 is not None else add, add, G,
+            s0 if s0 is not None else s, s, out, sfin if sfin is not None else s, plan.cu, plan.chunk_offsets, H,
+            float(scale), K, V, BV, s0 is not None, sfin is not None, backward, num_warps=TF32_RECURRENCE_WARPS)
+
+
+def chunk_states_recompute_gluon(k, w, u, G, h0, plan, output_final_state: bool, input_dtype=None,
+                                 for_backward: bool = True, **kwargs):
+    """The backward's recompute of stage 5 on the Gluon kernel where `recurrence_kernel_for` says
+    so, else Triton's `chunk_states`: (h [NC, H, K, V], Vn [Ntok, H, V], final state or None), fp32;
+    `triton_kernels.chunk_states`'s contract for its split form."""
+    from tileport.ops.gdn import triton_kernels as tk
+
+    input_dtype = input_dtype or k.dtype
+    if kwargs or not for_backward or recurrence_kernel_for("states", (k, w, u), G, input_dtype) == "triton":
+        return tk.chunk_states(k, w, u, G, h0, plan, output_final_state, input_dtype=input_dtype,
+                               for_backward=for_backward, **kwargs)
+    Ntok, H, K = k.shape
+    V = u.shape[-1]
+    h = new_empty((plan.NC, H, K, V), torch.float32, k.device)
+    vn = new_empty((Ntok, H, V), torch.float32, k.device)
+    ht = new_empty((plan.N, H, K, V), torch.float32, k.device) if output_final_state else None
+    _launch_tf32_recurrence(w, k, None, None, u, G, h0, h, vn, ht, plan, 1.0, backward=False)
+    return h, vn, ht
 
 
 def chunk_dstates_gluon(q, k, w, G, do, dvl, dht, scale: float, plan, want_dh0: bool,
                         input_dtype: torch.dtype | None = None):
-    """8 on the Gluon kernel where `dstates_kernel_for` says so, else Triton's: (dh [NC, H, K, V],
+    """8 on the Gluon kernel where `recurrence_kernel_for` says so, else Triton's: (dh [NC, H, K, V],
     dVn [Ntok, H, V], d initial_state [N, H, K, V] or None), fp32; the same contract as
     `triton_kernels.chunk_dstates`."""
     from tileport.ops.gdn import triton_kernels as tk
 
     input_dtype = input_dtype or q.dtype
-    if dstates_kernel_for(q, k, w, G, input_dtype) == "triton":
+    if recurrence_kernel_for("dstates", (q, k, w), G, input_dtype) == "triton":
         return tk.chunk_dstates(q, k, w, G, do, dvl, dht, scale, plan, want_dh0, input_dtype=input_dtype)
     Ntok, H, K = q.shape
     V = do.shape[-1]
-    BV = check_dstates_launch(V)
     dh = new_empty((plan.NC, H, K, V), torch.float32, q.device)
     dvn = new_empty((Ntok, H, V), torch.float32, q.device)
     dh0 = new_empty((plan.N, H, K, V), torch.float32, q.device) if want_dh0 else None
-    if plan.N:
-        k_desc = _descriptor(k.view(Ntok, H * K), [BT, K])
-        _dstates_kernel[(plan.N * H, V // BV)](k_desc, q, w, G, do, dvl, dht if dht is not None else dh, dh, dvn,
-                                               dh0 if dh0 is not None else dh, plan.cu, plan.chunk_offsets, H,
-                                               float(scale), K, V, BV, dht is not None, want_dh0,
-                                               num_warps=DSTATES_WARPS)
+    _launch_tf32_recurrence(k, w, q, do, dvl, G, dht, dh, dvn, dh0, plan, scale, backward=True)
     return dh, dvn, dh0
 
 
 def gdn_backward_gluon(do, dht, q, k, v, *args):
-    """Triton's backward with stage 8, the state recurrence, on the Gluon kernel
-    (`chunk_dstates_gluon`); its other stages' Gluon ports are the next steps of issue 5."""
+    """Triton's backward with its two state recurrences (the recompute's stage 5 and stage 8) on
+    the Gluon kernel (`chunk_states_recompute_gluon`, `chunk_dstates_gluon`); its other stages'
+    Gluon ports are the next steps of issue 5."""
     from tileport.ops.gdn.triton_kernels import gdn_backward_triton
 
-    check_dstates_launch(v.shape[-1])  # before the recompute is launched
-    return gdn_backward_triton(do, dht, q, k, v, *args, dstates=chunk_dstates_gluon)
+    check_tf32_recurrence_launch(v.shape[-1])  # before the recompute is launched
+    return gdn_backward_triton(do, dht, q, k, v, *args,
+                               stages=dict(states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon))
 
 
 # --------------------------------------------------------------------------------------------
@@ -859,22 +907,24 @@ def compile_cases():
                                          num_warps=warps, expect_ptx=expect,
                                          expect_max_spills=200,  # sm_90a: 156-180 B at K = 128 (ring 2: 64)
                                          expect_max_shared=SMEM_PER_SM // 2))
-    for K in (128, 64):  # the backward's state recurrence (stage 8): fp32 operands, tf32 WGMMA
+    for K in (128, 64):  # the backward's state recurrences (stages 5 and 8): fp32 operands, tf32 WGMMA
         V = K
         N = 8
-        for BV, warps in ((min(V, 64), 4), (min(V, 128), 8)):  # DSTATES_BV 64 and 128 (V = 64: 64 on 8 warps)
-            kdesc = descriptor_stand_in([Ntok, H * K], torch.float32, [BT, K], _smem_layout([BT, K], torch.float32))
-            f32 = torch.float32
-            args = dict(k_desc=kdesc, q_ptr=TensorStandIn([Ntok, H, K], f32), w_ptr=TensorStandIn([Ntok, H, K], f32),
-                        G_ptr=TensorStandIn([Ntok, H], torch.float64), do_ptr=TensorStandIn([Ntok, H, V], bf),
-                        dvl_ptr=TensorStandIn([Ntok, H, V], f32), dht_ptr=TensorStandIn([N, H, K, V], f32),
-                        dh_ptr=TensorStandIn([NC, H, K, V], f32), dvn_ptr=TensorStandIn([Ntok, H, V], f32),
-                        dh0_ptr=TensorStandIn([N, H, K, V], f32), cu_ptr=TensorStandIn([N + 1], torch.int32),
-                        choff_ptr=TensorStandIn([N + 1], torch.int32), H=H, scale=0.1, K=K, V=V, BV=BV,
-                        HAS_DHT=True, STORE_DH0=True)
-            cases.append(CompileCase(name=f"gdn_dstates_K{K}_V{V}_BV{BV}_w{warps}", kernel=_dstates_kernel, args=args,
-                                     num_warps=warps, expect_ptx=["wgmma.mma_async", "tf32", "cp.async.bulk.tensor",
-                                                                  "mbarrier.try_wait"],
-                                     expect_max_spills=0 if warps == 8 else 16,  # sm_90a: 8 B at K = 128, 4 warps
-                                     expect_max_shared=SMEM_PER_SM))
+        f32 = torch.float32
+        for BV, warps in ((min(V, 64), 4), (min(V, 128), 8)):  # TF32_RECURRENCE_BV 64 and 128 (V = 64: 64 on 8 warps)
+            for backward in (False, True):
+                adesc = descriptor_stand_in([Ntok, H * K], f32, [BT, K], _smem_layout([BT, K], f32))
+                args = dict(a_desc=adesc, x1_ptr=TensorStandIn([Ntok, H, K], f32),
+                            x2_ptr=TensorStandIn([Ntok, H, K], f32), y2_ptr=TensorStandIn([Ntok, H, V], bf),
+                            add_ptr=TensorStandIn([Ntok, H, V], f32), G_ptr=TensorStandIn([Ntok, H], torch.float64),
+                            s0_ptr=TensorStandIn([N, H, K, V], f32), s_ptr=TensorStandIn([NC, H, K, V], f32),
+                            out_ptr=TensorStandIn([Ntok, H, V], f32), sfin_ptr=TensorStandIn([N, H, K, V], f32),
+                            cu_ptr=TensorStandIn([N + 1], torch.int32), choff_ptr=TensorStandIn([N + 1], torch.int32),
+                            H=H, scale=0.1, K=K, V=V, BV=BV, HAS_S0=True, STORE_FINAL=True, BACKWARD=backward)
+                cases.append(CompileCase(name=f"gdn_{'dstates' if backward else 'states_recompute'}_K{K}_V{V}_BV{BV}_w{warps}",
+                                         kernel=_tf32_recurrence_kernel, args=args, num_warps=warps,
+                                         expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                                                     "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                         expect_max_spills=0 if warps == 8 else 16,  # sm_90a: 8 B at K = 128, 4 warps
+                                         expect_max_shared=SMEM_PER_SM))
     return cases

@@ -1649,10 +1649,12 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
-def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, output_final_state, for_backward):
+def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, output_final_state, for_backward,
+               states=None):
     """Stages 1-5: what both the forward and the backward need (T only for the backward, and
     compact intermediates only for the forward, whose output kernel normalises q itself). The
-    backward's normalised q and k are fp32 when its products are (`_products`)."""
+    backward's normalised q and k are fp32 when its products are (`_products`). states: the
+    function that runs stage 5 (`chunk_states`'s contract; default `chunk_states`)."""
     dtype = q.dtype
     if use_qk_l2norm_in_kernel:
         kept = _F32 if for_backward and _products(dtype, True, "keys")[2] != "ieee" else dtype
@@ -1662,8 +1664,8 @@ def _recompute(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, plan, o
     G = chunk_cumsum(g, plan)
     Ai, w, u = chunk_solve_wu(k, v, beta, G, plan, store_T=for_backward, compact=not for_backward,
                               exact_wu=for_backward, keys_normalised=use_qk_l2norm_in_kernel, input_dtype=dtype)
-    h, vn, ht = chunk_states(k, w, u, G, initial_state, plan, output_final_state, input_dtype=dtype,
-                             for_backward=for_backward)
+    h, vn, ht = (states or chunk_states)(k, w, u, G, initial_state, plan, output_final_state, input_dtype=dtype,
+                                         for_backward=for_backward)
     return q, k, G, Ai, w, u, h, vn, ht
 
 
@@ -1771,10 +1773,12 @@ def _t_chain() -> str:
 
 
 def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                        dstates=None):
+                        stages: dict | None = None):
     """(dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype. Recomputes
-    stages 1-5, then runs 7-11; dht (gradient of the final state) may be None. dstates: the
-    function that runs stage 8 (`chunk_dstates`'s contract; the gluon backend passes its own)."""
+    stages 1-5, then runs 7-11; dht (gradient of the final state) may be None. stages: functions
+    that run a stage instead of this module's, by name ("states": the recompute's stage 5, with
+    `chunk_states`'s contract; "dstates": stage 8, `chunk_dstates`'s); the gluon backend passes its own."""
+    stages = stages or {}
     B, T, H, K = q.shape
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
@@ -1782,10 +1786,11 @@ def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     h0 = initial_state.contiguous() if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
     qn, kn, G, Ai, w, u, h, vn, _ = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan, False,
-                                               for_backward=True)
+                                               for_backward=True, states=stages.get("states", chunk_states))
     dt = q.dtype
     dvl = chunk_dv_local(qn, kn, G, dof, scale, plan, input_dtype=dt)
-    dh, dvn, dh0 = (dstates or chunk_dstates)(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
+    dh, dvn, dh0 = stages.get("dstates", chunk_dstates)(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None,
+                                                         input_dtype=dt)
     l2 = use_qk_l2norm_in_kernel
     dq, dkp, dw, dGp = chunk_dqkwg(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, _F32 if l2 else q.dtype,
                                    input_dtype=dt)
