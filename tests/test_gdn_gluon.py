@@ -107,12 +107,39 @@ def test_tf32_recurrence_launch_refuses(switch, bad, monkeypatch):
     g = torch.zeros(64, 1, dtype=torch.float64)
     gluon_kernels.check_tf32_recurrence_launch(128)  # the defaults pass
     for stage in ("states", "dstates"):  # CPU tensors: Triton's kernels
-        assert gluon_kernels.recurrence_kernel_for(stage, (x, x, x), g, torch.bfloat16) == "triton"
+        assert gluon_kernels.recurrence_kernel_for(stage, (x, x, x), g, torch.bfloat16, 1024) == "triton"
     monkeypatch.setattr(gluon_kernels, switch, bad)
     with pytest.raises(ValueError, match=switch):
         gluon_kernels.check_tf32_recurrence_launch(128)
         for stage in ("states", "dstates"):
-            gluon_kernels.recurrence_kernel_for(stage, (x, x, x), g, torch.bfloat16)
+            gluon_kernels.recurrence_kernel_for(stage, (x, x, x), g, torch.bfloat16, 1024)
+
+
+def test_backward_states_rule(monkeypatch):
+    """BACKWARD_STATES "auto" takes the Gluon recompute from TF32_STATES_MIN_PAIRS (sequence, head)
+    pairs (fp32 operands, tf32 products, on the GPU), Triton's below; "auto" is refused for stage 8."""
+    import torch
+
+    from tileport.ops.gdn import gluon_kernels
+
+    class OnGPU:  # the checks read dtype, dim() and is_cuda only
+        def __init__(self, dtype, dim):
+            self.dtype, self._dim, self.is_cuda = dtype, dim, True
+
+        def dim(self):
+            return self._dim
+
+    x, g = OnGPU(torch.float32, 3), OnGPU(torch.float64, 2)
+    many = gluon_kernels.TF32_STATES_MIN_PAIRS
+    monkeypatch.setattr(gluon_kernels, "BACKWARD_STATES", "auto")
+    assert gluon_kernels.recurrence_kernel_for("states", (x, x, x), g, torch.bfloat16, many) == "gluon"
+    assert gluon_kernels.recurrence_kernel_for("states", (x, x, x), g, torch.bfloat16, many - 1) == "triton"
+    assert gluon_kernels.recurrence_kernel_for("dstates", (x, x, x), g, torch.bfloat16, 1) == "gluon"
+    assert gluon_kernels.recurrence_kernel_for("states", (OnGPU(torch.bfloat16, 3), x, x), g, torch.bfloat16,
+                                               many) == "triton"  # a 16-bit operand: Triton's
+    monkeypatch.setattr(gluon_kernels, "BACKWARD_DSTATES", "auto")
+    with pytest.raises(ValueError, match="BACKWARD_DSTATES"):
+        gluon_kernels.recurrence_kernel_for("dstates", (x, x, x), g, torch.bfloat16, many)
 
 
 def test_gluon_backward_plumbing_on_the_cpu(monkeypatch):

@@ -755,24 +755,33 @@ def gdn_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state
 # or "triton" (`triton_kernels._states_kernel` / `_dstates_kernel`, which also take every other
 # form). TF32_RECURRENCE_BV, TF32_RECURRENCE_WARPS: the Gluon kernel's launch (BV columns of the
 # state per program, on one warpgroup per 64 of them). Read at each call, so scripts/gdn_ab.py can
-# time each. H200 at 5117b1b (gdn_ab.py "dstates", S1): stage 8 Triton 1.517 ms, Gluon 0.674 at
-# (128, 8) and 0.958 at (64, 4); the whole backward 9.162 -> 8.348.
-BACKWARD_STATES = "gluon"
+# time each. H200 (gdn_ab.py "dstates", same inputs), at (128, 8) against (64, 4) and Triton's:
+#   stage 8, 5117b1b and a8d219f: S1 (128 (sequence, head) pairs) 0.674 / 0.958 against 1.517 ms;
+#     varlen (5 sequences of 0-4900 tokens, 80 pairs) 0.666 / 0.477 against 0.848;
+#   stage 5, a8d219f: S1 0.526 / 0.584 against 0.633; varlen 0.494 / 0.571 against 0.360 (the
+#     Triton kernel, autotuned to smaller V blocks, runs more programs on a short chain);
+#   the whole backward at S1: 9.181 (Triton) -> 8.348 (Gluon stage 8) -> 8.214 (both).
+# So BACKWARD_STATES "auto": Gluon from TF32_STATES_MIN_PAIRS (sequence, head) pairs, Triton's
+# below (a threshold between the two measured points, as the forward's FUSED_STATES_MIN_PAIRS).
+BACKWARD_STATES = "auto"
 BACKWARD_DSTATES = "gluon"
+TF32_STATES_MIN_PAIRS = 128
 TF32_RECURRENCE_BV = 128
 TF32_RECURRENCE_WARPS = 8
 _KERNEL_CHOICES = ("gluon", "triton")
 
 
-def recurrence_kernel_for(stage: str, operands, G, input_dtype) -> str:
+def recurrence_kernel_for(stage: str, operands, G, input_dtype, pairs: int = 0) -> str:
     """"gluon" or "triton": which kernel runs the backward's recurrence `stage` ("states", the
-    recompute's stage 5, or "dstates", stage 8) on these operands (BACKWARD_STATES, BACKWARD_DSTATES)."""
+    recompute's stage 5, or "dstates", stage 8) on these operands over `pairs` (sequence, head)
+    pairs (BACKWARD_STATES, BACKWARD_DSTATES)."""
     from tileport.ops.gdn import triton_kernels as tk
 
     name = {"states": "BACKWARD_STATES", "dstates": "BACKWARD_DSTATES"}[stage]
-    if tk._checked(name, globals()[name], _KERNEL_CHOICES) == "triton":
+    choice = tk._checked(name, globals()[name], _KERNEL_CHOICES + (("auto",) if stage == "states" else ()))
+    if choice == "triton" or choice == "auto" and pairs < TF32_STATES_MIN_PAIRS:
         return "triton"
-    tf32 = tk._products(input_dtype, True, stage)[2] == "tf32"
+    tf32 = tk._products(input_dtype, True, stage)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
     fp32 = all(x.dtype == torch.float32 for x in operands)
     return "gluon" if tf32 and fp32 and G.dim() == 2 and G.is_cuda else "triton"
 
@@ -808,7 +817,8 @@ def chunk_states_recompute_gluon(k, w, u, G, h0, plan, output_final_state: bool,
     from tileport.ops.gdn import triton_kernels as tk
 
     input_dtype = input_dtype or k.dtype
-    if kwargs or not for_backward or recurrence_kernel_for("states", (k, w, u), G, input_dtype) == "triton":
+    if kwargs or not for_backward or recurrence_kernel_for("states", (k, w, u), G, input_dtype,
+                                                           plan.N * k.shape[1]) == "triton":
         return tk.chunk_states(k, w, u, G, h0, plan, output_final_state, input_dtype=input_dtype,
                                for_backward=for_backward, **kwargs)
     Ntok, H, K = k.shape
