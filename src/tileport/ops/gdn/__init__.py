@@ -15,20 +15,19 @@ under torch.compile), whose bodies ask the dispatcher for a backend:
 
 The custom ops save only the inputs: the Triton backward recomputes the forward's intermediates.
 
-Status and TODO (2026-11-29):
+Status and TODO (2026-11-30):
 - Forward and backward pass the parity gate on the H200 (scripts/gpu-check tests at 6ec45b2:
   every GDN case, dense and varlen, the full-size S1 / B=1 T=32768 / varlen cases included) and
   under the CPU interpreter. triton 3.4-3.7.0 miscompiles FLA's gated dq/dk/dg backward on Hopper
   (FLA issue 640: `tl.trans` of a dot result fed to another dot); `chunk_dqkwg` / `chunk_wy_bwd`
   avoid that pattern (every transposed dot operand is a loaded tile or an elementwise function
   of one), and their H200 parity is the evidence that they are not hit.
-- "gluon" (bf16, K, V in {64, 128}, sm_90) runs Triton's stages 1-5 and backward with the Gluon
-  output kernel; it passed tests/test_gdn_gluon.py on the H200 (31eb250). Since f7de67f it is the
-  second choice: Triton's forward fuses the state recurrence and the output (1.199 ms against
-  gluon's 1.335 at S1, one H200 bench). Its next steps (issue 5): the recurrence fused with the
-  output in Gluon, then the solve.
-- Speed (docs/perf/gdn.md): the S1 forward is 1.20 ms (CUDA graph 1.185) against FLA's 1.47
-  eager / 0.96 graph in the same run; stage 3 (tile form) is 0.60 ms of it, stages 5+6 fused 0.52.
+- "gluon" (bf16, K = V of 64 or 128, sm_90; the first choice there since the ninth session) runs
+  Triton's stages 1-3, then the Gluon recurrence + output kernel (where there are at least 64
+  (sequence, head) pairs; Triton's forward otherwise); its backward is Triton's with the two state
+  recurrences in Gluon. It passed tests/test_gdn_gluon.py on the H200 (5117b1b, a8d219f).
+- Speed (docs/perf/gdn.md, bench at 43aa9df): the S1 forward is 0.591 ms (graph 0.581) on gluon and
+  0.825 on Triton against FLA's 0.982 / 0.962; fwd+bwd 8.88 (gluon) against SDPA flash's 4.02.
 - Head dims above 128 are refused by the Triton backend and fall back to the reference.
 """
 
@@ -174,7 +173,7 @@ def _gluon_refusal(call: GDNCall) -> str | None:
 
     if call.capability != (9, 0):
         return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
-    # stages 1-5 and the backward are Triton's: what Triton refuses, this backend refuses too
+    # stages 1-3 and most of the backward are Triton's: what Triton refuses, this backend refuses too
     return _triton_refusal(call) or gluon_refusal(call.K, call.V, call.dtype)
 
 
@@ -183,7 +182,8 @@ def _gluon_refusal(call: GDNCall) -> str | None:
 # f7de67f (its fused states + output beat gluon's split forward), and gluon again since its fused
 # recurrence + output on two warpgroups (H200 at 470f621, scripts/gdn_ab.py, whole forward at
 # S1: 0.690 ms against Triton's 0.818; with few (sequence, head) pairs gluon runs Triton's forward,
-# FORWARD_FORM "auto"). The backward is Triton's in both.
+# FORWARD_FORM "auto"). The backward is Triton's, with its two state recurrences in Gluon in the
+# gluon backend (gluon_kernels.BACKWARD_STATES, BACKWARD_DSTATES).
 DISPATCHER = register(
     OpDispatcher(
         "gdn",

@@ -10,10 +10,15 @@ stages 5 and 6 replaced by Gluon kernels (FORWARD_FORM):
   ms against Triton's 0.813 (c9aa543; FLA 0.96-1.09 in the bench of the same commit).
 - "split": Triton's stages 1-5, then `_output_kernel` or `_output_persistent_kernel` (OUTPUT_FORM):
   TMA for the four tiles of a chunk, three WGMMAs with fp32 accumulators.
-Stages 1-3 and the backward are Triton's. The CPU compile check asserts wgmma.mma_async and
-cp.async.bulk.tensor in every kernel's PTX (tests/test_gluon_compile.py).
+Stages 1-3 are Triton's. The backward is Triton's stages with its two state recurrences (the
+recompute's stage 5, BACKWARD_STATES, and stage 8, BACKWARD_DSTATES) on `_tf32_recurrence_kernel`:
+tf32 WGMMA on the recompute's fp32 operands, those that tf32 WGMMA must read K-major written to
+shared memory transposed. H200: stage 8 0.674 ms at S1 against Triton's 1.517 (5117b1b); stage 5
+0.526 against 0.633 (a8d219f); the whole backward 9.18 -> 8.21 ms. The CPU compile check asserts
+wgmma.mma_async and cp.async.bulk.tensor in every kernel's PTX (tests/test_gluon_compile.py).
 
-bf16 only: the Triton kernels give fp16 inputs bf16 matmul operands (gate products underflow
+bf16 only (the backward's recurrences take fp32 operands, which the backward of bf16 inputs
+keeps): the Triton kernels give fp16 inputs bf16 matmul operands (gate products underflow
 fp16), which would need a conversion pass before TMA, and fp32 inputs exact fp32 products, which
 WGMMA (tf32) does not give.
 """
