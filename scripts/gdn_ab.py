@@ -33,8 +33,8 @@ BK, BV, NV = tk._blocks(K, V)
 DT, DA = tk._dot_types(torch.bfloat16)
 plan = tk.make_plan(B, T, None, dev)
 # GDN_AB_SECTIONS picks what to time (comma-separated; default all): solve, output, states, forward, gluon,
-# backward, dstates
-_ALL = ("solve", "output", "states", "forward", "gluon", "backward", "dstates")
+# backward, dstates, dqkwg
+_ALL = ("solve", "output", "states", "forward", "gluon", "backward", "dstates", "dqkwg")
 SECTIONS = [x.strip() for x in os.environ.get("GDN_AB_SECTIONS", ",".join(_ALL)).split(",")]
 if set(SECTIONS) - set(_ALL):
     raise SystemExit(f"GDN_AB_SECTIONS: unknown {sorted(set(SECTIONS) - set(_ALL))}")
@@ -431,3 +431,70 @@ if "dstates" in SECTIONS and dev == "cuda":
                 f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[name],
                                                             grads["triton"]))
             print(f"backward {label} {name}: {ms:.3f} ms{diff}", flush=True)
+
+
+# stage 9 at S1 on the backward's own operands: Triton's split form's two kernels timed apart
+# (9a `_dqk_local_kernel`, 9b `_dqkwg_kernel` with DS_HERE False), then 9 with its state part on the
+# Gluon `_dqkwg_state_kernel` (BACKWARD_DQKWG), its outputs against Triton's; then the whole
+# backward of the gluon backend with each BACKWARD_DQKWG
+if "dqkwg" in SECTIONS and dev == "cuda":
+    from tileport.ops.gdn import gluon_kernels as gk
+
+    print("\n== stage 9 (dqkwg): Triton's 9a and 9b apart, and 9b on Gluon (BACKWARD_DQKWG)")
+    qf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    kf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    vf = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    gf = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev))
+    bf_ = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
+    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
+    dof = tk._flatten(do)
+    qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, None, True, plan, False, for_backward=True)
+    dvl = tk.chunk_dv_local(qn, kn, G, dof, K ** -0.5, plan, input_dtype=torch.bfloat16)
+    dh, dvn, _ = tk.chunk_dstates(qn, kn, w, G, dof, dvl, None, K ** -0.5, plan, False, input_dtype=torch.bfloat16)
+    args = (qn, kn, G, h, dh, vn, dvn, dof, K ** -0.5, plan, torch.float32)
+    dqkwg_default = tk.DQKWG_FORM
+    tk.DQKWG_FORM = "split"
+    ref = tk.chunk_dqkwg(*args, input_dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: tk.chunk_dqkwg(*args, input_dtype=torch.bfloat16), warmup=5, rep=40,
+                                 return_mode="median")
+    BKS, NK = tk._key_split(K)
+    products = tk._products(torch.bfloat16, True, "dqkwg")
+    scratch = [torch.empty_like(qn, dtype=torch.float32) for _ in range(5)]
+    dGs = torch.empty(NK + 1, B * T, H, device=dev)
+    t9a = triton.testing.do_bench(lambda: tk._dqk_local_kernel[(plan.NC, H)](
+        qn, kn, G, vn, dof, scratch[0], scratch[1], dGs[NK], plan.chunks, H, K ** -0.5, K, V, BKS, BV, NV, tk.BT,
+        *products, **tk._LAUNCH["dqkwg"]), warmup=5, rep=40, return_mode="median")
+    t9b = triton.testing.do_bench(lambda: tk._dqkwg_kernel[(plan.NC * NK, H)](
+        qn, kn, G, h, dh, vn, dvn, dof, scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], dGs, plan.chunks, H,
+        K ** -0.5, B * T * H, K, V, BKS, BV, NV, tk.BT, *products, False, **tk._LAUNCH["dqkwg"]), warmup=5, rep=40,
+        return_mode="median")
+    print(f"dqkwg S1 triton split: {ms:.3f} ms (9a {t9a:.3f}, 9b {t9b:.3f})", flush=True)
+    dqkwg_switch = gk.BACKWARD_DQKWG
+    gk.BACKWARD_DQKWG = "gluon"
+    try:
+        got = gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(lambda: gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16), warmup=5, rep=40,
+                                     return_mode="median")
+        print(f"dqkwg S1 gluon 9b: {ms:.3f} ms, vs triton: " + " ".join(
+            f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dq", "dk", "dw", "dG"), got, ref)), flush=True)
+    except Exception as exc:
+        print(f"dqkwg S1 gluon 9b: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    tk.DQKWG_FORM = dqkwg_default
+    grads = {}
+    for form in ("triton", "gluon"):
+        gk.BACKWARD_DQKWG = form
+
+        def bwd():
+            return gk.gdn_backward_gluon(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
+
+        try:
+            grads[form] = bwd()
+            ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median")
+            diff = "" if form == "triton" else ", vs triton: " + " ".join(
+                f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[form], grads["triton"]))
+            print(f"backward S1 gluon backend, BACKWARD_DQKWG {form}: {ms:.3f} ms{diff}", flush=True)
+        except Exception as exc:
+            print(f"backward S1 BACKWARD_DQKWG {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    gk.BACKWARD_DQKWG = dqkwg_switch

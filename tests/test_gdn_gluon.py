@@ -5,7 +5,8 @@ program, and the persistent one with two TMA buffer sets) and the fused recurren
 both launch shapes (BV = 64 on one warpgroup, BV = V on two; the latter in each way of bringing
 in the gates, RECURRENCE_GATES, and with o leaving by TMA store, RECURRENCE_O_STORE; the former also
 with one TMA buffer set, RECURRENCE_RING 1); and the backward's two state recurrences (the
-recompute's stage 5 and stage 8) on the Gluon kernel in both launch shapes, each alone, and on Triton's. GPU only: Gluon kernels don't run on the CPU, where
+recompute's stage 5 and stage 8) on the Gluon kernel in both launch shapes, each alone, and on Triton's;
+and stage 9's state part on its Gluon kernel. GPU only: Gluon kernels don't run on the CPU, where
 tests/test_gluon_compile.py compile-checks the kernel for sm_90a instead.
 """
 
@@ -22,9 +23,9 @@ ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] ==
 
 # every Gluon form, each switch it depends on set explicitly: the forward's (FORWARD_FORM,
 # OUTPUT_FORM, RECURRENCE_BV, RECURRENCE_WARPS, RECURRENCE_GATES, RECURRENCE_RING,
-# RECURRENCE_O_STORE) and the backward's two recurrences (BACKWARD_STATES, BACKWARD_DSTATES,
-# TF32_RECURRENCE_BV, TF32_RECURRENCE_WARPS)
-_DSTATES = ("gluon", "gluon", 128, 8)  # the backward's recurrences in Gluon, BV 128 on two warpgroups
+# RECURRENCE_O_STORE) and the backward's (BACKWARD_STATES, BACKWARD_DSTATES, TF32_RECURRENCE_BV,
+# TF32_RECURRENCE_WARPS, BACKWARD_DQKWG)
+_DSTATES = ("gluon", "gluon", 128, 8, "triton")  # the backward's recurrences in Gluon, BV 128 on two warpgroups
 FORMS = {
     "one-shot": ("split", "one-shot", 64, 4, "staged", 2, "masked", *_DSTATES),  # the output kernels after Triton's 1-5
     "persistent": ("split", "persistent", 64, 4, "staged", 2, "masked", *_DSTATES),
@@ -34,13 +35,15 @@ FORMS = {
     "fused-wide-early": ("fused", "one-shot", 128, 8, "early", 2, "masked", *_DSTATES),
     "fused-wide-staged": ("fused", "one-shot", 128, 8, "staged", 2, "masked", *_DSTATES),
     "fused-wide-tma-store": ("fused", "one-shot", 128, 8, "staged", 2, "tma", *_DSTATES),
-    "recurrences-BV64-4w": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 64, 4),  # one warpgroup
-    "recurrences-triton": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", "triton", 128, 8),  # Triton's
-    "dstates-only": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", "gluon", 128, 8),  # each alone
-    "states-only": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "triton", 128, 8),
+    "recurrences-BV64-4w": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 64, 4, "triton"),
+    "recurrences-triton": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", "triton", 128, 8, "triton"),
+    "dstates-only": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", "gluon", 128, 8, "triton"),  # each alone
+    "states-only": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "triton", 128, 8, "triton"),
+    "dqkwg-gluon": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon"),  # 9b in Gluon
 }
 _SWITCHES = ("FORWARD_FORM", "OUTPUT_FORM", "RECURRENCE_BV", "RECURRENCE_WARPS", "RECURRENCE_GATES", "RECURRENCE_RING",
-             "RECURRENCE_O_STORE", "BACKWARD_STATES", "BACKWARD_DSTATES", "TF32_RECURRENCE_BV", "TF32_RECURRENCE_WARPS")
+             "RECURRENCE_O_STORE", "BACKWARD_STATES", "BACKWARD_DSTATES", "TF32_RECURRENCE_BV", "TF32_RECURRENCE_WARPS",
+             "BACKWARD_DQKWG")
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -95,7 +98,8 @@ def test_fused_launch_refuses(switch, bad, monkeypatch):
 
 
 @pytest.mark.parametrize("switch, bad", [("TF32_RECURRENCE_WARPS", 12), ("TF32_RECURRENCE_BV", 32),
-                                         ("BACKWARD_DSTATES", "cuda"), ("BACKWARD_STATES", "cuda")])
+                                         ("BACKWARD_DSTATES", "cuda"), ("BACKWARD_STATES", "cuda"),
+                                         ("BACKWARD_DQKWG", "cuda")])
 def test_tf32_recurrence_launch_refuses(switch, bad, monkeypatch):
     """A value of the backward recurrences' switches the Gluon kernel cannot take is refused by
     name, the others at their defaults (CPU: nothing launches)."""
@@ -108,11 +112,13 @@ def test_tf32_recurrence_launch_refuses(switch, bad, monkeypatch):
     gluon_kernels.check_tf32_recurrence_launch(128)  # the defaults pass
     for stage in ("states", "dstates"):  # CPU tensors: Triton's kernels
         assert gluon_kernels.recurrence_kernel_for(stage, (x, x, x), g, torch.bfloat16, 1024) == "triton"
+    assert gluon_kernels.dqkwg_kernel_for((x, x), g, torch.bfloat16) == "triton"
     monkeypatch.setattr(gluon_kernels, switch, bad)
     with pytest.raises(ValueError, match=switch):
         gluon_kernels.check_tf32_recurrence_launch(128)
         for stage in ("states", "dstates"):
             gluon_kernels.recurrence_kernel_for(stage, (x, x, x), g, torch.bfloat16, 1024)
+        gluon_kernels.dqkwg_kernel_for((x, x), g, torch.bfloat16)
 
 
 def test_backward_states_rule(monkeypatch):
@@ -160,7 +166,9 @@ def test_gluon_backward_plumbing_on_the_cpu(monkeypatch):
     do = torch.randn(B, T, H, K, dtype=torch.bfloat16)
     h0 = torch.randn(B, H, K, K)
     args = (do, None, q, k, v, g, beta, K ** -0.5, h0, True, None)
-    ours = gluon_kernels.gdn_backward_gluon(*args)
     theirs = triton_kernels.gdn_backward_triton(*args)
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a, b)
+    for dqkwg in ("triton", "gluon"):
+        monkeypatch.setattr(gluon_kernels, "BACKWARD_DQKWG", dqkwg)
+        ours = gluon_kernels.gdn_backward_gluon(*args)
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)

@@ -583,6 +583,107 @@ if _GLUON_ERROR is None:
         mbarrier.invalidate(bar)
 
 
+    @gluon.jit
+    def _dqkwg_state_kernel(h_desc, dh_desc, vn_desc, dvn_desc, do_desc, q_ptr, k_ptr, G_ptr, dql_ptr, dkl_ptr, dq_ptr,
+                            dk_ptr, dw_ptr, dG_ptr, chunks_ptr, H, scale, dG_stride, K: gl.constexpr,
+                            V: gl.constexpr, BKS: gl.constexpr):
+        """9b, the state part of stage 9 (Triton's `_dqkwg_kernel` with DS_HERE False; 9a, the
+        chunk-local part, stays `_dqk_local_kernel`): per chunk, head and block of BKS key columns
+        (grid (NC * K / BKS, H), 4 warps), with h_c and dh the states entering and leaving the chunk,
+            dQa = dO h_c^T,  dKs = Vn dh^T,  dW = -dVn h_c^T   (tf32 WGMMA, over V),
+            hdh = sum(h_c * dh) over the block's rows of the state; then
+            dQ = scale diag(exp(G)) dQa + dql,   dK = diag(exp(G_L - G)) dKs + dkl,
+            dG = scale exp(G) rowsum(Q * dQa) - x (+ exp(G_L) hdh + sum(x) on the last valid row),
+            x = exp(G_L - G) rowsum(K * dKs) (0 on the last valid row),
+        dG as this block's partial. Every product contracts over V, along which all five operands are
+        contiguous: each comes in by TMA as it is stored (h, dh as [BKS, V] row blocks, read as
+        transposed views: K-major for tf32), except dO, bf16, widened to fp32 in shared memory.
+        Explicit here (Triton would choose): the one mbarrier for the five tiles, the widening of
+        dO, the three WGMMAs issued together and waited for once, and sum(h * dh) formed from
+        shared memory while they run. Rows past the sequence: the TMA rows of the next sequence
+        (or zeros past the tensor) go through the products, and the row-masked epilogue drops them."""
+        BT: gl.constexpr = vn_desc.block_type.shape[0]
+        NK: gl.constexpr = K // BKS
+        item = gl.program_id(0)
+        hh = gl.program_id(1)
+        c = item // NK
+        kb = item % NK
+        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
+        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+
+        D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BKS, 8])
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
+        h_s = gl.allocate_shared_memory(gl.float32, [BKS, V], h_desc.layout)
+        dh_s = gl.allocate_shared_memory(gl.float32, [BKS, V], dh_desc.layout)
+        vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+        dvn_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
+        do_s = gl.allocate_shared_memory(do_desc.dtype, [BT, V], do_desc.layout)
+        do32_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        fence_async_shared()
+        NBYTES: gl.constexpr = (h_desc.block_type.nbytes + dh_desc.block_type.nbytes + vn_desc.block_type.nbytes
+                                + dvn_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        mbarrier.expect(bar, NBYTES)
+        srow = (c * H + hh) * K + kb * BKS  # the block's first row of h_c in [NC * H * K, V]
+        tma.async_copy_global_to_shared(h_desc, [srow, 0], bar, h_s)
+        tma.async_copy_global_to_shared(dh_desc, [srow, 0], bar, dh_s)
+        tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bar, vn_s)
+        tma.async_copy_global_to_shared(dvn_desc, [bos, hh * V], bar, dvn_s)
+        tma.async_copy_global_to_shared(do_desc, [bos, hh * V], bar, do_s)
+
+        # the epilogue's operands, loaded under the TMA wait
+        ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
+        kcol = kb * BKS + gl.arange(0, BKS, layout=gl.SliceLayout(0, D_L))
+        tok = bos + ro
+        valid = tok < eos
+        rows = tok.to(gl.int64) * H + hh
+        offs = rows[:, None] * K + kcol[None, :]
+        mk = valid[:, None]
+        # lint: allow TP001 -- [64, BKS] epilogue tiles read in the accumulator layout they are combined in; rows past the sequence masked
+        q = gl.load(q_ptr + offs, mask=mk, other=0.0)
+        # lint: allow TP001 -- as q
+        k = gl.load(k_ptr + offs, mask=mk, other=0.0)
+        G = gl.load(G_ptr + rows, mask=valid, other=0.0)
+        last = gl.minimum(bos + BT, eos) - 1
+        GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
+
+        mbarrier.wait(bar, 0)
+        do32_s.store(do_s.load(ROWS_L).to(gl.float32))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of dO in fp32, before the WGMMA reads it
+        zero = gl.zeros([BT, BKS], gl.float32, D_L)
+        dqa = warpgroup_mma(do32_s, h_s.permute((1, 0)), zero, is_async=True)
+        dks = warpgroup_mma(vn_s, dh_s.permute((1, 0)), zero, is_async=True)
+        dwa = warpgroup_mma(dvn_s, h_s.permute((1, 0)), zero, is_async=True)
+        # sum(h_c * dh) over the block, from shared memory, under the WGMMAs (they only read h_s, dh_s)
+        hdh = 0.0
+        for half in gl.static_range(2):  # in two row halves: a whole [BKS, V] pair would hold 128 registers
+            hdh += gl.sum(gl.sum(h_s.slice(half * (BKS // 2), BKS // 2).load(ROWS_L)
+                                 * dh_s.slice(half * (BKS // 2), BKS // 2).load(ROWS_L), axis=1), axis=0)
+        dqa, dks, dwa = warpgroup_mma_wait(0, deps=[dqa, dks, dwa])
+
+        eg = gl.exp(G.to(gl.float32))
+        decay = gl.exp(gl.where(valid, (GL - G).to(gl.float32), float("-inf")))
+        # lint: allow TP001 -- as q
+        dq = dqa * (scale * eg)[:, None] + gl.load(dql_ptr + offs, mask=mk, other=0.0)
+        # lint: allow TP001 -- as q
+        dk = dks * decay[:, None] + gl.load(dkl_ptr + offs, mask=mk, other=0.0)
+        is_last = tok == last
+        # exp(G_L - G_last) = 1 has no gradient: the last row's x is left out, not cancelled
+        x = gl.where(is_last | ~valid, 0.0, decay * gl.sum(k * dks, axis=1))  # (past the sequence: its TMA rows)
+        dG = scale * eg * gl.sum(q * dqa, axis=1) - x
+        dG += gl.where(is_last, gl.exp(GL.to(gl.float32)) * hdh + gl.sum(x, axis=0), 0.0)
+        # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: row-masked stores
+        gl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=mk)
+        # lint: allow TP001 -- as dq
+        gl.store(dk_ptr + offs, dk, mask=mk)
+        # lint: allow TP001 -- as dq
+        gl.store(dw_ptr + offs, -dwa, mask=mk)
+        gl.store(dG_ptr + kb * dG_stride + rows, dG, mask=valid)
+        mbarrier.invalidate(bar)
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_layout_cached(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype])
@@ -854,15 +955,66 @@ def chunk_dstates_gluon(q, k, w, G, do, dvl, dht, scale: float, plan, want_dh0: 
     return dh, dvn, dh0
 
 
+# Which kernel runs stage 9's state part in the "gluon" backend: "triton" (`_dqkwg_kernel` in
+# Triton's DQKWG_FORM) or "gluon" (Triton's `_dqk_local_kernel`, then `_dqkwg_state_kernel`: TMA
+# tiles, three tf32 WGMMAs; where the products are tf32 on fp32 operands and K is 64 or 128). Off
+# until timed on the card (written in the tenth session after its device time was spent; sm_90a:
+# 0 spills, 176 KB of shared memory at K = V = 128).
+BACKWARD_DQKWG = "triton"
+
+
+def dqkwg_kernel_for(operands, G, input_dtype) -> str:
+    """"gluon" or "triton": which kernel runs stage 9's state part on these operands (BACKWARD_DQKWG)."""
+    from tileport.ops.gdn import triton_kernels as tk
+
+    if tk._checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton":
+        return "triton"
+    tf32 = tk._products(input_dtype, True, "dqkwg")[2].removesuffix("-emulated") == "tf32"
+    fp32 = all(x.dtype == torch.float32 for x in operands)
+    return "gluon" if tf32 and fp32 and G.dim() == 2 and G.is_cuda else "triton"
+
+
+def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype: torch.dtype,
+                      input_dtype: torch.dtype | None = None):
+    """9 with its state part on the Gluon kernel where `dqkwg_kernel_for` says so (the chunk-local
+    part on Triton's `_dqk_local_kernel`), else Triton's `chunk_dqkwg`; the same contract (dG's
+    partials as DQKWG_FORM "split" has them: NK from the state part, the last from 9a)."""
+    from tileport.ops.gdn import triton_kernels as tk
+
+    input_dtype = input_dtype or q.dtype
+    if dqkwg_kernel_for((q, k, h, dh, vn, dvn), G, input_dtype) == "triton":
+        return tk.chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale, plan, dq_dtype, input_dtype=input_dtype)
+    Ntok, H, K = q.shape
+    V = do.shape[-1]
+    BKS, NK = tk._key_split(K)
+    dq = tk._out((Ntok, H, K), dq_dtype, q.device)
+    dk = new_empty((Ntok, H, K), torch.float32, q.device)
+    dw = new_empty((Ntok, H, K), torch.float32, q.device)
+    dG = new_empty((NK + 1, Ntok, H), torch.float32, q.device)
+    if plan.NC:
+        BK, BV, NV = tk._blocks(K, V)
+        products = tk._products(input_dtype, True, "dqkwg")
+        dql, dkl = new_empty((Ntok, H, K), torch.float32, q.device), new_empty((Ntok, H, K), torch.float32, q.device)
+        tk._dqk_local_kernel[(plan.NC, H)](q, k, G, vn, do, dql, dkl, dG[NK], plan.chunks, H, scale, K, V, BKS, BV, NV,
+                                           BT, *products, **tk._LAUNCH["dqkwg"])
+        descs = (_descriptor(h.view(plan.NC * H * K, V), [BKS, V]), _descriptor(dh.view(plan.NC * H * K, V), [BKS, V]),
+                 _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(dvn.view(Ntok, H * V), [BT, V]),
+                 _descriptor(do.view(Ntok, H * V), [BT, V]))
+        _dqkwg_state_kernel[(plan.NC * NK, H)](*descs, q, k, G, dql, dkl, dq, dk, dw, dG, plan.chunks, H, float(scale),
+                                               Ntok * H, K, V, BKS, num_warps=4)
+    return tk._done(dq, dq_dtype), dk, dw, dG
+
+
 def gdn_backward_gluon(do, dht, q, k, v, *args):
     """Triton's backward with its two state recurrences (the recompute's stage 5 and stage 8) on
-    the Gluon kernel (`chunk_states_recompute_gluon`, `chunk_dstates_gluon`); its other stages'
-    Gluon ports are the next steps of issue 5."""
+    the Gluon kernel (`chunk_states_recompute_gluon`, `chunk_dstates_gluon`) and, where
+    BACKWARD_DQKWG says so, stage 9's state part (`chunk_dqkwg_gluon`); its other stages' Gluon
+    ports are the next steps of issue 5."""
     from tileport.ops.gdn.triton_kernels import gdn_backward_triton
 
     check_tf32_recurrence_launch(v.shape[-1])  # before the recompute is launched
-    return gdn_backward_triton(do, dht, q, k, v, *args,
-                               stages=dict(states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon))
+    return gdn_backward_triton(do, dht, q, k, v, *args, stages=dict(
+        states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon, dqkwg=chunk_dqkwg_gluon))
 
 
 # --------------------------------------------------------------------------------------------
@@ -922,6 +1074,27 @@ def compile_cases():
                                          num_warps=warps, expect_ptx=expect,
                                          expect_max_spills=200,  # sm_90a: 156-180 B at K = 128 (ring 2: 64)
                                          expect_max_shared=SMEM_PER_SM // 2))
+    for K in (128, 64):  # stage 9's state part: fp32 TMA tiles (dO bf16), tf32 WGMMA
+        V = K
+        BKS = 64
+        f32 = torch.float32
+
+        def desc32(rows, cols, block, dtype=f32):
+            return descriptor_stand_in([rows, cols], dtype, block, _smem_layout(block, dtype))
+
+        args = dict(h_desc=desc32(NC * H * K, V, [BKS, V]), dh_desc=desc32(NC * H * K, V, [BKS, V]),
+                    vn_desc=desc32(Ntok, H * V, [BT, V]), dvn_desc=desc32(Ntok, H * V, [BT, V]),
+                    do_desc=desc32(Ntok, H * V, [BT, V], bf), q_ptr=TensorStandIn([Ntok, H, K], f32),
+                    k_ptr=TensorStandIn([Ntok, H, K], f32), G_ptr=TensorStandIn([Ntok, H], torch.float64),
+                    dql_ptr=TensorStandIn([Ntok, H, K], f32), dkl_ptr=TensorStandIn([Ntok, H, K], f32),
+                    dq_ptr=TensorStandIn([Ntok, H, K], f32), dk_ptr=TensorStandIn([Ntok, H, K], f32),
+                    dw_ptr=TensorStandIn([Ntok, H, K], f32), dG_ptr=TensorStandIn([3, Ntok, H], f32),
+                    chunks_ptr=TensorStandIn([2 * NC], torch.int32), H=H, scale=0.1, dG_stride=Ntok * H, K=K, V=V,
+                    BKS=BKS)
+        cases.append(CompileCase(name=f"gdn_dqkwg_state_K{K}_V{V}", kernel=_dqkwg_state_kernel, args=args, num_warps=4,
+                                 expect_ptx=["wgmma.mma_async.sync.aligned.m64n64k8", "tf32.tf32",
+                                             "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                 expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     for K in (128, 64):  # the backward's state recurrences (stages 5 and 8): fp32 operands, tf32 WGMMA
         V = K
         N = 8
