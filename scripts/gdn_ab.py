@@ -89,6 +89,16 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def backward_inputs(*lead):
+    """q, k, v, g, beta and dO over leading dims `lead` (then H and the head dim): the bench's
+    distributions, bf16 (g fp32)."""
+    q, k = (torch.randn(*lead, H, K, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(*lead, H, V, device=dev, dtype=torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(*lead, H, device=dev))
+    beta = torch.sigmoid(torch.randn(*lead, H, device=dev)).to(torch.bfloat16)
+    return q, k, v, g, beta, torch.randn(*lead, H, V, device=dev, dtype=torch.bfloat16)
+
+
 # the block form (8 warps: its 4-warp candidate spills), the tile form at tf32x3 (raw keys and the
 # backward's recompute) on 8 and 4 warps, and at one-pass tf32 (the forward's default with
 # normalised keys df3acc3-b9a387e; the recompute's option, log row 22) and bf16 (the forward's
@@ -314,12 +324,7 @@ if "gluon" in SECTIONS and dev == "cuda":
 # operands), the whole backward of the bench's inputs, once each, same inputs
 if "backward" in SECTIONS:
     print("\n== whole backward: BACKWARD_PRODUCTS")
-    qf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-    kf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-    vf = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
-    gf = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev))
-    bf_ = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
-    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    qf, kf, vf, gf, bf_, do = backward_inputs(B, T)
     grads = {}
     block = tk.WY_BWD_KEY_BLOCK
     # (products, wy_bwd's block of key columns, the recompute's stage-3 precision and diagonal
@@ -371,12 +376,7 @@ if "dstates" in SECTIONS and dev == "cuda":
     for label, cu in (("S1", None), ("varlen", [0, 1, 700, 700, 4100, 9000])):
         ntok = B * T if cu is None else cu[-1]
         shape = (B, T) if cu is None else (1, ntok)
-        qf = torch.randn(*shape, H, K, device=dev, dtype=torch.bfloat16)
-        kf = torch.randn(*shape, H, K, device=dev, dtype=torch.bfloat16)
-        vf = torch.randn(*shape, H, V, device=dev, dtype=torch.bfloat16)
-        gf = torch.nn.functional.logsigmoid(torch.randn(*shape, H, device=dev))
-        bf_ = torch.sigmoid(torch.randn(*shape, H, device=dev)).to(torch.bfloat16)
-        do = torch.randn(*shape, H, V, device=dev, dtype=torch.bfloat16)
+        qf, kf, vf, gf, bf_, do = backward_inputs(*shape)
         cu_t = torch.tensor(cu, device=dev, dtype=torch.int32) if cu is not None else None
         plan_ = tk.make_plan(shape[0], shape[1], cu_t, dev)
         nseq = plan_.N
@@ -385,41 +385,32 @@ if "dstates" in SECTIONS and dev == "cuda":
         flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
         dof = tk._flatten(do)
         qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, h0, True, plan_, False, for_backward=True)
+        def recurrence_ab(stage, triton_fn, gluon_fn, names):
+            """Time Triton's form of a recurrence stage and the Gluon kernel in each launch shape on
+            the same operands, and compare their outputs."""
+            ref = triton_fn()
+            ms = triton.testing.do_bench(triton_fn, warmup=5, rep=40, return_mode="median")
+            print(f"{stage} {label} triton: {ms:.3f} ms", flush=True)
+            for bv, warps in ((128, 8), (64, 4)):
+                gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS = bv, warps
+                try:
+                    got = gluon_fn()
+                    torch.cuda.synchronize()
+                    ms = triton.testing.do_bench(gluon_fn, warmup=5, rep=40, return_mode="median")
+                    print(f"{stage} {label} gluon BV{bv} {warps}w: {ms:.3f} ms, vs triton: " +
+                          " ".join(f"{n} {rel(a, b):.2e}" for n, a, b in zip(names, got, ref)), flush=True)
+                except Exception as exc:
+                    print(f"{stage} {label} gluon BV{bv} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:300]}",
+                          flush=True)
+            gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS = dstates_defaults
+
         sargs = (kn, w, u, G, h0, plan_, True)
-        sref = tk.chunk_states(*sargs, input_dtype=torch.bfloat16, for_backward=True)
-        ms = triton.testing.do_bench(lambda: tk.chunk_states(*sargs, input_dtype=torch.bfloat16, for_backward=True),
-                                     warmup=5, rep=40, return_mode="median")
-        print(f"states {label} triton: {ms:.3f} ms", flush=True)
-        for bv, warps in ((128, 8), (64, 4)):
-            gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS = bv, warps
-            try:
-                got = gk.chunk_states_recompute_gluon(*sargs, input_dtype=torch.bfloat16)
-                torch.cuda.synchronize()
-                ms = triton.testing.do_bench(lambda: gk.chunk_states_recompute_gluon(*sargs, input_dtype=torch.bfloat16),
-                                             warmup=5, rep=40, return_mode="median")
-                print(f"states {label} gluon BV{bv} {warps}w: {ms:.3f} ms, vs triton: " +
-                      " ".join(f"{n} {rel(a, b):.2e}" for n, a, b in zip(("h", "vn", "ht"), got, sref)), flush=True)
-            except Exception as exc:
-                print(f"states {label} gluon BV{bv} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS = dstates_defaults
+        recurrence_ab("states", lambda: tk.chunk_states(*sargs, input_dtype=torch.bfloat16, for_backward=True),
+                      lambda: gk.chunk_states_recompute_gluon(*sargs, input_dtype=torch.bfloat16), ("h", "vn", "ht"))
         dvl = tk.chunk_dv_local(qn, kn, G, dof, K ** -0.5, plan_, input_dtype=torch.bfloat16)
         args = (qn, kn, w, G, dof, dvl, dht, K ** -0.5, plan_, True)
-        ref = tk.chunk_dstates(*args, input_dtype=torch.bfloat16)
-        ms = triton.testing.do_bench(lambda: tk.chunk_dstates(*args, input_dtype=torch.bfloat16), warmup=5, rep=40,
-                                     return_mode="median")
-        print(f"dstates {label} triton: {ms:.3f} ms", flush=True)
-        for bv, warps in ((128, 8), (64, 4)):
-            gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS = bv, warps
-            try:
-                got = gk.chunk_dstates_gluon(*args, input_dtype=torch.bfloat16)
-                torch.cuda.synchronize()
-                ms = triton.testing.do_bench(lambda: gk.chunk_dstates_gluon(*args, input_dtype=torch.bfloat16),
-                                             warmup=5, rep=40, return_mode="median")
-                print(f"dstates {label} gluon BV{bv} {warps}w: {ms:.3f} ms, vs triton: " +
-                      " ".join(f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dh", "dvn", "dh0"), got, ref)), flush=True)
-            except Exception as exc:
-                print(f"dstates {label} gluon BV{bv} {warps}w: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        gk.TF32_RECURRENCE_BV, gk.TF32_RECURRENCE_WARPS = dstates_defaults
+        recurrence_ab("dstates", lambda: tk.chunk_dstates(*args, input_dtype=torch.bfloat16),
+                      lambda: gk.chunk_dstates_gluon(*args, input_dtype=torch.bfloat16), ("dh", "dvn", "dh0"))
         grads = {}
         for name, fn in (("triton", tk.gdn_backward_triton), ("gluon", gk.gdn_backward_gluon)):
             def bwd(fn=fn):
@@ -441,12 +432,7 @@ if "dqkwg" in SECTIONS and dev == "cuda":
     from tileport.ops.gdn import gluon_kernels as gk
 
     print("\n== stage 9 (dqkwg): Triton's 9a and 9b apart, and 9b on Gluon (BACKWARD_DQKWG)")
-    qf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-    kf = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-    vf = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
-    gf = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev))
-    bf_ = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
-    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    qf, kf, vf, gf, bf_, do = backward_inputs(B, T)
     flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
     dof = tk._flatten(do)
     qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, None, True, plan, False, for_backward=True)
