@@ -560,6 +560,9 @@ if _GLUON_ERROR is None:
             else:
                 out = add - aS
                 y1 = out * gate[:, None]
+            # rows past the sequence are 0 in Y by select, not by the gate's 0 alone: their A rows are
+            # the next sequence's, and a non-finite value there would survive a product with 0
+            y1 = gl.where(o_ok[:, None], y1, 0.0)
             # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: the masked store writes only this chunk's rows
             gl.store(out_ptr + offs, out, mask=o_ok[:, None])
             # lint: allow TP005 -- y1T_s's readers (the previous chunk's update) were waited for (wait 0) by every warpgroup before the barrier that ended that chunk; the wait just above is A S's, which reads a_s and sT_s only
@@ -961,6 +964,7 @@ def chunk_dstates_gluon(q, k, w, G, do, dvl, dht, scale: float, plan, want_dh0: 
 # until timed on the card (written in the tenth session after its device time was spent; sm_90a:
 # 0 spills, 176 KB of shared memory at K = V = 128).
 BACKWARD_DQKWG = "triton"
+DQKWG_STATE_KEY_BLOCK = 64  # sm_90a at K = V = 128: 176 KB of shared memory (32: 147 KB; 128: 245 KB, too much)
 
 
 def dqkwg_kernel_for(operands, G, input_dtype) -> str:
@@ -977,8 +981,9 @@ def dqkwg_kernel_for(operands, G, input_dtype) -> str:
 def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype: torch.dtype,
                       input_dtype: torch.dtype | None = None):
     """9 with its state part on the Gluon kernel where `dqkwg_kernel_for` says so (the chunk-local
-    part on Triton's `_dqk_local_kernel`), else Triton's `chunk_dqkwg`; the same contract (dG's
-    partials as DQKWG_FORM "split" has them: NK from the state part, the last from 9a)."""
+    part on Triton's `_dqk_local_kernel`), else Triton's `chunk_dqkwg`; the same contract. The
+    Gluon path is always the split form whatever DQKWG_FORM says (dG's partials: K /
+    DQKWG_STATE_KEY_BLOCK from the state part, the last from 9a)."""
     from tileport.ops.gdn import triton_kernels as tk
 
     input_dtype = input_dtype or q.dtype
@@ -986,7 +991,10 @@ def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype:
         return tk.chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale, plan, dq_dtype, input_dtype=input_dtype)
     Ntok, H, K = q.shape
     V = do.shape[-1]
-    BKS, NK = tk._key_split(K)
+    # its own block of key columns (not DQKWG_KEY_BLOCK, which may be 128: 245 KB of shared memory
+    # here); stage 10 reads however many partials of dG there are
+    BKS = min(K, DQKWG_STATE_KEY_BLOCK)
+    NK = K // BKS
     dq = tk._out((Ntok, H, K), dq_dtype, q.device)
     dk = new_empty((Ntok, H, K), torch.float32, q.device)
     dw = new_empty((Ntok, H, K), torch.float32, q.device)
