@@ -456,17 +456,19 @@ if "dqkwg" in SECTIONS and dev == "cuda":
         K ** -0.5, B * T * H, K, V, BKS, BV, NV, tk.BT, *products, False, **tk._LAUNCH["dqkwg"]), warmup=5, rep=40,
         return_mode="median")
     print(f"dqkwg S1 triton split: {ms:.3f} ms (9a {t9a:.3f}, 9b {t9b:.3f})", flush=True)
-    dqkwg_switch = gk.BACKWARD_DQKWG
+    dqkwg_switch, state_form = gk.BACKWARD_DQKWG, gk.DQKWG_STATE_FORM
     gk.BACKWARD_DQKWG = "gluon"
-    try:
-        got = gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16)
-        torch.cuda.synchronize()
-        ms = triton.testing.do_bench(lambda: gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16), warmup=5, rep=40,
-                                     return_mode="median")
-        print(f"dqkwg S1 gluon 9b: {ms:.3f} ms, vs triton: " + " ".join(
-            f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dq", "dk", "dw", "dG"), got, ref)), flush=True)
-    except Exception as exc:
-        print(f"dqkwg S1 gluon 9b: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    for gk.DQKWG_STATE_FORM in gk.DQKWG_STATE_FORMS:
+        try:
+            got = gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(lambda: gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16), warmup=5,
+                                         rep=40, return_mode="median")
+            print(f"dqkwg S1 gluon 9b {gk.DQKWG_STATE_FORM}: {ms:.3f} ms, vs triton: " + " ".join(
+                f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dq", "dk", "dw", "dG"), got, ref)), flush=True)
+        except Exception as exc:
+            print(f"dqkwg S1 gluon 9b {gk.DQKWG_STATE_FORM}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    gk.DQKWG_STATE_FORM = state_form
     tk.DQKWG_FORM = dqkwg_default
     grads = {}
     for form in ("triton", "gluon"):

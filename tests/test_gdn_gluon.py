@@ -8,7 +8,8 @@ with one TMA buffer set, RECURRENCE_RING 1); and the backward's two state recurr
 recompute's stage 5 and stage 8) on the Gluon kernel in both launch shapes and on Triton's (the
 stages share one contract, so the mixed pairs are not kept: they were in the H200 run at a8d219f,
 cut at 85 s with 40 passed and none failed, and the loop's whole gate must fit one device call);
-and stage 9's state part on its Gluon kernel. GPU only: Gluon kernels don't run on the CPU, where
+and stage 9's state part on its Gluon kernel in both forms (a program per key block, or one looping
+over them). GPU only: Gluon kernels don't run on the CPU, where
 tests/test_gluon_compile.py compile-checks the kernel for sm_90a instead.
 """
 
@@ -26,8 +27,8 @@ ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] ==
 # every Gluon form, each switch it depends on set explicitly: the forward's (FORWARD_FORM,
 # OUTPUT_FORM, RECURRENCE_BV, RECURRENCE_WARPS, RECURRENCE_GATES, RECURRENCE_RING,
 # RECURRENCE_O_STORE) and the backward's (BACKWARD_STATES, BACKWARD_DSTATES, TF32_RECURRENCE_BV,
-# TF32_RECURRENCE_WARPS, BACKWARD_DQKWG)
-_DSTATES = ("gluon", "gluon", 128, 8, "triton")  # the backward's recurrences in Gluon, BV 128 on two warpgroups
+# TF32_RECURRENCE_WARPS, BACKWARD_DQKWG, DQKWG_STATE_FORM)
+_DSTATES = ("gluon", "gluon", 128, 8, "triton", "per-block")  # the backward's recurrences in Gluon, BV 128 on two warpgroups
 FORMS = {
     "one-shot": ("split", "one-shot", 64, 4, "staged", 2, "masked", *_DSTATES),  # the output kernels after Triton's 1-5
     "persistent": ("split", "persistent", 64, 4, "staged", 2, "masked", *_DSTATES),
@@ -37,13 +38,15 @@ FORMS = {
     "fused-wide-early": ("fused", "one-shot", 128, 8, "early", 2, "masked", *_DSTATES),
     "fused-wide-staged": ("fused", "one-shot", 128, 8, "staged", 2, "masked", *_DSTATES),
     "fused-wide-tma-store": ("fused", "one-shot", 128, 8, "staged", 2, "tma", *_DSTATES),
-    "recurrences-BV64-4w": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 64, 4, "triton"),
-    "recurrences-triton": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", "triton", 128, 8, "triton"),
-    "dqkwg-gluon": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon"),  # 9b in Gluon
+    "recurrences-BV64-4w": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 64, 4, "triton", "per-block"),
+    "recurrences-triton": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", "triton", 128, 8, "triton",
+                           "per-block"),
+    "dqkwg-gluon": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "per-block"),
+    "dqkwg-gluon-loop": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "loop"),
 }
 _SWITCHES = ("FORWARD_FORM", "OUTPUT_FORM", "RECURRENCE_BV", "RECURRENCE_WARPS", "RECURRENCE_GATES", "RECURRENCE_RING",
              "RECURRENCE_O_STORE", "BACKWARD_STATES", "BACKWARD_DSTATES", "TF32_RECURRENCE_BV", "TF32_RECURRENCE_WARPS",
-             "BACKWARD_DQKWG")
+             "BACKWARD_DQKWG", "DQKWG_STATE_FORM")
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -99,7 +102,7 @@ def test_fused_launch_refuses(switch, bad, monkeypatch):
 
 @pytest.mark.parametrize("switch, bad", [("TF32_RECURRENCE_WARPS", 12), ("TF32_RECURRENCE_BV", 32),
                                          ("BACKWARD_DSTATES", "cuda"), ("BACKWARD_STATES", "cuda"),
-                                         ("BACKWARD_DQKWG", "cuda")])
+                                         ("BACKWARD_DQKWG", "cuda"), ("DQKWG_STATE_FORM", "tiled")])
 def test_tf32_recurrence_launch_refuses(switch, bad, monkeypatch):
     """A value of the backward recurrences' switches the Gluon kernel cannot take is refused by
     name, the others at their defaults (CPU: nothing launches)."""

@@ -587,55 +587,24 @@ if _GLUON_ERROR is None:
 
 
     @gluon.jit
-    def _dqkwg_state_kernel(h_desc, dh_desc, vn_desc, dvn_desc, do_desc, q_ptr, k_ptr, G_ptr, dql_ptr, dkl_ptr, dq_ptr,
-                            dk_ptr, dw_ptr, dG_ptr, chunks_ptr, H, scale, dG_stride, K: gl.constexpr,
-                            V: gl.constexpr, BKS: gl.constexpr):
-        """9b, the state part of stage 9 (Triton's `_dqkwg_kernel` with DS_HERE False; 9a, the
-        chunk-local part, stays `_dqk_local_kernel`): per chunk, head and block of BKS key columns
-        (grid (NC * K / BKS, H), 4 warps), with h_c and dh the states entering and leaving the chunk,
-            dQa = dO h_c^T,  dKs = Vn dh^T,  dW = -dVn h_c^T   (tf32 WGMMA, over V),
-            hdh = sum(h_c * dh) over the block's rows of the state; then
-            dQ = scale diag(exp(G)) dQa + dql,   dK = diag(exp(G_L - G)) dKs + dkl,
-            dG = scale exp(G) rowsum(Q * dQa) - x (+ exp(G_L) hdh + sum(x) on the last valid row),
-            x = exp(G_L - G) rowsum(K * dKs) (0 on the last valid row),
-        dG as this block's partial. Every product contracts over V, along which all five operands are
-        contiguous: each comes in by TMA as it is stored (h, dh as [BKS, V] row blocks, read as
-        transposed views: K-major for tf32), except dO, bf16, widened to fp32 in shared memory.
-        Explicit here (Triton would choose): the one mbarrier for the five tiles, the widening of
-        dO, the three WGMMAs issued together and waited for once, and sum(h * dh) formed from
-        shared memory while they run. Rows past the sequence: the TMA rows of the next sequence
-        (or zeros past the tensor) go through the products, and the row-masked epilogue drops them."""
-        BT: gl.constexpr = vn_desc.block_type.shape[0]
-        NK: gl.constexpr = K // BKS
-        item = gl.program_id(0)
-        hh = gl.program_id(1)
-        c = item // NK
-        kb = item % NK
-        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
-        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+    def _dqkwg_state_block(a_do, h_b, dh_b, vn_s, dvn_s, q_ptr, k_ptr, G_ptr, dql_ptr, dkl_ptr, dq_ptr, dk_ptr, dw_ptr,
+                           dG_ptr, bos, eos, hh, kb, H, scale, dG_stride, K: gl.constexpr, BKS: gl.constexpr):
+        """9b for one block of BKS key columns, its tiles in shared memory (dO as `a_do`: fp32 in
+        shared memory or a register A operand): dQa = dO h_c^T, dKs = Vn dh^T, dW = -dVn h_c^T by
+        tf32 WGMMA issued together, sum(h_c * dh) formed while they run, then the epilogue's rows
+        loaded (after the wait: loaded under the WGMMAs they cost 78 registers per thread at
+        K = 128, and the loop form spilled) and dQ, dK, dW and the block's partial of dG stored
+        (Triton's `_dqkwg_kernel` with DS_HERE False)."""
+        BT: gl.constexpr = vn_s.shape[0]
+        NW: gl.constexpr = gl.num_warps()
+        D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
+                                                      instr_shape=[16, BKS // (NW // 4), 8])
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        zero = gl.zeros([BT, BKS], gl.float32, D_L)
+        dqa = warpgroup_mma(a_do, h_b.permute((1, 0)), zero, is_async=True)
+        dks = warpgroup_mma(vn_s, dh_b.permute((1, 0)), zero, is_async=True)
+        dwa = warpgroup_mma(dvn_s, h_b.permute((1, 0)), zero, is_async=True)
 
-        D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BKS, 8])
-        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
-        h_s = gl.allocate_shared_memory(gl.float32, [BKS, V], h_desc.layout)
-        dh_s = gl.allocate_shared_memory(gl.float32, [BKS, V], dh_desc.layout)
-        vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
-        dvn_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
-        do_s = gl.allocate_shared_memory(do_desc.dtype, [BT, V], do_desc.layout)
-        do32_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
-        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar, count=1)
-        fence_async_shared()
-        NBYTES: gl.constexpr = (h_desc.block_type.nbytes + dh_desc.block_type.nbytes + vn_desc.block_type.nbytes
-                                + dvn_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        mbarrier.expect(bar, NBYTES)
-        srow = (c * H + hh) * K + kb * BKS  # the block's first row of h_c in [NC * H * K, V]
-        tma.async_copy_global_to_shared(h_desc, [srow, 0], bar, h_s)
-        tma.async_copy_global_to_shared(dh_desc, [srow, 0], bar, dh_s)
-        tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bar, vn_s)
-        tma.async_copy_global_to_shared(dvn_desc, [bos, hh * V], bar, dvn_s)
-        tma.async_copy_global_to_shared(do_desc, [bos, hh * V], bar, do_s)
-
-        # the epilogue's operands, loaded under the TMA wait
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
         kcol = kb * BKS + gl.arange(0, BKS, layout=gl.SliceLayout(0, D_L))
         tok = bos + ro
@@ -643,29 +612,19 @@ if _GLUON_ERROR is None:
         rows = tok.to(gl.int64) * H + hh
         offs = rows[:, None] * K + kcol[None, :]
         mk = valid[:, None]
+        G = gl.load(G_ptr + rows, mask=valid, other=0.0)
+        last = gl.minimum(bos + BT, eos) - 1
+        GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
+        hdh = 0.0  # sum(h_c * dh) over the block, from shared memory (the WGMMAs only read it)
+        for half in gl.static_range(2):  # in two row halves: a whole [BKS, V] pair would hold 128 registers
+            hdh += gl.sum(gl.sum(h_b.slice(half * (BKS // 2), BKS // 2).load(ROWS_L)
+                                 * dh_b.slice(half * (BKS // 2), BKS // 2).load(ROWS_L), axis=1), axis=0)
+        dqa, dks, dwa = warpgroup_mma_wait(0, deps=[dqa, dks, dwa])
+
         # lint: allow TP001 -- [64, BKS] epilogue tiles read in the accumulator layout they are combined in; rows past the sequence masked
         q = gl.load(q_ptr + offs, mask=mk, other=0.0)
         # lint: allow TP001 -- as q
         k = gl.load(k_ptr + offs, mask=mk, other=0.0)
-        G = gl.load(G_ptr + rows, mask=valid, other=0.0)
-        last = gl.minimum(bos + BT, eos) - 1
-        GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
-
-        mbarrier.wait(bar, 0)
-        do32_s.store(do_s.load(ROWS_L).to(gl.float32))
-        fence_async_shared()
-        gl.thread_barrier()  # every warp's part of dO in fp32, before the WGMMA reads it
-        zero = gl.zeros([BT, BKS], gl.float32, D_L)
-        dqa = warpgroup_mma(do32_s, h_s.permute((1, 0)), zero, is_async=True)
-        dks = warpgroup_mma(vn_s, dh_s.permute((1, 0)), zero, is_async=True)
-        dwa = warpgroup_mma(dvn_s, h_s.permute((1, 0)), zero, is_async=True)
-        # sum(h_c * dh) over the block, from shared memory, under the WGMMAs (they only read h_s, dh_s)
-        hdh = 0.0
-        for half in gl.static_range(2):  # in two row halves: a whole [BKS, V] pair would hold 128 registers
-            hdh += gl.sum(gl.sum(h_s.slice(half * (BKS // 2), BKS // 2).load(ROWS_L)
-                                 * dh_s.slice(half * (BKS // 2), BKS // 2).load(ROWS_L), axis=1), axis=0)
-        dqa, dks, dwa = warpgroup_mma_wait(0, deps=[dqa, dks, dwa])
-
         eg = gl.exp(G.to(gl.float32))
         decay = gl.exp(gl.where(valid, (GL - G).to(gl.float32), float("-inf")))
         # lint: allow TP001 -- as q
@@ -684,7 +643,93 @@ if _GLUON_ERROR is None:
         # lint: allow TP001 -- as dq
         gl.store(dw_ptr + offs, -dwa, mask=mk)
         gl.store(dG_ptr + kb * dG_stride + rows, dG, mask=valid)
-        mbarrier.invalidate(bar)
+
+    @gluon.jit
+    def _dqkwg_state_kernel(h_desc, dh_desc, vn_desc, dvn_desc, do_desc, q_ptr, k_ptr, G_ptr, dql_ptr, dkl_ptr, dq_ptr,
+                            dk_ptr, dw_ptr, dG_ptr, chunks_ptr, H, scale, dG_stride, K: gl.constexpr,
+                            V: gl.constexpr, BKS: gl.constexpr, KB_LOOP: gl.constexpr):
+        """9b, the state part of stage 9 (Triton's `_dqkwg_kernel` with DS_HERE False; 9a, the
+        chunk-local part, stays `_dqk_local_kernel`), with h_c and dh the states entering and
+        leaving the chunk, per block of BKS key columns (`_dqkwg_state_block`):
+            dQa = dO h_c^T,  dKs = Vn dh^T,  dW = -dVn h_c^T   (tf32 WGMMA, over V),
+            hdh = sum(h_c * dh) over the block's rows of the state; then
+            dQ = scale diag(exp(G)) dQa + dql,   dK = diag(exp(G_L - G)) dKs + dkl,
+            dG = scale exp(G) rowsum(Q * dQa) - x (+ exp(G_L) hdh + sum(x) on the last valid row),
+            x = exp(G_L - G) rowsum(K * dKs) (0 on the last valid row),
+        dG as the block's partial. Every product contracts over V, along which all five operands
+        are contiguous: each comes in by TMA as it is stored (h, dh as [BKS, V] row blocks of the
+        [NC * H * K, V] states, read as transposed views: K-major, as tf32 needs); dO is bf16.
+        KB_LOOP False: one program per (chunk, head, block), grid (NC * K / BKS, H), dO widened to
+        fp32 in shared memory (176 KB at K = V = 128: one CTA per SM). KB_LOOP True: one program
+        per (chunk, head), grid (NC, H), 8 warps, looping over the blocks: Vn, dVn and dO are loaded
+        once (not once per block), dO goes to the WGMMAs as a register A operand (tf32 takes one:
+        DotOperandLayout k_width 1), and the second block's h, dh load under the first block's
+        WGMMAs (two buffer sets; 216 KB).
+        Explicit here (Triton would choose): the mbarriers for the tiles, the widening or register
+        staging of dO, the three WGMMAs issued together and waited for once. Rows past the
+        sequence: the TMA rows of the next sequence (or zeros past the tensor) go through the
+        row-wise products and the row-masked epilogue drops them."""
+        BT: gl.constexpr = vn_desc.block_type.shape[0]
+        NK: gl.constexpr = K // BKS
+        NB: gl.constexpr = 2 if KB_LOOP and NK > 1 else 1  # buffer sets for h, dh
+        hh = gl.program_id(1)
+        if KB_LOOP:
+            c = gl.program_id(0)
+            kb0 = 0
+        else:
+            c = gl.program_id(0) // NK
+            kb0 = gl.program_id(0) % NK
+        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
+        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
+        h_s = gl.allocate_shared_memory(gl.float32, [NB, BKS, V], h_desc.layout)
+        dh_s = gl.allocate_shared_memory(gl.float32, [NB, BKS, V], dh_desc.layout)
+        vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+        dvn_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
+        do_s = gl.allocate_shared_memory(do_desc.dtype, [BT, V], do_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(NB):
+            mbarrier.init(bars.index(b), count=1)
+        fence_async_shared()
+        ROW_BYTES: gl.constexpr = vn_desc.block_type.nbytes + dvn_desc.block_type.nbytes + do_desc.block_type.nbytes
+        STATE_BYTES: gl.constexpr = h_desc.block_type.nbytes + dh_desc.block_type.nbytes
+        sbase = (c * H + hh) * K  # the chunk's first row of h_c in [NC * H * K, V]
+        mbarrier.expect(bars.index(0), ROW_BYTES + STATE_BYTES)  # the rows ride with the first block
+        tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bars.index(0), vn_s)
+        tma.async_copy_global_to_shared(dvn_desc, [bos, hh * V], bars.index(0), dvn_s)
+        tma.async_copy_global_to_shared(do_desc, [bos, hh * V], bars.index(0), do_s)
+        tma.async_copy_global_to_shared(h_desc, [sbase + kb0 * BKS, 0], bars.index(0), h_s.index(0))
+        tma.async_copy_global_to_shared(dh_desc, [sbase + kb0 * BKS, 0], bars.index(0), dh_s.index(0))
+        if NB == 2:
+            mbarrier.expect(bars.index(1), STATE_BYTES)
+            tma.async_copy_global_to_shared(h_desc, [sbase + BKS, 0], bars.index(1), h_s.index(1))
+            tma.async_copy_global_to_shared(dh_desc, [sbase + BKS, 0], bars.index(1), dh_s.index(1))
+        mbarrier.wait(bars.index(0), 0)
+        if KB_LOOP:
+            WG: gl.constexpr = gl.num_warps() // 4
+            D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                          instr_shape=[16, BKS // WG, 8])
+            for kb in gl.static_range(NK):  # NK <= 2 (K <= 128, BKS 64): each block has its own buffer set
+                if kb > 0:
+                    mbarrier.wait(bars.index(kb), 0)
+                # dO into registers again per block (from shared memory: cheap), so that it is not
+                # held through the epilogues
+                a_do = gl.convert_layout(do_s.load(ROWS_L).to(gl.float32),
+                                         gl.DotOperandLayout(operand_index=0, parent=D_L, k_width=1))
+                _dqkwg_state_block(a_do, h_s.index(kb), dh_s.index(kb), vn_s, dvn_s, q_ptr, k_ptr, G_ptr, dql_ptr,
+                                   dkl_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr, bos, eos, hh, kb, H, scale, dG_stride, K,
+                                   BKS)
+        else:
+            do32_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+            # lint: allow TP005 -- written once, before any WGMMA of this program (the wait the lint sees is in the block helper)
+            do32_s.store(do_s.load(ROWS_L).to(gl.float32))
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of dO in fp32, before the WGMMA reads it
+            _dqkwg_state_block(do32_s, h_s.index(0), dh_s.index(0), vn_s, dvn_s, q_ptr, k_ptr, G_ptr, dql_ptr, dkl_ptr,
+                               dq_ptr, dk_ptr, dw_ptr, dG_ptr, bos, eos, hh, kb0, H, scale, dG_stride, K, BKS)
+        for b in gl.static_range(NB):
+            mbarrier.invalidate(bars.index(b))
 
 
 @functools.lru_cache(maxsize=None)
@@ -965,12 +1010,18 @@ def chunk_dstates_gluon(q, k, w, G, do, dvl, dht, scale: float, plan, want_dh0: 
 # 0 spills, 176 KB of shared memory at K = V = 128).
 BACKWARD_DQKWG = "triton"
 DQKWG_STATE_KEY_BLOCK = 64  # sm_90a at K = V = 128: 176 KB of shared memory (32: 147 KB; 128: 245 KB, too much)
+# How `_dqkwg_state_kernel` covers the key blocks: "per-block" (one 4-warp program each, KB_LOOP
+# False: 176 KB, 168 registers at K = 128) or "loop" (one 8-warp program per chunk and head over
+# the blocks, KB_LOOP True: 216 KB, 246 registers; on 4 warps it spills). Neither run on the card yet.
+DQKWG_STATE_FORMS = ("per-block", "loop")
+DQKWG_STATE_FORM = "per-block"
 
 
 def dqkwg_kernel_for(operands, G, input_dtype) -> str:
     """"gluon" or "triton": which kernel runs stage 9's state part on these operands (BACKWARD_DQKWG)."""
     from tileport.ops.gdn import triton_kernels as tk
 
+    tk._checked("DQKWG_STATE_FORM", DQKWG_STATE_FORM, DQKWG_STATE_FORMS)
     if tk._checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton":
         return "triton"
     tf32 = tk._products(input_dtype, True, "dqkwg")[2].removesuffix("-emulated") == "tf32"
@@ -1008,8 +1059,10 @@ def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype:
         descs = (_descriptor(h.view(plan.NC * H * K, V), [BKS, V]), _descriptor(dh.view(plan.NC * H * K, V), [BKS, V]),
                  _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(dvn.view(Ntok, H * V), [BT, V]),
                  _descriptor(do.view(Ntok, H * V), [BT, V]))
-        _dqkwg_state_kernel[(plan.NC * NK, H)](*descs, q, k, G, dql, dkl, dq, dk, dw, dG, plan.chunks, H, float(scale),
-                                               Ntok * H, K, V, BKS, num_warps=4)
+        loop = DQKWG_STATE_FORM == "loop"  # (checked by dqkwg_kernel_for)
+        _dqkwg_state_kernel[(plan.NC * (1 if loop else NK), H)](*descs, q, k, G, dql, dkl, dq, dk, dw, dG, plan.chunks, H,
+                                                                float(scale), Ntok * H, K, V, BKS, loop,
+                                                                num_warps=8 if loop else 4)
     return tk._done(dq, dq_dtype), dk, dw, dG
 
 
@@ -1099,10 +1152,12 @@ def compile_cases():
                     dw_ptr=TensorStandIn([Ntok, H, K], f32), dG_ptr=TensorStandIn([3, Ntok, H], f32),
                     chunks_ptr=TensorStandIn([2 * NC], torch.int32), H=H, scale=0.1, dG_stride=Ntok * H, K=K, V=V,
                     BKS=BKS)
-        cases.append(CompileCase(name=f"gdn_dqkwg_state_K{K}_V{V}", kernel=_dqkwg_state_kernel, args=args, num_warps=4,
-                                 expect_ptx=["wgmma.mma_async.sync.aligned.m64n64k8", "tf32.tf32",
-                                             "cp.async.bulk.tensor", "mbarrier.try_wait"],
-                                 expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+        for loop, warps in ((False, 4), (True, 8)):  # the loop form on 4 warps: 188 B of spills at K = 128
+            cases.append(CompileCase(name=f"gdn_dqkwg_state_K{K}_V{V}{'_kb_loop' if loop else ''}_w{warps}",
+                                     kernel=_dqkwg_state_kernel, args=dict(args, KB_LOOP=loop), num_warps=warps,
+                                     expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "k8.f32.tf32.tf32",
+                                                 "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                     expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     for K in (128, 64):  # the backward's state recurrences (stages 5 and 8): fp32 operands, tf32 WGMMA
         V = K
         N = 8
