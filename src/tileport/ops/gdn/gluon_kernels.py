@@ -619,7 +619,12 @@ if _GLUON_ERROR is None:
         for half in gl.static_range(2):  # in two row halves: a whole [BKS, V] pair would hold 128 registers
             hdh += gl.sum(gl.sum(h_b.slice(half * (BKS // 2), BKS // 2).load(ROWS_L)
                                  * dh_b.slice(half * (BKS // 2), BKS // 2).load(ROWS_L), axis=1), axis=0)
-        dqa, dks, dwa = warpgroup_mma_wait(0, deps=[dqa, dks, dwa])
+        # every operand in deps: an operand whose last use is the WGMMA issue is free space to Triton's
+        # shared-memory allocator, which placed the sum's reduction scratch on vn_s and h_s while the
+        # WGMMAs still read them (found in the sm_90a PTX by a review, before any GPU run)
+        dqa, dks, dwa, _a, _h, _dh, _vn, _dvn = warpgroup_mma_wait(0, deps=[dqa, dks, dwa, a_do, h_b, dh_b, vn_s, dvn_s])
+        if NW > 4:
+            gl.thread_barrier()  # every warpgroup's WGMMAs are done before anything reuses their operands (triton 11047)
 
         # lint: allow TP001 -- [64, BKS] epilogue tiles read in the accumulator layout they are combined in; rows past the sequence masked
         q = gl.load(q_ptr + offs, mask=mk, other=0.0)
@@ -671,6 +676,7 @@ if _GLUON_ERROR is None:
         row-wise products and the row-masked epilogue drops them."""
         BT: gl.constexpr = vn_desc.block_type.shape[0]
         NK: gl.constexpr = K // BKS
+        gl.static_assert(not KB_LOOP or NK <= 2, "the loop form holds at most two key blocks (one buffer set each)")
         NB: gl.constexpr = 2 if KB_LOOP and NK > 1 else 1  # buffer sets for h, dh
         hh = gl.program_id(1)
         if KB_LOOP:
@@ -1060,6 +1066,9 @@ def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype:
                  _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(dvn.view(Ntok, H * V), [BT, V]),
                  _descriptor(do.view(Ntok, H * V), [BT, V]))
         loop = DQKWG_STATE_FORM == "loop"  # (checked by dqkwg_kernel_for)
+        if loop and NK > 2:
+            raise ValueError(f"DQKWG_STATE_FORM 'loop' holds at most two key blocks: K={K} at DQKWG_STATE_KEY_BLOCK "
+                             f"{DQKWG_STATE_KEY_BLOCK} gives {NK}")
         _dqkwg_state_kernel[(plan.NC * (1 if loop else NK), H)](*descs, q, k, G, dql, dkl, dq, dk, dw, dG, plan.chunks, H,
                                                                 float(scale), Ntok * H, K, V, BKS, loop,
                                                                 num_warps=8 if loop else 4)
