@@ -1,4 +1,5 @@
-"""Gated DeltaNet, Gluon backend for Hopper (sm_90): the state recurrence and the output in Gluon.
+"""Gated DeltaNet, Gluon backend for Hopper (sm_90): the forward's state recurrence and output, and
+the backward's state recurrences (and, off until timed, stage 9's state part) in Gluon.
 
 The backend "gluon" is the Triton backend (tileport.ops.gdn.triton_kernels) with the forward's
 stages 5 and 6 replaced by Gluon kernels (FORWARD_FORM):
@@ -14,7 +15,9 @@ Stages 1-3 are Triton's. The backward is Triton's stages with its two state recu
 recompute's stage 5, BACKWARD_STATES, and stage 8, BACKWARD_DSTATES) on `_tf32_recurrence_kernel`:
 tf32 WGMMA on the recompute's fp32 operands, those that tf32 WGMMA must read K-major written to
 shared memory transposed. H200: stage 8 0.674 ms at S1 against Triton's 1.517 (5117b1b); stage 5
-0.526 against 0.633 (a8d219f); the whole backward 9.18 -> 8.21 ms. The CPU compile check asserts
+0.526 against 0.633 (a8d219f); the whole backward 9.18 -> 8.21 ms. Stage 9's state part on
+`_dqkwg_state_kernel` (BACKWARD_DQKWG, DQKWG_STATE_FORM) is written, compile-checked and reviewed,
+and off until the card times it. The CPU compile check asserts
 wgmma.mma_async and cp.async.bulk.tensor in every kernel's PTX (tests/test_gluon_compile.py).
 
 bf16 only (the backward's recurrences take fp32 operands, which the backward of bf16 inputs
