@@ -218,6 +218,16 @@ if _GLUON_ERROR is None:
 
 
     @gluon.jit
+    def _sequence_program(cu_ptr, H, BT: gl.constexpr):
+        """What a program of the sequential kernels (grid (N * H, V / BV)) works on: its sequence n,
+        head hh and V block jv, the sequence's tokens [bos, eos) and its number of chunks nc."""
+        nh = gl.program_id(0)
+        n = nh // H
+        bos = gl.load(cu_ptr + n).to(gl.int32)
+        eos = gl.load(cu_ptr + n + 1).to(gl.int32)
+        return n, nh % H, gl.program_id(1), bos, eos, (eos - bos + BT - 1) // BT
+
+    @gluon.jit
     def _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, t0, hh, ucol, q_b, k_b, w_b, u_b, bar,
                                 K: gl.constexpr):
         """TMA the q, k, W tiles ([64, K]) and the U tile ([64, BV] from column ucol) of the chunk
@@ -287,13 +297,7 @@ if _GLUON_ERROR is None:
         BT: gl.constexpr = q_desc.block_type.shape[0]
         NW: gl.constexpr = gl.num_warps()
         WG: gl.constexpr = NW // 4  # warpgroups, side by side along the accumulators' columns
-        nh = gl.program_id(0)
-        jv = gl.program_id(1)
-        n = nh // H
-        hh = nh % H
-        bos = gl.load(cu_ptr + n).to(gl.int32)
-        eos = gl.load(cu_ptr + n + 1).to(gl.int32)
-        nc = (eos - bos + BT - 1) // BT
+        n, hh, jv, bos, eos, nc = _sequence_program(cu_ptr, H, BT)
 
         q_s = gl.allocate_shared_memory(q_desc.dtype, [RING, BT, K], q_desc.layout)
         k_s = gl.allocate_shared_memory(k_desc.dtype, [RING, BT, K], k_desc.layout)
@@ -476,14 +480,8 @@ if _GLUON_ERROR is None:
         BT: gl.constexpr = a_desc.block_type.shape[0]
         NW: gl.constexpr = gl.num_warps()
         WG: gl.constexpr = NW // 4
-        nh = gl.program_id(0)
-        jv = gl.program_id(1)
-        n = nh // H
-        hh = nh % H
-        bos = gl.load(cu_ptr + n).to(gl.int32)
-        eos = gl.load(cu_ptr + n + 1).to(gl.int32)
+        n, hh, jv, bos, eos, nc = _sequence_program(cu_ptr, H, BT)
         c0 = gl.load(choff_ptr + n).to(gl.int32)
-        nc = (eos - bos + BT - 1) // BT
 
         # tf32 WGMMA: instruction K of 8; [64, BV] and [K, BV] accumulators share the layout
         D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
@@ -934,6 +932,15 @@ TF32_RECURRENCE_WARPS = 8
 _KERNEL_CHOICES = ("gluon", "triton")
 
 
+def _gluon_takes(stage: str, operands, G, input_dtype) -> bool:
+    """Whether the Gluon tf32 kernels take backward stage `stage` on these operands: its products
+    tf32 (BACKWARD_PRODUCTS, per stage), every operand fp32, per-head gates (GDN's), on the GPU."""
+    from tileport.ops.gdn import triton_kernels as tk
+
+    tf32 = tk._products(input_dtype, True, stage)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
+    return tf32 and all(x.dtype == torch.float32 for x in operands) and G.dim() == 2 and G.is_cuda
+
+
 def recurrence_kernel_for(stage: str, operands, G, input_dtype, pairs: int = 0) -> str:
     """"gluon" or "triton": which kernel runs the backward's recurrence `stage` ("states", the
     recompute's stage 5, or "dstates", stage 8) on these operands over `pairs` (sequence, head)
@@ -944,9 +951,7 @@ def recurrence_kernel_for(stage: str, operands, G, input_dtype, pairs: int = 0) 
     choice = tk._checked(name, globals()[name], _KERNEL_CHOICES + (("auto",) if stage == "states" else ()))
     if choice == "triton" or choice == "auto" and pairs < TF32_STATES_MIN_PAIRS:
         return "triton"
-    tf32 = tk._products(input_dtype, True, stage)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
-    fp32 = all(x.dtype == torch.float32 for x in operands)
-    return "gluon" if tf32 and fp32 and G.dim() == 2 and G.is_cuda else "triton"
+    return "gluon" if _gluon_takes(stage, operands, G, input_dtype) else "triton"
 
 
 def check_tf32_recurrence_launch(V: int) -> int:
@@ -1033,9 +1038,7 @@ def dqkwg_kernel_for(operands, G, input_dtype) -> str:
     tk._checked("DQKWG_STATE_FORM", DQKWG_STATE_FORM, DQKWG_STATE_FORMS)
     if tk._checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton":
         return "triton"
-    tf32 = tk._products(input_dtype, True, "dqkwg")[2].removesuffix("-emulated") == "tf32"
-    fp32 = all(x.dtype == torch.float32 for x in operands)
-    return "gluon" if tf32 and fp32 and G.dim() == 2 and G.is_cuda else "triton"
+    return "gluon" if _gluon_takes("dqkwg", operands, G, input_dtype) else "triton"
 
 
 def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype: torch.dtype,
