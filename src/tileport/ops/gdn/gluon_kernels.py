@@ -15,9 +15,9 @@ Stages 1-3 are Triton's. The backward is Triton's stages with its two state recu
 recompute's stage 5, BACKWARD_STATES, and stage 8, BACKWARD_DSTATES) on `_tf32_recurrence_kernel`:
 tf32 WGMMA on the recompute's fp32 operands, those that tf32 WGMMA must read K-major written to
 shared memory transposed. H200: stage 8 0.674 ms at S1 against Triton's 1.517 (5117b1b); stage 5
-0.526 against 0.633 (a8d219f); the whole backward 9.18 -> 8.21 ms. Stage 9's state part on
-`_dqkwg_state_kernel` (BACKWARD_DQKWG, DQKWG_STATE_FORM) is written, compile-checked and reviewed,
-and off until the card times it. The CPU compile check asserts
+0.526 against 0.633 (a8d219f); the whole backward 9.18 -> 8.21 ms. Stage 9's state part runs on
+`_dqkwg_state_kernel` (BACKWARD_DQKWG, DQKWG_STATE_FORM 'loop'): 9b 1.80 -> ~1.16 ms, the whole
+backward 8.14 -> 7.70 (d0ddc54). The CPU compile check asserts
 wgmma.mma_async and cp.async.bulk.tensor in every kernel's PTX (tests/test_gluon_compile.py).
 
 bf16 only (the backward's recurrences take fp32 operands, which the backward of bf16 inputs
@@ -1019,16 +1019,16 @@ def chunk_dstates_gluon(q, k, w, G, do, dvl, dht, scale: float, plan, want_dh0: 
 
 # Which kernel runs stage 9's state part in the "gluon" backend: "triton" (`_dqkwg_kernel` in
 # Triton's DQKWG_FORM) or "gluon" (Triton's `_dqk_local_kernel`, then `_dqkwg_state_kernel`: TMA
-# tiles, three tf32 WGMMAs; where the products are tf32 on fp32 operands and K is 64 or 128). Off
-# until timed on the card (written in the tenth session after its device time was spent; sm_90a:
-# 0 spills, 176 KB of shared memory at K = V = 128).
-BACKWARD_DQKWG = "triton"
+# tiles, three tf32 WGMMAs; where the products are tf32 on fp32 operands and K is 64 or 128).
+# H200 at S1 (gdn_ab.py "dqkwg", d0ddc54): Triton's 9b 1.798 ms, Gluon's per-block ~1.34, loop
+# ~1.16; the whole backward 8.143 -> 7.702 ms, racecheck clean (docs/perf/gdn.md, gluon row 11).
+BACKWARD_DQKWG = "gluon"
 DQKWG_STATE_KEY_BLOCK = 64  # sm_90a at K = V = 128: 176 KB of shared memory (32: 147 KB; 128: 245 KB, too much)
 # How `_dqkwg_state_kernel` covers the key blocks: "per-block" (one 4-warp program each, KB_LOOP
 # False: 176 KB, 168 registers at K = 128) or "loop" (one 8-warp program per chunk and head over
-# the blocks, KB_LOOP True: 216 KB, 246 registers; on 4 warps it spills). Neither run on the card yet.
+# the blocks, KB_LOOP True: 216 KB, 246 registers; on 4 warps it spills; at most two key blocks).
 DQKWG_STATE_FORMS = ("per-block", "loop")
-DQKWG_STATE_FORM = "per-block"
+DQKWG_STATE_FORM = "loop"
 
 
 def dqkwg_kernel_for(operands, G, input_dtype) -> str:
