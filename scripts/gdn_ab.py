@@ -33,8 +33,8 @@ BK, BV, NV = tk._blocks(K, V)
 DT, DA = tk._dot_types(torch.bfloat16)
 plan = tk.make_plan(B, T, None, dev)
 # GDN_AB_SECTIONS picks what to time (comma-separated; default all): solve, output, states, forward, gluon,
-# backward, dstates, dqkwg
-_ALL = ("solve", "output", "states", "forward", "gluon", "backward", "dstates", "dqkwg")
+# backward, dstates, dqkwg, wy
+_ALL = ("solve", "output", "states", "forward", "gluon", "backward", "dstates", "dqkwg", "wy")
 SECTIONS = [x.strip() for x in os.environ.get("GDN_AB_SECTIONS", ",".join(_ALL)).split(",")]
 if set(SECTIONS) - set(_ALL):
     raise SystemExit(f"GDN_AB_SECTIONS: unknown {sorted(set(SECTIONS) - set(_ALL))}")
@@ -486,3 +486,53 @@ if "dqkwg" in SECTIONS and dev == "cuda":
         except Exception as exc:
             print(f"backward S1 BACKWARD_DQKWG {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     gk.BACKWARD_DQKWG = dqkwg_switch
+
+
+# stage 10 (wy_bwd) at S1 on the backward's own operands: Triton's `chunk_wy_bwd` (WY_BWD_FORM)
+# against the Gluon `_wy_bwd_tf32_kernel` (BACKWARD_WY), outputs compared; then the whole backward
+# of the gluon backend with each BACKWARD_WY
+if "wy" in SECTIONS and dev == "cuda":
+    from tileport.ops.gdn import gluon_kernels as gk
+
+    print("\n== stage 10 (wy_bwd): Triton's against Gluon's (BACKWARD_WY)")
+    qf, kf, vf, gf, bf_, do = backward_inputs(B, T)
+    flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
+    dof = tk._flatten(do)
+    qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, None, True, plan, False, for_backward=True)
+    dvl = tk.chunk_dv_local(qn, kn, G, dof, K ** -0.5, plan, input_dtype=torch.bfloat16)
+    dh, dvn, _ = tk.chunk_dstates(qn, kn, w, G, dof, dvl, None, K ** -0.5, plan, False, input_dtype=torch.bfloat16)
+    _, dkp, dw, dGp = gk.chunk_dqkwg_gluon(qn, kn, G, h, dh, vn, dvn, dof, K ** -0.5, plan, torch.float32,
+                                          input_dtype=torch.bfloat16)
+    args = (kn, flat[2], flat[4], G, Ai, w, u, dw, dvn, dkp, dGp, plan, torch.float32, torch.bfloat16, torch.bfloat16,
+            gf.dtype)
+    ref = tk.chunk_wy_bwd(*args, input_dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: tk.chunk_wy_bwd(*args, input_dtype=torch.bfloat16), warmup=5, rep=40,
+                                 return_mode="median")
+    print(f"wy_bwd S1 triton {tk.WY_BWD_FORM}: {ms:.3f} ms", flush=True)
+    wy_switch = gk.BACKWARD_WY
+    gk.BACKWARD_WY = "gluon"
+    try:
+        got = gk.chunk_wy_bwd_gluon(*args, input_dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(lambda: gk.chunk_wy_bwd_gluon(*args, input_dtype=torch.bfloat16), warmup=5,
+                                     rep=40, return_mode="median")
+        print(f"wy_bwd S1 gluon: {ms:.3f} ms, vs triton: " + " ".join(
+            f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dk", "dv", "dbeta", "dg"), got, ref)), flush=True)
+    except Exception as exc:
+        print(f"wy_bwd S1 gluon: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    grads = {}
+    for form in ("triton", "gluon"):
+        gk.BACKWARD_WY = form
+
+        def bwd():
+            return gk.gdn_backward_gluon(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
+
+        try:
+            grads[form] = bwd()
+            ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median")
+            diff = "" if form == "triton" else ", vs triton: " + " ".join(
+                f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[form], grads["triton"]))
+            print(f"backward S1 gluon backend, BACKWARD_WY {form}: {ms:.3f} ms{diff}", flush=True)
+        except Exception as exc:
+            print(f"backward S1 BACKWARD_WY {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    gk.BACKWARD_WY = wy_switch

@@ -738,6 +738,157 @@ if _GLUON_ERROR is None:
         for b in gl.static_range(NB):
             mbarrier.invalidate(bars.index(b))
 
+    @gluon.jit
+    def _wy_bwd_tf32_kernel(u_desc, w_desc, k_desc, t_ptr, dw_ptr, dvn_ptr, v_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr,
+                            dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H, dGp_stride, K: gl.constexpr,
+                            V: gl.constexpr, NKP: gl.constexpr):
+        """10, back through W, U, T and A (Triton's `_wy_bwd_kernel`), for one chunk and head per
+        program, grid (NC, H), 4 or 8 warps (one or two warpgroups side by side along N); every
+        product a tf32 WGMMA on fp32 operands:
+            dU' = T^T dVn,  dW' = T^T dW,  kk = K K^T                      (issued together)
+            dA = strict_lower(-(dU' U^T + dW' W^T))                        (dU', dW' from registers)
+            dV = diag(beta) dU',  B = diag(beta) (dA * Gam),  M = B * kk
+            dbeta = rowsum(V * dU') + exp(G) rowsum(K * dW') + rowsum(dA * Gam * kk)
+            dG = beta exp(G) rowsum(K * dW') + rowsum(M) - colsum(M) + the NKP partials of 9
+            dg = dG summed in reverse over the chunk
+            dK = dK of 9 + diag(beta exp(G)) dW' + (B + B^T) K            (onto that accumulator)
+        Explicit here (Triton would choose): tf32 WGMMA reads both operands K-major, so the
+        products are arranged to contract along rows where the operands are stored that way: U, W
+        and K come by TMA and serve as they are (dA's B operands, and both sides of K K^T); T^T,
+        dU', dW' and B + B^T are register A operands; dVn, dW and K, which meet contractions over
+        the chunk's tokens, are written to shared memory transposed. Triton's kernel forms dA^T
+        apart, in bf16, to avoid transposes; here B^T is B's transpose in registers, and the two
+        key-side products are one. Rows past the chunk's sequence (a varlen tail: the TMA rows of
+        the next sequence, finite) meet only masked factors: T, dVn, dW, beta, G and dK's rows are
+        loaded masked, dA's by the strict-lower mask."""
+        BT: gl.constexpr = u_desc.block_type.shape[0]
+        gl.static_assert(K == V, "dVn^T and K^T share one shared-memory buffer")
+        NW: gl.constexpr = gl.num_warps()
+        WG: gl.constexpr = NW // 4
+        c = gl.program_id(0)
+        hh = gl.program_id(1)
+        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
+        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+
+        D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, V // WG, 8])  # [64, K] and [64, V]
+        A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BT // WG, 8])  # [64, 64]
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BT], gl.float32)
+        u_s = gl.allocate_shared_memory(gl.float32, [BT, V], u_desc.layout)
+        w_s = gl.allocate_shared_memory(gl.float32, [BT, K], w_desc.layout)
+        k_s = gl.allocate_shared_memory(gl.float32, [BT, K], k_desc.layout)
+        xT_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)  # dVn^T, then K^T
+        dwT_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        fence_async_shared()
+        mbarrier.expect(bar, u_desc.block_type.nbytes + w_desc.block_type.nbytes + k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(u_desc, [bos, hh * V], bar, u_s)
+        tma.async_copy_global_to_shared(w_desc, [bos, hh * K], bar, w_s)
+        tma.async_copy_global_to_shared(k_desc, [bos, hh * K], bar, k_s)
+
+        # under the TMA loads: T^T as a register operand, dVn^T and dW^T into shared memory
+        rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+        cc = gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_L))
+        tc = gl.arange(0, BT, layout=gl.SliceLayout(0, ROWS_L))
+        r_ok = (bos + rr < eos)[:, None]
+        rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
+        # lint: allow TP001 -- T's rows, masked past the sequence, go to registers transposed (an A operand), which TMA cannot give
+        t = gl.load(t_ptr + rows * BT + tc[None, :], mask=r_ok, other=0.0)
+        a_tT = gl.convert_layout(gl.permute(t, (1, 0)), gl.DotOperandLayout(operand_index=0, parent=D_L, k_width=1))
+        # lint: allow TP001 -- dVn goes to shared memory transposed (tokens contiguous, what tf32 WGMMA reads), which TMA cannot write
+        xT_s.store(gl.permute(gl.load(dvn_ptr + rows * V + cc[None, :], mask=r_ok, other=0.0), (1, 0)))
+        # lint: allow TP001 -- as dVn
+        dwT_s.store(gl.permute(gl.load(dw_ptr + rows * K + cc[None, :], mask=r_ok, other=0.0), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of dVn^T and dW^T, before the WGMMAs read them
+        mbarrier.wait(bar, 0)
+        zero = gl.zeros([BT, K], gl.float32, D_L)
+        dup = warpgroup_mma(a_tT, xT_s.permute((1, 0)), zero, is_async=True)
+        dwp = warpgroup_mma(a_tT, dwT_s.permute((1, 0)), zero, is_async=True)
+        kk = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([BT, BT], gl.float32, A_L), is_async=True)
+
+        ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
+        col = gl.arange(0, K, layout=gl.SliceLayout(0, D_L))
+        o_ok = bos + ro < eos
+        orows = (bos + ro).to(gl.int64) * H + hh
+        beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
+        G = gl.load(G_ptr + orows, mask=o_ok, other=0.0)
+        eg = gl.exp(G.to(gl.float32))
+        # every operand in deps (an operand's shared memory is otherwise free to the allocator)
+        dup, dwp, kk, _t, _x, _dw, _k = warpgroup_mma_wait(0, deps=[dup, dwp, kk, a_tT, xT_s, dwT_s, k_s])
+        if NW > 4:
+            gl.thread_barrier()  # every warpgroup is done with xT_s before it is rewritten (triton 11047)
+
+        # dA from registers, dU' U^T issued as soon as dU' has given dV and rowsum(V * dU') (so that
+        # dU' and its operand copy are not live together with dW''s), then dW' W^T
+        offs = orows[:, None] * V + col[None, :]
+        # lint: allow TP001 -- [64, V] rows in the accumulator layout they are combined in; a varlen tail's rows masked
+        gl.store(dv_ptr + offs, (dup * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
+        # lint: allow TP001 -- as dV
+        vdu = gl.sum(gl.load(v_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32) * dup, axis=1)
+        a_dup = gl.convert_layout(dup, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
+        dA = warpgroup_mma(a_dup, u_s.permute((1, 0)), gl.zeros([BT, BT], gl.float32, A_L), is_async=True)
+        kr = k_s.load(ROWS_L)
+        kdw = gl.sum(gl.convert_layout(kr, D_L) * dwp, axis=1)
+        xT_s.store(gl.permute(kr, (1, 0)))  # K^T, for dK's product
+        fence_async_shared()
+        # lint: allow TP001 -- as dV
+        dk = gl.load(dkp_ptr + offs, mask=o_ok[:, None], other=0.0) + dwp * (beta * eg)[:, None]
+        # dU''s operand copy retires before dW''s is made: both live at once spill (sm_90a, K = 128)
+        dA, _a, _u = warpgroup_mma_wait(0, deps=[dA, a_dup, u_s])
+        if NW > 4:
+            gl.thread_barrier()  # u_s is free to the allocator now: every warpgroup's read of it is done (triton 11047)
+        a_dwp = gl.convert_layout(dwp, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
+        dA = warpgroup_mma(a_dwp, w_s.permute((1, 0)), dA, is_async=True)
+        dA, _b, _w = warpgroup_mma_wait(0, deps=[dA, a_dwp, w_s])
+        if NW > 4:
+            gl.thread_barrier()  # as after the first: w_s is free now
+
+        # B = diag(beta) (dA * Gam) on the strict lower triangle of valid rows
+        ri = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
+        cj = gl.arange(0, BT, layout=gl.SliceLayout(0, A_L))
+        i_ok = bos + ri < eos
+        j_ok = bos + cj < eos
+        Gi = gl.convert_layout(G, gl.SliceLayout(1, A_L))
+        Gj = gl.load(G_ptr + (bos + cj).to(gl.int64) * H + hh, mask=j_ok, other=0.0)
+        m = (ri[:, None] > cj[None, :]) & i_ok[:, None] & j_ok[None, :]
+        gam = gl.exp(gl.where(m, (Gi[:, None] - Gj[None, :]).to(gl.float32), float("-inf")))
+        dAg = gl.where(m, -dA * gam, 0.0)
+        betai = gl.convert_layout(beta, gl.SliceLayout(1, A_L))
+        Bm = dAg * betai[:, None]
+        Mk = Bm * kk
+        egi = gl.convert_layout(eg, gl.SliceLayout(1, A_L))
+        kdwi = gl.convert_layout(kdw, gl.SliceLayout(1, A_L))
+        dbeta = gl.convert_layout(vdu, gl.SliceLayout(1, A_L)) + egi * kdwi + gl.sum(dAg * kk, axis=1)
+        dG = betai * egi * kdwi + gl.sum(Mk, axis=1) - gl.convert_layout(gl.sum(Mk, axis=0), gl.SliceLayout(1, A_L))
+        rowi = (bos + ri).to(gl.int64) * H + hh
+        for p in gl.static_range(NKP):
+            dG += gl.load(dGp_ptr + p * dGp_stride + rowi, mask=i_ok, other=0.0)
+        gl.store(dbeta_ptr + rowi, dbeta.to(dbeta_ptr.dtype.element_ty), mask=i_ok)
+        # the scan in a plain 1D layout (triton 3.6 lowers no scan over a slice of the WGMMA layout)
+        SCAN_L: gl.constexpr = gl.BlockedLayout([BT // 32], [32], [NW], [0])  # each warp scans all 64 rows
+        dg = gl.associative_scan(gl.convert_layout(dG, SCAN_L), 0, _sum_combine, reverse=True)
+        rs = gl.arange(0, BT, layout=SCAN_L)
+        gl.store(dg_ptr + (bos + rs).to(gl.int64) * H + hh, dg.to(dg_ptr.dtype.element_ty), mask=bos + rs < eos)
+
+        # dK += (B + B^T) K, onto the accumulator that holds 9's dK and diag(beta exp(G)) dW'
+        a_s = gl.convert_layout(Bm + gl.convert_layout(gl.permute(Bm, (1, 0)), A_L),
+                                gl.DotOperandLayout(operand_index=0, parent=D_L, k_width=1))
+        gl.thread_barrier()  # every warp's part of K^T is in xT_s (fenced above)
+        dk = warpgroup_mma(a_s, xT_s.permute((1, 0)), dk, is_async=True)
+        dk, _s, _x = warpgroup_mma_wait(0, deps=[dk, a_s, xT_s])
+        # lint: allow TP001 -- as dV
+        gl.store(dk_ptr + orows[:, None] * K + col[None, :], dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
+        mbarrier.invalidate(bar)
+
+    @gluon.jit
+    def _sum_combine(a, b):
+        """associative_scan's combine for a running sum."""
+        return a + b
+
 
 @functools.lru_cache(maxsize=None)
 def _smem_layout_cached(block: tuple[int, ...], dtype: torch.dtype):
@@ -1081,16 +1232,61 @@ def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype:
     return tk._done(dq, dq_dtype), dk, dw, dG
 
 
+
+# Which kernel runs stage 10 (back through W, U, T and A) in the "gluon" backend: "triton"
+# (`chunk_wy_bwd` in Triton's WY_BWD_FORM) or "gluon" (`_wy_bwd_tf32_kernel`, where the products
+# are tf32 on fp32 operands and K = V is 64 or 128). Written in the eleventh session; off until
+# the card times it (Triton's split form: ~2.5 ms at S1, the backward's largest stage, H200 profile
+# at d0ddc54).
+BACKWARD_WY = "triton"
+
+
+def wy_bwd_kernel_for(operands, G, input_dtype) -> str:
+    """"gluon" or "triton": which kernel runs stage 10 on these operands (BACKWARD_WY)."""
+    from tileport.ops.gdn import triton_kernels as tk
+
+    if tk._checked("BACKWARD_WY", BACKWARD_WY, _KERNEL_CHOICES) == "triton":
+        return "triton"
+    K, V = operands[0].shape[-1], operands[2].shape[-1]
+    return "gluon" if K == V and K in HEAD_DIMS and _gluon_takes("wy_bwd", operands, G, input_dtype) else "triton"
+
+
+def chunk_wy_bwd_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, dk_dtype: torch.dtype,
+                       dv_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dtype: torch.dtype,
+                       input_dtype: torch.dtype | None = None):
+    """Stage 10 on `_wy_bwd_tf32_kernel` where `wy_bwd_kernel_for` says so, else Triton's
+    `chunk_wy_bwd` (whose contract this is): dk, dv, dbeta, dg in the dtypes asked for."""
+    from tileport.ops.gdn import triton_kernels as tk
+
+    input_dtype = input_dtype or k.dtype
+    if wy_bwd_kernel_for((k, w, u, dw, dvn, Ai, dkp), G, input_dtype) == "triton":
+        return tk.chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, dk_dtype, dv_dtype, dbeta_dtype,
+                               dg_dtype, input_dtype=input_dtype)
+    Ntok, H, K = k.shape
+    V = v.shape[-1]
+    dk = new_empty((Ntok, H, K), dk_dtype, k.device)
+    dv = new_empty((Ntok, H, V), dv_dtype, k.device)
+    dbeta = new_empty((Ntok, H), dbeta_dtype, k.device)
+    dg = new_empty((Ntok, H), dg_dtype, k.device)
+    if plan.NC:
+        _wy_bwd_tf32_kernel[(plan.NC, H)](
+            _descriptor(u.view(Ntok, H * V), [BT, V]), _descriptor(w.view(Ntok, H * K), [BT, K]),
+            _descriptor(k.view(Ntok, H * K), [BT, K]), Ai, dw, dvn, v, beta, G, dkp, dGp, dk, dv, dbeta, dg,
+            plan.chunks, H, Ntok * H, K, V, dGp.shape[0], num_warps=8)  # 4 warps spill (sm_90a: 500 B at K = 128)
+    return dk, dv, dbeta, dg
+
+
 def gdn_backward_gluon(do, dht, q, k, v, *args):
     """Triton's backward with its two state recurrences (the recompute's stage 5 and stage 8) on
     the Gluon kernel (`chunk_states_recompute_gluon`, `chunk_dstates_gluon`) and, where
-    BACKWARD_DQKWG says so, stage 9's state part (`chunk_dqkwg_gluon`); its other stages' Gluon
-    ports are the next steps of issue 5."""
+    BACKWARD_DQKWG says so, stage 9's state part (`chunk_dqkwg_gluon`), and where BACKWARD_WY says
+    so, stage 10 (`chunk_wy_bwd_gluon`); its other stages' Gluon ports are the next steps of issue 5."""
     from tileport.ops.gdn.triton_kernels import gdn_backward_triton
 
     check_tf32_recurrence_launch(v.shape[-1])  # before the recompute is launched
     return gdn_backward_triton(do, dht, q, k, v, *args, stages=dict(
-        states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon, dqkwg=chunk_dqkwg_gluon))
+        states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon, dqkwg=chunk_dqkwg_gluon,
+        wy_bwd=chunk_wy_bwd_gluon))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1172,6 +1368,27 @@ def compile_cases():
                                      kernel=_dqkwg_state_kernel, args=dict(args, KB_LOOP=loop), num_warps=warps,
                                      expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "k8.f32.tf32.tf32",
                                                  "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                     expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+    for K in (128, 64):  # stage 10: fp32 TMA tiles (U, W, K), tf32 WGMMA, 8 warps (sm_90a: 4 spill 500 B at K = 128)
+        V = K
+        f32 = torch.float32
+
+        def desc32(rows, cols, block):
+            return descriptor_stand_in([rows, cols], f32, block, _smem_layout(block, f32))
+
+        rows32 = TensorStandIn([Ntok, H, K], f32)
+        args = dict(u_desc=desc32(Ntok, H * V, [BT, V]), w_desc=desc32(Ntok, H * K, [BT, K]),
+                    k_desc=desc32(Ntok, H * K, [BT, K]), t_ptr=TensorStandIn([Ntok, H, BT], f32), dw_ptr=rows32,
+                    dvn_ptr=TensorStandIn([Ntok, H, V], f32), v_ptr=TensorStandIn([Ntok, H, V], bf),
+                    beta_ptr=TensorStandIn([Ntok, H], bf), G_ptr=TensorStandIn([Ntok, H], torch.float64),
+                    dkp_ptr=rows32, dGp_ptr=TensorStandIn([3, Ntok, H], f32), dk_ptr=rows32,
+                    dv_ptr=TensorStandIn([Ntok, H, V], bf), dbeta_ptr=TensorStandIn([Ntok, H], bf),
+                    dg_ptr=TensorStandIn([Ntok, H], f32), chunks_ptr=TensorStandIn([2 * NC], torch.int32), H=H,
+                    dGp_stride=Ntok * H, K=K, V=V, NKP=3)
+        for warps in (8,):
+            cases.append(CompileCase(name=f"gdn_wy_bwd_K{K}_V{V}_w{warps}", kernel=_wy_bwd_tf32_kernel, args=args,
+                                     num_warps=warps, expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                                                                  "cp.async.bulk.tensor", "mbarrier.try_wait"],
                                      expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     for K in (128, 64):  # the backward's state recurrences (stages 5 and 8): fp32 operands, tf32 WGMMA
         V = K

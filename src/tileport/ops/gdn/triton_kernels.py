@@ -1778,7 +1778,7 @@ def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     stages 1-5, then runs 7-11; dht (gradient of the final state) may be None. stages: functions
     that run a stage instead of this module's, by name ("states": the recompute's stage 5, with
     `chunk_states`'s contract; "dstates": stage 8, `chunk_dstates`'s; "dqkwg": stage 9,
-    `chunk_dqkwg`'s); the gluon backend passes its own."""
+    `chunk_dqkwg`'s; "wy_bwd": stage 10, `chunk_wy_bwd`'s); the gluon backend passes its own."""
     stages = stages or {}
     B, T, H, K = q.shape
     plan = make_plan(B, T, cu_seqlens, q.device)
@@ -1795,8 +1795,9 @@ def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     l2 = use_qk_l2norm_in_kernel
     dq, dkp, dw, dGp = stages.get("dqkwg", chunk_dqkwg)(qn, kn, G, h, dh, vn, dvn, dof, scale, plan,
                                                         _F32 if l2 else q.dtype, input_dtype=dt)
-    dk, dv, dbeta, dg = chunk_wy_bwd(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan,
-                                     _F32 if l2 else k.dtype, v.dtype, beta.dtype, g.dtype, input_dtype=dt)
+    dk, dv, dbeta, dg = stages.get("wy_bwd", chunk_wy_bwd)(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan,
+                                                           _F32 if l2 else k.dtype, v.dtype, beta.dtype, g.dtype,
+                                                           input_dtype=dt)
     if l2:
         dq = l2norm_bwd(qf, dq, q.dtype)
         dk = l2norm_bwd(kf, dk, k.dtype)
