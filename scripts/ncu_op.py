@@ -11,6 +11,7 @@ ncu profiles only the kernels of the measured call. `scripts/gpu-check ncu` runs
 import argparse
 import ast
 import importlib
+import importlib.util
 
 import torch
 
@@ -21,15 +22,17 @@ ap.add_argument("op", choices=sorted(OPS))
 ap.add_argument("system", nargs="?", default="triton")
 ap.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
 ap.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
-                help="set a module-level switch of the op's triton_kernels first (e.g. NORMALISED_KEYS_DIAG_PREC=ieee; WU_FORM=split needs L2NORM_K_FORM=stage-1 and CUMSUM_FORM=stage-2 too); repeatable")
+                help="set a module-level switch of the op's triton_kernels (or gluon_kernels) first (e.g. NORMALISED_KEYS_DIAG_PREC=ieee; WU_FORM=split needs L2NORM_K_FORM=stage-1 and CUMSUM_FORM=stage-2 too); repeatable")
 args = ap.parse_args()
 suite = importlib.import_module(OPS[args.op])
-if args.switch:
-    kernels = importlib.import_module(f"tileport.ops.{args.op}.triton_kernels")
+if args.switch:  # a switch of the op's triton_kernels, or else of its gluon_kernels
+    modules = [importlib.import_module(f"tileport.ops.{args.op}.{m}") for m in ("triton_kernels", "gluon_kernels")
+               if importlib.util.find_spec(f"tileport.ops.{args.op}.{m}") is not None]
     for item in args.switch:
         name, _, value = item.partition("=")
-        if not hasattr(kernels, name):
-            raise SystemExit(f"--switch: {kernels.__name__} has no {name}")
+        kernels = next((m for m in modules if hasattr(m, name)), None)
+        if kernels is None:
+            raise SystemExit(f"--switch: no module of {args.op} has {name}")
         old = getattr(kernels, name)
         setattr(kernels, name, value if isinstance(old, str) else type(old)(ast.literal_eval(value)))
         print(f"{kernels.__name__}.{name} = {getattr(kernels, name)!r} (was {old!r})")
