@@ -17,7 +17,8 @@ tf32 WGMMA on the recompute's fp32 operands, those that tf32 WGMMA must read K-m
 shared memory transposed. H200: stage 8 0.674 ms at S1 against Triton's 1.517 (5117b1b); stage 5
 0.526 against 0.633 (a8d219f); the whole backward 9.18 -> 8.21 ms. Stage 9's state part runs on
 `_dqkwg_state_kernel` (BACKWARD_DQKWG, DQKWG_STATE_FORM 'loop'): 9b 1.80 -> ~1.16 ms, the whole
-backward 8.14 -> 7.70 (d0ddc54). The CPU compile check asserts
+backward 8.14 -> 7.70 (d0ddc54); stage 10 on `_wy_bwd_tf32_kernel` (BACKWARD_WY): 2.54 -> 1.16 ms,
+the backward 7.57 -> 6.18 (b39a43f). The CPU compile check asserts
 wgmma.mma_async and cp.async.bulk.tensor in every kernel's PTX (tests/test_gluon_compile.py).
 
 bf16 only (the backward's recurrences take fp32 operands, which the backward of bf16 inputs
@@ -1235,10 +1236,10 @@ def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype:
 
 # Which kernel runs stage 10 (back through W, U, T and A) in the "gluon" backend: "triton"
 # (`chunk_wy_bwd` in Triton's WY_BWD_FORM) or "gluon" (`_wy_bwd_tf32_kernel`, where the products
-# are tf32 on fp32 operands and K = V is 64 or 128). Written in the eleventh session; off until
-# the card times it (Triton's split form: ~2.5 ms at S1, the backward's largest stage, H200 profile
-# at d0ddc54).
-BACKWARD_WY = "triton"
+# are tf32 on fp32 operands and K = V is 64 or 128). H200 at S1 (gdn_ab.py "wy", b39a43f): Triton's
+# split form 2.540 ms, Gluon's 1.157; the whole backward 7.567 -> 6.182 ms; racecheck clean
+# (docs/perf/gdn.md, gluon row 12).
+BACKWARD_WY = "gluon"
 
 
 def wy_bwd_kernel_for(operands, G, input_dtype) -> str:
