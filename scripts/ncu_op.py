@@ -1,7 +1,7 @@
 """One measured call of an op's system at its first standard shape, inside an NVTX range named
 "measure", for Nsight Compute (issue 5 asks an ncu summary of the final kernels):
 
-    ncu --nvtx --nvtx-include "measure/" --set basic --csv --page details \\
+    ncu --profile-from-start off --set basic --csv --page details \\
         python3 scripts/ncu_op.py gdn triton [--mode fwd|fwdbwd] [--switch T_CHAIN=factored ...]
 
 Warm-up calls (compiling and autotuning, which launch every candidate) run before the range, so
@@ -53,8 +53,14 @@ def step():
 for _ in range(2):
     step()
 torch.cuda.synchronize()
+# cudaProfilerStart/Stop mark the call for `ncu --profile-from-start off`: process-wide, so they
+# take the backward's kernels, which autograd launches from its own device thread, where an NVTX
+# range pushed on this thread does not reach (seen 2026-11-30: `--nvtx-include measure/` kept the
+# forward's three launches of a forward+backward). The NVTX range stays for --nvtx filters.
+torch.cuda.profiler.start()
 torch.cuda.nvtx.range_push("measure")
 step()
 torch.cuda.synchronize()
 torch.cuda.nvtx.range_pop()
+torch.cuda.profiler.stop()
 print(f"{args.op} {args.system} {args.mode}: measured call done")
