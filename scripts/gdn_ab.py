@@ -33,8 +33,8 @@ BK, BV, NV = tk._blocks(K, V)
 DT, DA = tk._dot_types(torch.bfloat16)
 plan = tk.make_plan(B, T, None, dev)
 # GDN_AB_SECTIONS picks what to time (comma-separated; default all): solve, output, states, forward, gluon,
-# backward, dstates, dqkwg, wy
-_ALL = ("solve", "output", "states", "forward", "gluon", "backward", "dstates", "dqkwg", "wy")
+# backward, dstates, dqkwg, wy, dqk
+_ALL = ("solve", "output", "states", "forward", "gluon", "backward", "dstates", "dqkwg", "wy", "dqk")
 SECTIONS = [x.strip() for x in os.environ.get("GDN_AB_SECTIONS", ",".join(_ALL)).split(",")]
 if set(SECTIONS) - set(_ALL):
     raise SystemExit(f"GDN_AB_SECTIONS: unknown {sorted(set(SECTIONS) - set(_ALL))}")
@@ -536,3 +536,49 @@ if "wy" in SECTIONS and dev == "cuda":
         except Exception as exc:
             print(f"backward S1 BACKWARD_WY {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     gk.BACKWARD_WY = wy_switch
+
+
+# stage 9a at S1 on the backward's own operands: stage 9 (9b on Gluon) with its chunk-local part on
+# Triton's `_dqk_local_kernel` against the Gluon `_dqk_local_tf32_kernel` (DQK_LOCAL), outputs
+# compared; then the whole backward of the gluon backend with each DQK_LOCAL
+if "dqk" in SECTIONS and dev == "cuda":
+    from tileport.ops.gdn import gluon_kernels as gk
+
+    print("\n== stage 9a (dqk_local): Triton's against Gluon's (DQK_LOCAL)")
+    qf, kf, vf, gf, bf_, do = backward_inputs(B, T)
+    flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
+    dof = tk._flatten(do)
+    qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, None, True, plan, False, for_backward=True)
+    dvl = tk.chunk_dv_local(qn, kn, G, dof, K ** -0.5, plan, input_dtype=torch.bfloat16)
+    dh, dvn, _ = tk.chunk_dstates(qn, kn, w, G, dof, dvl, None, K ** -0.5, plan, False, input_dtype=torch.bfloat16)
+    args = (qn, kn, G, h, dh, vn, dvn, dof, K ** -0.5, plan, torch.float32)
+    dqk_switch = gk.DQK_LOCAL
+    outs = {}
+    for form in ("triton", "gluon"):
+        gk.DQK_LOCAL = form
+        try:
+            outs[form] = gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(lambda: gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16), warmup=5,
+                                         rep=40, return_mode="median")
+            diff = "" if form == "triton" else ", vs triton: " + " ".join(
+                f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dq", "dk", "dw", "dG"), outs[form], outs["triton"]))
+            print(f"dqkwg S1 (9b gluon {gk.DQKWG_STATE_FORM}) with 9a {form}: {ms:.3f} ms{diff}", flush=True)
+        except Exception as exc:
+            print(f"dqkwg S1 9a {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    grads = {}
+    for form in ("triton", "gluon"):
+        gk.DQK_LOCAL = form
+
+        def bwd():
+            return gk.gdn_backward_gluon(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
+
+        try:
+            grads[form] = bwd()
+            ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median")
+            diff = "" if form == "triton" else ", vs triton: " + " ".join(
+                f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[form], grads["triton"]))
+            print(f"backward S1 gluon backend, DQK_LOCAL {form}: {ms:.3f} ms{diff}", flush=True)
+        except Exception as exc:
+            print(f"backward S1 DQK_LOCAL {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    gk.DQK_LOCAL = dqk_switch

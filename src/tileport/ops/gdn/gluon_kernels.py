@@ -890,6 +890,100 @@ if _GLUON_ERROR is None:
         """associative_scan's combine for a running sum."""
         return a + b
 
+    @gluon.jit
+    def _dqk_local_tf32_kernel(q_desc, k_desc, vn_desc, do_ptr, G_ptr, dql_ptr, dkl_ptr, dG_ptr, chunks_ptr, H, scale,
+                               K: gl.constexpr, V: gl.constexpr):
+        """9a, the chunk-local part of stage 9 (Triton's `_dqk_local_kernel`), one chunk and head
+        per program, grid (NC, H), 8 warps (two warpgroups side by side along N); tf32 WGMMA on
+        fp32 operands:
+            dS = dO Vn^T,  Q K^T                         (issued together)
+            D = lower(scale dS * Gam),  dG's D' terms rowsum(D' * QK^T) - colsum(D' * QK^T)
+            dql = D K,  dkl = D^T Q                       (fp32, for 9b's epilogue)
+        with D' = D off the diagonal (its own partial of dG).
+        Explicit here (Triton would choose): q, k and Vn come by TMA and serve as they are where
+        the contraction runs along their rows (Vn for dS, q and k for Q K^T); dO is widened to
+        fp32 on its way to a register A operand; D and D^T are register A operands (D^T a
+        transpose in registers: Triton's kernel forms dS^T = Vn dO^T apart instead, because
+        tl.trans of a dot result feeding a dot is what triton 3.4-3.7.0 miscompiles on Hopper,
+        FLA issue 640; here the layouts are explicit and the gate checks the result); K and Q,
+        which meet contractions over the chunk's tokens, are written to shared memory transposed
+        while dS and Q K^T run. Rows past the sequence (a varlen tail: the next sequence's TMA
+        rows, finite) meet only D's mask."""
+        BT: gl.constexpr = vn_desc.block_type.shape[0]
+        NW: gl.constexpr = gl.num_warps()
+        WG: gl.constexpr = NW // 4
+        c = gl.program_id(0)
+        hh = gl.program_id(1)
+        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
+        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+
+        D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, K // WG, 8])  # [64, K]
+        A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BT // WG, 8])  # [64, 64]
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BT], gl.float32)
+        q_s = gl.allocate_shared_memory(gl.float32, [BT, K], q_desc.layout)
+        k_s = gl.allocate_shared_memory(gl.float32, [BT, K], k_desc.layout)
+        vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+        qT_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
+        kT_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        fence_async_shared()
+        mbarrier.expect(bar, q_desc.block_type.nbytes + k_desc.block_type.nbytes + vn_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bos, hh * K], bar, q_s)
+        tma.async_copy_global_to_shared(k_desc, [bos, hh * K], bar, k_s)
+        tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bar, vn_s)
+
+        rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+        vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
+        rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
+        # lint: allow TP001 -- dO (bf16) is widened to fp32 on its way to a register A operand, which TMA cannot give; rows past the sequence masked
+        do = gl.load(do_ptr + rows * V + vc[None, :], mask=(bos + rr < eos)[:, None], other=0.0).to(gl.float32)
+        a_do = gl.convert_layout(do, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
+        mbarrier.wait(bar, 0)
+        zero = gl.zeros([BT, BT], gl.float32, A_L)
+        ds = warpgroup_mma(a_do, vn_s.permute((1, 0)), zero, is_async=True)
+        qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero, is_async=True)
+        # under them: Q^T and K^T into shared memory (the WGMMAs only read q_s and k_s)
+        qT_s.store(gl.permute(q_s.load(ROWS_L), (1, 0)))
+        kT_s.store(gl.permute(k_s.load(ROWS_L), (1, 0)))
+        fence_async_shared()
+        ri = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
+        cj = gl.arange(0, BT, layout=gl.SliceLayout(0, A_L))
+        i_ok = bos + ri < eos
+        j_ok = bos + cj < eos
+        rowi = (bos + ri).to(gl.int64) * H + hh
+        Gi = gl.load(G_ptr + rowi, mask=i_ok, other=0.0)
+        Gj = gl.load(G_ptr + (bos + cj).to(gl.int64) * H + hh, mask=j_ok, other=0.0)
+        # every operand in deps (an operand's shared memory is otherwise free to the allocator)
+        ds, qk, _d, _v, _q, _k = warpgroup_mma_wait(0, deps=[ds, qk, a_do, vn_s, q_s, k_s])
+        gl.thread_barrier()  # every warp's part of Q^T and K^T is in; every warpgroup is past its WGMMAs (triton 11047)
+
+        m = (ri[:, None] >= cj[None, :]) & i_ok[:, None] & j_ok[None, :]
+        gam = gl.exp(gl.where(m, (Gi[:, None] - Gj[None, :]).to(gl.float32), float("-inf")))
+        D = gl.where(m, ds * gam * scale, 0.0)
+        a_D = gl.convert_layout(D, gl.DotOperandLayout(operand_index=0, parent=D_L, k_width=1))
+        dql = warpgroup_mma(a_D, kT_s.permute((1, 0)), gl.zeros([BT, K], gl.float32, D_L), is_async=True)
+        a_Dt = gl.convert_layout(gl.permute(D, (1, 0)), gl.DotOperandLayout(operand_index=0, parent=D_L, k_width=1))
+        dkl = warpgroup_mma(a_Dt, qT_s.permute((1, 0)), gl.zeros([BT, K], gl.float32, D_L), is_async=True)
+        # under them: dG's D' terms (the diagonal of Gam has no gradient: `_d_prime_dG`)
+        M = gl.where(ri[:, None] > cj[None, :], D * qk, 0.0)
+        dG = gl.sum(M, axis=1) - gl.convert_layout(gl.sum(M, axis=0), gl.SliceLayout(1, A_L))
+        gl.store(dG_ptr + rowi, dG, mask=i_ok)
+        dql, dkl, _a, _b, _kt, _qt = warpgroup_mma_wait(0, deps=[dql, dkl, a_D, a_Dt, kT_s, qT_s])
+
+        ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
+        col = gl.arange(0, K, layout=gl.SliceLayout(0, D_L))
+        offs = ((bos + ro).to(gl.int64) * H + hh)[:, None] * K + col[None, :]
+        o_ok = (bos + ro < eos)[:, None]
+        # lint: allow TP001 -- [64, K] rows from the accumulator layout; a varlen tail's rows masked
+        gl.store(dql_ptr + offs, dql, mask=o_ok)
+        # lint: allow TP001 -- as dql
+        gl.store(dkl_ptr + offs, dkl, mask=o_ok)
+        mbarrier.invalidate(bar)
+
 
 @functools.lru_cache(maxsize=None)
 def _smem_layout_cached(block: tuple[int, ...], dtype: torch.dtype):
@@ -1181,6 +1275,10 @@ DQKWG_STATE_KEY_BLOCK = 64  # sm_90a at K = V = 128: 176 KB of shared memory (32
 # the blocks, KB_LOOP True: 216 KB, 246 registers; on 4 warps it spills; at most two key blocks).
 DQKWG_STATE_FORMS = ("per-block", "loop")
 DQKWG_STATE_FORM = "loop"
+# Which kernel runs stage 9's chunk-local part (9a) where 9b runs on `_dqkwg_state_kernel`:
+# "triton" (`_dqk_local_kernel`: 1.03 ms at S1 on the H200, d0ddc54) or "gluon"
+# (`_dqk_local_tf32_kernel`, written in the eleventh session; off until the card times it).
+DQK_LOCAL = "triton"
 
 
 def dqkwg_kernel_for(operands, G, input_dtype) -> str:
@@ -1188,6 +1286,7 @@ def dqkwg_kernel_for(operands, G, input_dtype) -> str:
     from tileport.ops.gdn import triton_kernels as tk
 
     tk._checked("DQKWG_STATE_FORM", DQKWG_STATE_FORM, DQKWG_STATE_FORMS)
+    tk._checked("DQK_LOCAL", DQK_LOCAL, _KERNEL_CHOICES)
     if tk._checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton":
         return "triton"
     return "gluon" if _gluon_takes("dqkwg", operands, G, input_dtype) else "triton"
@@ -1196,7 +1295,8 @@ def dqkwg_kernel_for(operands, G, input_dtype) -> str:
 def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype: torch.dtype,
                       input_dtype: torch.dtype | None = None):
     """9 with its state part on the Gluon kernel where `dqkwg_kernel_for` says so (the chunk-local
-    part on Triton's `_dqk_local_kernel`), else Triton's `chunk_dqkwg`; the same contract. The
+    part on Triton's `_dqk_local_kernel`, or on `_dqk_local_tf32_kernel` where DQK_LOCAL says so),
+    else Triton's `chunk_dqkwg`; the same contract. The
     Gluon path is always the split form whatever DQKWG_FORM says (dG's partials: K /
     DQKWG_STATE_KEY_BLOCK from the state part, the last from 9a)."""
     from tileport.ops.gdn import triton_kernels as tk
@@ -1218,8 +1318,14 @@ def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype:
         BK, BV, NV = tk._blocks(K, V)
         products = tk._products(input_dtype, True, "dqkwg")
         dql, dkl = new_empty((Ntok, H, K), torch.float32, q.device), new_empty((Ntok, H, K), torch.float32, q.device)
-        tk._dqk_local_kernel[(plan.NC, H)](q, k, G, vn, do, dql, dkl, dG[NK], plan.chunks, H, scale, K, V, BKS, BV, NV,
-                                           BT, *products, **tk._LAUNCH["dqkwg"])
+        if DQK_LOCAL == "gluon":  # (checked by dqkwg_kernel_for)
+            _dqk_local_tf32_kernel[(plan.NC, H)](
+                _descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
+                _descriptor(vn.view(Ntok, H * V), [BT, V]), do, G, dql, dkl, dG[NK], plan.chunks, H, float(scale), K,
+                V, num_warps=8)
+        else:
+            tk._dqk_local_kernel[(plan.NC, H)](q, k, G, vn, do, dql, dkl, dG[NK], plan.chunks, H, scale, K, V, BKS, BV,
+                                               NV, BT, *products, **tk._LAUNCH["dqkwg"])
         descs = (_descriptor(h.view(plan.NC * H * K, V), [BKS, V]), _descriptor(dh.view(plan.NC * H * K, V), [BKS, V]),
                  _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(dvn.view(Ntok, H * V), [BT, V]),
                  _descriptor(do.view(Ntok, H * V), [BT, V]))
@@ -1370,6 +1476,23 @@ def compile_cases():
                                      expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "k8.f32.tf32.tf32",
                                                  "cp.async.bulk.tensor", "mbarrier.try_wait"],
                                      expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+    for K in (128, 64):  # stage 9a: fp32 TMA tiles (q, k, Vn), dO bf16, tf32 WGMMA, 8 warps
+        V = K
+        f32 = torch.float32
+
+        def desc32(rows, cols, block):
+            return descriptor_stand_in([rows, cols], f32, block, _smem_layout(block, f32))
+
+        rows32 = TensorStandIn([Ntok, H, K], f32)
+        args = dict(q_desc=desc32(Ntok, H * K, [BT, K]), k_desc=desc32(Ntok, H * K, [BT, K]),
+                    vn_desc=desc32(Ntok, H * V, [BT, V]), do_ptr=TensorStandIn([Ntok, H, V], bf),
+                    G_ptr=TensorStandIn([Ntok, H], torch.float64), dql_ptr=rows32, dkl_ptr=rows32,
+                    dG_ptr=TensorStandIn([Ntok, H], f32), chunks_ptr=TensorStandIn([2 * NC], torch.int32), H=H,
+                    scale=0.1, K=K, V=V)
+        cases.append(CompileCase(name=f"gdn_dqk_local_K{K}_V{V}_w8", kernel=_dqk_local_tf32_kernel, args=args,
+                                 num_warps=8, expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                                                          "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                 expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     for K in (128, 64):  # stage 10: fp32 TMA tiles (U, W, K), tf32 WGMMA, 8 warps (sm_90a: 4 spill 500 B at K = 128)
         V = K
         f32 = torch.float32
