@@ -1276,9 +1276,10 @@ DQKWG_STATE_KEY_BLOCK = 64  # sm_90a at K = V = 128: 176 KB of shared memory (32
 DQKWG_STATE_FORMS = ("per-block", "loop")
 DQKWG_STATE_FORM = "loop"
 # Which kernel runs stage 9's chunk-local part (9a) where 9b runs on `_dqkwg_state_kernel`:
-# "triton" (`_dqk_local_kernel`: 1.03 ms at S1 on the H200, d0ddc54) or "gluon"
-# (`_dqk_local_tf32_kernel`, written in the eleventh session; off until the card times it).
-DQK_LOCAL = "triton"
+# "triton" (`_dqk_local_kernel`) or "gluon" (`_dqk_local_tf32_kernel`). H200 at S1 (gdn_ab.py
+# "dqk", 9a1008f): 9a 1.03 -> ~0.61 ms, outputs bitwise equal to Triton's; the whole backward
+# 6.133 -> 5.725 ms; racecheck clean (docs/perf/gdn.md, gluon row 13).
+DQK_LOCAL = "gluon"
 
 
 def dqkwg_kernel_for(operands, G, input_dtype) -> str:
