@@ -23,6 +23,23 @@ def pytest_report_header(config):
 _SEED_BASE = int(os.environ.get("TILEPORT_SEED", secrets.randbits(31)))
 
 
+def xdist_worker_gpu(worker: str | None, n_gpus: int) -> int | None:
+    """The GPU an xdist worker ("gw<i>") runs its tests on: i mod n_gpus on a host with several
+    GPUs (the nvidia-h200-x2 machine: 31 workers on 2 cards take the GDN gate in about half the
+    time of 15 on one, where it has reached the device call's 600 s: 532 s at 65562c2); None on one
+    GPU or outside xdist (the current device stays)."""
+    if not worker or n_gpus < 2 or not worker.startswith("gw") or not worker[2:].isdigit():
+        return None
+    return int(worker[2:]) % n_gpus
+
+
+def pytest_configure(config):
+    gpu = xdist_worker_gpu(os.environ.get("PYTEST_XDIST_WORKER"),
+                           torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if gpu is not None:
+        torch.cuda.set_device(gpu)  # before any CUDA work: "cuda" tensors and launches go there
+
+
 @pytest.fixture
 def seed(request):
     s = (_SEED_BASE + zlib.crc32(request.node.nodeid.encode())) % (2**31)
