@@ -567,18 +567,21 @@ if "dqk" in SECTIONS and dev == "cuda":
         except Exception as exc:
             print(f"dqkwg S1 9a {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     grads = {}
-    for form in ("triton", "gluon"):
+    place = gk.DQK_LOCAL_AT
+    for form, gk.DQK_LOCAL_AT in (("triton", "stage-9"), ("gluon", "stage-9"), ("gluon", "stage-7")):
         gk.DQK_LOCAL = form
+        name = f"{form} at {gk.DQK_LOCAL_AT}"
 
         def bwd():
             return gk.gdn_backward_gluon(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
 
         try:
-            grads[form] = bwd()
+            grads[name] = bwd()
             ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median")
             diff = "" if form == "triton" else ", vs triton: " + " ".join(
-                f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[form], grads["triton"]))
-            print(f"backward S1 gluon backend, DQK_LOCAL {form}: {ms:.3f} ms{diff}", flush=True)
+                f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[name],
+                                                          grads["triton at stage-9"]))
+            print(f"backward S1 gluon backend, DQK_LOCAL {name}: {ms:.3f} ms{diff}", flush=True)
         except Exception as exc:
-            print(f"backward S1 DQK_LOCAL {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    gk.DQK_LOCAL = dqk_switch
+            print(f"backward S1 DQK_LOCAL {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    gk.DQK_LOCAL, gk.DQK_LOCAL_AT = dqk_switch, place

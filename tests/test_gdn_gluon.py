@@ -27,8 +27,8 @@ ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] ==
 # every Gluon form, each switch it depends on set explicitly: the forward's (FORWARD_FORM,
 # OUTPUT_FORM, RECURRENCE_BV, RECURRENCE_WARPS, RECURRENCE_GATES, RECURRENCE_RING,
 # RECURRENCE_O_STORE) and the backward's (BACKWARD_STATES, BACKWARD_DSTATES, TF32_RECURRENCE_BV,
-# TF32_RECURRENCE_WARPS, BACKWARD_DQKWG, DQKWG_STATE_FORM, BACKWARD_WY, DQK_LOCAL)
-_DSTATES = ("gluon", "gluon", 128, 8, "triton", "per-block", "triton", "triton")  # the backward's recurrences in Gluon, BV 128 on two warpgroups
+# TF32_RECURRENCE_WARPS, BACKWARD_DQKWG, DQKWG_STATE_FORM, BACKWARD_WY, DQK_LOCAL, DQK_LOCAL_AT)
+_DSTATES = ("gluon", "gluon", 128, 8, "triton", "per-block", "triton", "triton", "stage-9")  # the backward's recurrences in Gluon, BV 128 on two warpgroups
 FORMS = {
     "one-shot": ("split", "one-shot", 64, 4, "staged", 2, "masked", *_DSTATES),  # the output kernels after Triton's 1-5
     "persistent": ("split", "persistent", 64, 4, "staged", 2, "masked", *_DSTATES),
@@ -39,21 +39,23 @@ FORMS = {
     "fused-wide-staged": ("fused", "one-shot", 128, 8, "staged", 2, "masked", *_DSTATES),
     "fused-wide-tma-store": ("fused", "one-shot", 128, 8, "staged", 2, "tma", *_DSTATES),
     "recurrences-BV64-4w": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 64, 4, "triton", "per-block",
-                            "triton", "triton"),
+                            "triton", "triton", "stage-9"),
     "recurrences-triton": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", "triton", 128, 8, "triton",
-                           "per-block", "triton", "triton"),
+                           "per-block", "triton", "triton", "stage-9"),
     "dqkwg-gluon": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "per-block",
-                    "triton", "triton"),
+                    "triton", "triton", "stage-9"),
     "dqkwg-gluon-loop": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "loop",
-                         "triton", "triton"),
+                         "triton", "triton", "stage-9"),
     "wy-gluon": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "loop", "gluon",
-                 "triton"),
+                 "triton", "stage-9"),
     "dqk-local-gluon": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "loop",
-                        "gluon", "gluon"),
+                        "gluon", "gluon", "stage-9"),
+    "dqk-local-at-7": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "loop",
+                       "gluon", "gluon", "stage-7"),  # 9a with stage 7 in one launch
 }
 _SWITCHES = ("FORWARD_FORM", "OUTPUT_FORM", "RECURRENCE_BV", "RECURRENCE_WARPS", "RECURRENCE_GATES", "RECURRENCE_RING",
              "RECURRENCE_O_STORE", "BACKWARD_STATES", "BACKWARD_DSTATES", "TF32_RECURRENCE_BV", "TF32_RECURRENCE_WARPS",
-             "BACKWARD_DQKWG", "DQKWG_STATE_FORM", "BACKWARD_WY", "DQK_LOCAL")
+             "BACKWARD_DQKWG", "DQKWG_STATE_FORM", "BACKWARD_WY", "DQK_LOCAL", "DQK_LOCAL_AT")
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -110,7 +112,8 @@ def test_fused_launch_refuses(switch, bad, monkeypatch):
 @pytest.mark.parametrize("switch, bad", [("TF32_RECURRENCE_WARPS", 12), ("TF32_RECURRENCE_BV", 32),
                                          ("BACKWARD_DSTATES", "cuda"), ("BACKWARD_STATES", "cuda"),
                                          ("BACKWARD_DQKWG", "cuda"), ("DQKWG_STATE_FORM", "tiled"),
-                                         ("BACKWARD_WY", "cuda"), ("DQK_LOCAL", "tiled")])
+                                         ("BACKWARD_WY", "cuda"), ("DQK_LOCAL", "tiled"),
+                                         ("DQK_LOCAL_AT", "stage-8")])
 def test_tf32_recurrence_launch_refuses(switch, bad, monkeypatch):
     """A value of the backward recurrences' switches the Gluon kernel cannot take is refused by
     name, the others at their defaults (CPU: nothing launches)."""
@@ -180,8 +183,9 @@ def test_gluon_backward_plumbing_on_the_cpu(monkeypatch):
     h0 = torch.randn(B, H, K, K)
     args = (do, None, q, k, v, g, beta, K ** -0.5, h0, True, None)
     theirs = triton_kernels.gdn_backward_triton(*args)
-    for dqkwg in ("triton", "gluon"):
+    for dqkwg, place in (("triton", "stage-9"), ("gluon", "stage-9"), ("gluon", "stage-7")):
         monkeypatch.setattr(gluon_kernels, "BACKWARD_DQKWG", dqkwg)
+        monkeypatch.setattr(gluon_kernels, "DQK_LOCAL_AT", place)
         ours = gluon_kernels.gdn_backward_gluon(*args)
         for a, b in zip(ours, theirs):
             assert torch.equal(a, b)

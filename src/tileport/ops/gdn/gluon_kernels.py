@@ -891,15 +891,18 @@ if _GLUON_ERROR is None:
         return a + b
 
     @gluon.jit
-    def _dqk_local_tf32_kernel(q_desc, k_desc, vn_desc, do_ptr, G_ptr, dql_ptr, dkl_ptr, dG_ptr, chunks_ptr, H, scale,
-                               K: gl.constexpr, V: gl.constexpr):
+    def _dqk_local_tf32_kernel(q_desc, k_desc, vn_desc, do_ptr, G_ptr, dql_ptr, dkl_ptr, dG_ptr, dvl_ptr, chunks_ptr, H,
+                               scale, K: gl.constexpr, V: gl.constexpr, DV_LOCAL: gl.constexpr):
         """9a, the chunk-local part of stage 9 (Triton's `_dqk_local_kernel`), one chunk and head
         per program, grid (NC, H), 8 warps (two warpgroups side by side along N); tf32 WGMMA on
         fp32 operands:
             dS = dO Vn^T,  Q K^T                         (issued together)
             D = lower(scale dS * Gam),  dG's D' terms rowsum(D' * QK^T) - colsum(D' * QK^T)
             dql = D K,  dkl = D^T Q                       (fp32, for 9b's epilogue)
-        with D' = D off the diagonal (its own partial of dG).
+        with D' = D off the diagonal (its own partial of dG). DV_LOCAL: stage 7 as well, from the
+        same Q K^T and dO (one launch instead of two, which loaded and formed both apart):
+            dVl = scale lower(Q K^T * Gam)^T dO          (fp32, for stage 8)
+        with P^T a register transpose and dO^T (fp32) written to shared memory (200 KB in all).
         Explicit here (Triton would choose): q, k and Vn come by TMA and serve as they are where
         the contraction runs along their rows (Vn for dS, q and k for Q K^T); dO is widened to
         fp32 on its way to a register A operand; D and D^T are register A operands (D^T a
@@ -928,6 +931,9 @@ if _GLUON_ERROR is None:
         vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
         qT_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
         kT_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
+        if DV_LOCAL:
+            doT_s = gl.allocate_shared_memory(gl.float32, [V, BT], gl.NVMMASharedLayout.get_default_for([V, BT],
+                                                                                                      gl.float32))
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         fence_async_shared()
@@ -942,6 +948,8 @@ if _GLUON_ERROR is None:
         # lint: allow TP001 -- dO (bf16) is widened to fp32 on its way to a register A operand, which TMA cannot give; rows past the sequence masked
         do = gl.load(do_ptr + rows * V + vc[None, :], mask=(bos + rr < eos)[:, None], other=0.0).to(gl.float32)
         a_do = gl.convert_layout(do, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
+        if DV_LOCAL:
+            doT_s.store(gl.permute(do, (1, 0)))  # fenced with Q^T and K^T below; read after the barrier
         mbarrier.wait(bar, 0)
         zero = gl.zeros([BT, BT], gl.float32, A_L)
         ds = warpgroup_mma(a_do, vn_s.permute((1, 0)), zero, is_async=True)
@@ -973,6 +981,16 @@ if _GLUON_ERROR is None:
         dG = gl.sum(M, axis=1) - gl.convert_layout(gl.sum(M, axis=0), gl.SliceLayout(1, A_L))
         gl.store(dG_ptr + rowi, dG, mask=i_ok)
         dql, dkl, _a, _b, _kt, _qt = warpgroup_mma_wait(0, deps=[dql, dkl, a_D, a_Dt, kT_s, qT_s])
+        if DV_LOCAL:
+            # stage 7 after 9a's products have retired (their operands and accumulators not live
+            # beside P^T's): P^T = (Q K^T)^T * Gam^T on t >= s, a register A operand
+            DV_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                           instr_shape=[16, V // WG, 8])
+            mT = (ri[:, None] <= cj[None, :]) & i_ok[:, None] & j_ok[None, :]
+            gamT = gl.exp(gl.where(mT, (Gj[None, :] - Gi[:, None]).to(gl.float32), float("-inf")))
+            pT = gl.where(mT, gl.convert_layout(gl.permute(qk, (1, 0)), A_L) * gamT, 0.0)
+            a_pT = gl.convert_layout(pT, gl.DotOperandLayout(operand_index=0, parent=DV_L, k_width=1))
+            dvl = warpgroup_mma(a_pT, doT_s.permute((1, 0)), gl.zeros([BT, V], gl.float32, DV_L), is_async=True)
 
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
         col = gl.arange(0, K, layout=gl.SliceLayout(0, D_L))
@@ -982,6 +1000,13 @@ if _GLUON_ERROR is None:
         gl.store(dql_ptr + offs, dql, mask=o_ok)
         # lint: allow TP001 -- as dql
         gl.store(dkl_ptr + offs, dkl, mask=o_ok)
+        if DV_LOCAL:
+            dvl, _p, _o = warpgroup_mma_wait(0, deps=[dvl, a_pT, doT_s])
+            rv = gl.arange(0, BT, layout=gl.SliceLayout(1, DV_L))
+            vcol = gl.arange(0, V, layout=gl.SliceLayout(0, DV_L))
+            # lint: allow TP001 -- as dql
+            gl.store(dvl_ptr + ((bos + rv).to(gl.int64) * H + hh)[:, None] * V + vcol[None, :], dvl * scale,
+                     mask=(bos + rv < eos)[:, None])
         mbarrier.invalidate(bar)
 
 
@@ -1288,13 +1313,56 @@ def dqkwg_kernel_for(operands, G, input_dtype) -> str:
 
     tk._checked("DQKWG_STATE_FORM", DQKWG_STATE_FORM, DQKWG_STATE_FORMS)
     tk._checked("DQK_LOCAL", DQK_LOCAL, _KERNEL_CHOICES)
+    tk._checked("DQK_LOCAL_AT", DQK_LOCAL_AT, _DQK_LOCAL_PLACES)
     if tk._checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton":
         return "triton"
     return "gluon" if _gluon_takes("dqkwg", operands, G, input_dtype) else "triton"
 
 
+def _launch_dqk_local(q, k, vn, do, G, dql, dkl, dG9a, dvl, plan, scale: float):
+    """One launch of `_dqk_local_tf32_kernel`: 9a, and stage 7 as well where dvl is given."""
+    Ntok, H, K = q.shape
+    V = vn.shape[-1]
+    _dqk_local_tf32_kernel[(plan.NC, H)](
+        _descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
+        _descriptor(vn.view(Ntok, H * V), [BT, V]), do, G, dql, dkl, dG9a, dvl if dvl is not None else dql,
+        plan.chunks, H, float(scale), K, V, dvl is not None, num_warps=8)
+
+
+# Where the gluon backend runs 9a when DQK_LOCAL is "gluon": "stage-9" (before 9b, in
+# `chunk_dqkwg_gluon`) or "stage-7" (with stage 7's dVl in one launch, `chunk_dv_local_gluon`:
+# Q K^T and dO loaded and formed once for both, Triton's `_dv_local_kernel` (0.48 ms at S1) gone;
+# dql, dkl and 9a's partial of dG wait through stage 8 for 9b). Written in the eleventh session
+# after its device time was spent; off until timed.
+DQK_LOCAL_AT = "stage-9"
+_DQK_LOCAL_PLACES = ("stage-9", "stage-7")
+
+
+def chunk_dv_local_gluon(q, k, G, do, scale: float, plan, input_dtype=None, vn=None, held=None):
+    """Stage 7 (`triton_kernels.chunk_dv_local`'s contract: dVl [Ntok, H, V] fp32), with 9a in the
+    same launch where DQK_LOCAL_AT is "stage-7" and the Gluon kernel takes the call; 9a's results
+    (dql, dkl, its partial of dG) go into `held` for `chunk_dqkwg_gluon`."""
+    from tileport.ops.gdn import triton_kernels as tk
+
+    input_dtype = input_dtype or q.dtype
+    fused = (tk._checked("DQK_LOCAL_AT", DQK_LOCAL_AT, _DQK_LOCAL_PLACES) == "stage-7" and held is not None
+             and vn is not None and q.shape[-1] == vn.shape[-1] == do.shape[-1]
+             and dqkwg_kernel_for((q, k, vn), G, input_dtype) == "gluon" and DQK_LOCAL == "gluon"
+             and _gluon_takes("dv_local", (q, k), G, input_dtype))
+    if not fused:
+        return tk.chunk_dv_local(q, k, G, do, scale, plan, input_dtype=input_dtype)
+    Ntok, H, K = q.shape
+    dvl = new_empty((Ntok, H, K), torch.float32, q.device)
+    dql, dkl, dG9a = (new_empty((Ntok, H, K), torch.float32, q.device), new_empty((Ntok, H, K), torch.float32, q.device),
+                      new_empty((Ntok, H), torch.float32, q.device))
+    if plan.NC:
+        _launch_dqk_local(q, k, vn, do, G, dql, dkl, dG9a, dvl, plan, scale)
+    held["local"] = (dql, dkl, dG9a)
+    return dvl
+
+
 def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype: torch.dtype,
-                      input_dtype: torch.dtype | None = None):
+                      input_dtype: torch.dtype | None = None, held=None):
     """9 with its state part on the Gluon kernel where `dqkwg_kernel_for` says so (the chunk-local
     part on Triton's `_dqk_local_kernel`, or on `_dqk_local_tf32_kernel` where DQK_LOCAL says so),
     else Triton's `chunk_dqkwg`; the same contract. The
@@ -1303,7 +1371,10 @@ def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype:
     from tileport.ops.gdn import triton_kernels as tk
 
     input_dtype = input_dtype or q.dtype
+    local = (held or {}).pop("local", None)  # 9a's results, where stage 7 formed them
     if dqkwg_kernel_for((q, k, h, dh, vn, dvn), G, input_dtype) == "triton":
+        if local is not None:
+            raise RuntimeError("stage 9a ran with stage 7 on the Gluon kernel, but stage 9 is Triton's for this call")
         return tk.chunk_dqkwg(q, k, G, h, dh, vn, dvn, do, scale, plan, dq_dtype, input_dtype=input_dtype)
     Ntok, H, K = q.shape
     V = do.shape[-1]
@@ -1318,13 +1389,13 @@ def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype:
     if plan.NC:
         BK, BV, NV = tk._blocks(K, V)
         products = tk._products(input_dtype, True, "dqkwg")
-        dql, dkl = new_empty((Ntok, H, K), torch.float32, q.device), new_empty((Ntok, H, K), torch.float32, q.device)
-        if DQK_LOCAL == "gluon":  # (checked by dqkwg_kernel_for)
-            _dqk_local_tf32_kernel[(plan.NC, H)](
-                _descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
-                _descriptor(vn.view(Ntok, H * V), [BT, V]), do, G, dql, dkl, dG[NK], plan.chunks, H, float(scale), K,
-                V, num_warps=8)
+        if local is not None:  # 9a ran with stage 7 (`chunk_dv_local_gluon`)
+            dql, dkl, dG[NK] = local
+        elif DQK_LOCAL == "gluon":  # (checked by dqkwg_kernel_for)
+            dql, dkl = (new_empty((Ntok, H, K), torch.float32, q.device) for _ in range(2))
+            _launch_dqk_local(q, k, vn, do, G, dql, dkl, dG[NK], None, plan, scale)
         else:
+            dql, dkl = (new_empty((Ntok, H, K), torch.float32, q.device) for _ in range(2))
             tk._dqk_local_kernel[(plan.NC, H)](q, k, G, vn, do, dql, dkl, dG[NK], plan.chunks, H, scale, K, V, BKS, BV,
                                                NV, BT, *products, **tk._LAUNCH["dqkwg"])
         descs = (_descriptor(h.view(plan.NC * H * K, V), [BKS, V]), _descriptor(dh.view(plan.NC * H * K, V), [BKS, V]),
@@ -1392,9 +1463,11 @@ def gdn_backward_gluon(do, dht, q, k, v, *args):
     from tileport.ops.gdn.triton_kernels import gdn_backward_triton
 
     check_tf32_recurrence_launch(v.shape[-1])  # before the recompute is launched
+    held = {}  # 9a's results from stage 7 to stage 9 (DQK_LOCAL_AT "stage-7")
     return gdn_backward_triton(do, dht, q, k, v, *args, stages=dict(
-        states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon, dqkwg=chunk_dqkwg_gluon,
-        wy_bwd=chunk_wy_bwd_gluon))
+        states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon,
+        dv_local=functools.partial(chunk_dv_local_gluon, held=held),
+        dqkwg=functools.partial(chunk_dqkwg_gluon, held=held), wy_bwd=chunk_wy_bwd_gluon))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1488,12 +1561,14 @@ def compile_cases():
         args = dict(q_desc=desc32(Ntok, H * K, [BT, K]), k_desc=desc32(Ntok, H * K, [BT, K]),
                     vn_desc=desc32(Ntok, H * V, [BT, V]), do_ptr=TensorStandIn([Ntok, H, V], bf),
                     G_ptr=TensorStandIn([Ntok, H], torch.float64), dql_ptr=rows32, dkl_ptr=rows32,
-                    dG_ptr=TensorStandIn([Ntok, H], f32), chunks_ptr=TensorStandIn([2 * NC], torch.int32), H=H,
-                    scale=0.1, K=K, V=V)
-        cases.append(CompileCase(name=f"gdn_dqk_local_K{K}_V{V}_w8", kernel=_dqk_local_tf32_kernel, args=args,
-                                 num_warps=8, expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
-                                                          "cp.async.bulk.tensor", "mbarrier.try_wait"],
-                                 expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+                    dG_ptr=TensorStandIn([Ntok, H], f32), dvl_ptr=TensorStandIn([Ntok, H, V], f32),
+                    chunks_ptr=TensorStandIn([2 * NC], torch.int32), H=H, scale=0.1, K=K, V=V)
+        for dv_local in (False, True):  # with stage 7 (DQK_LOCAL_AT "stage-7") or without
+            cases.append(CompileCase(name=f"gdn_dqk_local_K{K}_V{V}{'_dv_local' if dv_local else ''}_w8",
+                                     kernel=_dqk_local_tf32_kernel, args=dict(args, DV_LOCAL=dv_local), num_warps=8,
+                                     expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                                                 "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                     expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     for K in (128, 64):  # stage 10: fp32 TMA tiles (U, W, K), tf32 WGMMA, 8 warps (sm_90a: 4 spill 500 B at K = 128)
         V = K
         f32 = torch.float32

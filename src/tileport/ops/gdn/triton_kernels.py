@@ -1778,7 +1778,8 @@ def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     stages 1-5, then runs 7-11; dht (gradient of the final state) may be None. stages: functions
     that run a stage instead of this module's, by name ("states": the recompute's stage 5, with
     `chunk_states`'s contract; "dstates": stage 8, `chunk_dstates`'s; "dqkwg": stage 9,
-    `chunk_dqkwg`'s; "wy_bwd": stage 10, `chunk_wy_bwd`'s); the gluon backend passes its own."""
+    `chunk_dqkwg`'s; "wy_bwd": stage 10, `chunk_wy_bwd`'s; "dv_local": stage 7, `chunk_dv_local`'s
+    with vn=, the recompute's Vn, as well); the gluon backend passes its own."""
     stages = stages or {}
     B, T, H, K = q.shape
     plan = make_plan(B, T, cu_seqlens, q.device)
@@ -1789,7 +1790,9 @@ def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     qn, kn, G, Ai, w, u, h, vn, _ = _recompute(qf, kf, vf, gf, bf, h0, use_qk_l2norm_in_kernel, plan, False,
                                                for_backward=True, states=stages.get("states", chunk_states))
     dt = q.dtype
-    dvl = chunk_dv_local(qn, kn, G, dof, scale, plan, input_dtype=dt)
+    dv_local = stages.get("dv_local")
+    dvl = (dv_local(qn, kn, G, dof, scale, plan, input_dtype=dt, vn=vn) if dv_local is not None
+           else chunk_dv_local(qn, kn, G, dof, scale, plan, input_dtype=dt))
     dh, dvn, dh0 = stages.get("dstates", chunk_dstates)(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None,
                                                          input_dtype=dt)
     l2 = use_qk_l2norm_in_kernel
