@@ -89,6 +89,51 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def stage_operands():
+    """The backward's operands of stages 9 and 10 at S1 (Triton's recompute, stages 7 and 8): the
+    inputs (q, k, v, g, beta, dO), their flattened forms, and qn, kn, G, T, W, U, h, Vn, dh, dVn."""
+    qf, kf, vf, gf, bf_, do = backward_inputs(B, T)
+    flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
+    dof = tk._flatten(do)
+    qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, None, True, plan, False, for_backward=True)
+    dvl = tk.chunk_dv_local(qn, kn, G, dof, K ** -0.5, plan, input_dtype=torch.bfloat16)
+    dh, dvn, _ = tk.chunk_dstates(qn, kn, w, G, dof, dvl, None, K ** -0.5, plan, False, input_dtype=torch.bfloat16)
+    return qf, kf, vf, gf, bf_, do, flat, dof, qn, kn, G, Ai, w, u, h, vn, dh, dvn
+
+
+def whole_backward_ab(switch_name: str, settings: list, label) -> None:
+    """The whole backward of the gluon backend at S1 (bench inputs) under each of `settings`, a list
+    of {module: {switch: value}} (the first the baseline), timed and its gradients compared with
+    the first's; label(setting) names a row. The switches are restored after."""
+    from tileport.ops.gdn import gluon_kernels as gk
+
+    qf, kf, vf, gf, bf_, do = backward_inputs(B, T)
+    saved = {(m, n): getattr(m, n) for setting in settings for m, sw in setting.items() for n in sw}
+    grads = {}
+    try:
+        for setting in settings:
+            for m, sw in setting.items():
+                for n, value in sw.items():
+                    setattr(m, n, value)
+            name = label(setting)
+
+            def bwd():
+                return gk.gdn_backward_gluon(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
+
+            try:
+                grads[name] = bwd()
+                ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median")
+                first = next(iter(grads))
+                diff = "" if name == first else f", vs {first}: " + " ".join(
+                    f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[name], grads[first]))
+                print(f"backward S1 gluon backend, {switch_name} {name}: {ms:.3f} ms{diff}", flush=True)
+            except Exception as exc:
+                print(f"backward S1 {switch_name} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    finally:
+        for (m, n), value in saved.items():
+            setattr(m, n, value)
+
+
 def backward_inputs(*lead):
     """q, k, v, g, beta and dO over leading dims `lead` (then H and the head dim): the bench's
     distributions, bf16 (g fp32)."""
@@ -432,12 +477,7 @@ if "dqkwg" in SECTIONS and dev == "cuda":
     from tileport.ops.gdn import gluon_kernels as gk
 
     print("\n== stage 9 (dqkwg): Triton's 9a and 9b apart, and 9b on Gluon (BACKWARD_DQKWG)")
-    qf, kf, vf, gf, bf_, do = backward_inputs(B, T)
-    flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
-    dof = tk._flatten(do)
-    qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, None, True, plan, False, for_backward=True)
-    dvl = tk.chunk_dv_local(qn, kn, G, dof, K ** -0.5, plan, input_dtype=torch.bfloat16)
-    dh, dvn, _ = tk.chunk_dstates(qn, kn, w, G, dof, dvl, None, K ** -0.5, plan, False, input_dtype=torch.bfloat16)
+    qf, kf, vf, gf, bf_, do, flat, dof, qn, kn, G, Ai, w, u, h, vn, dh, dvn = stage_operands()
     args = (qn, kn, G, h, dh, vn, dvn, dof, K ** -0.5, plan, torch.float32)
     dqkwg_default = tk.DQKWG_FORM
     tk.DQKWG_FORM = "split"
@@ -470,22 +510,9 @@ if "dqkwg" in SECTIONS and dev == "cuda":
             print(f"dqkwg S1 gluon 9b {gk.DQKWG_STATE_FORM}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     gk.DQKWG_STATE_FORM = state_form
     tk.DQKWG_FORM = dqkwg_default
-    grads = {}
-    for form in ("triton", "gluon"):
-        gk.BACKWARD_DQKWG = form
-
-        def bwd():
-            return gk.gdn_backward_gluon(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
-
-        try:
-            grads[form] = bwd()
-            ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median")
-            diff = "" if form == "triton" else ", vs triton: " + " ".join(
-                f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[form], grads["triton"]))
-            print(f"backward S1 gluon backend, BACKWARD_DQKWG {form}: {ms:.3f} ms{diff}", flush=True)
-        except Exception as exc:
-            print(f"backward S1 BACKWARD_DQKWG {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     gk.BACKWARD_DQKWG = dqkwg_switch
+    whole_backward_ab("BACKWARD_DQKWG", [{gk: dict(BACKWARD_DQKWG=f)} for f in ("triton", "gluon")],
+                      lambda st: st[gk]["BACKWARD_DQKWG"])
 
 
 # stage 10 (wy_bwd) at S1 on the backward's own operands: Triton's `chunk_wy_bwd` (WY_BWD_FORM)
@@ -495,12 +522,7 @@ if "wy" in SECTIONS and dev == "cuda":
     from tileport.ops.gdn import gluon_kernels as gk
 
     print("\n== stage 10 (wy_bwd): Triton's against Gluon's (BACKWARD_WY)")
-    qf, kf, vf, gf, bf_, do = backward_inputs(B, T)
-    flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
-    dof = tk._flatten(do)
-    qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, None, True, plan, False, for_backward=True)
-    dvl = tk.chunk_dv_local(qn, kn, G, dof, K ** -0.5, plan, input_dtype=torch.bfloat16)
-    dh, dvn, _ = tk.chunk_dstates(qn, kn, w, G, dof, dvl, None, K ** -0.5, plan, False, input_dtype=torch.bfloat16)
+    qf, kf, vf, gf, bf_, do, flat, dof, qn, kn, G, Ai, w, u, h, vn, dh, dvn = stage_operands()
     _, dkp, dw, dGp = gk.chunk_dqkwg_gluon(qn, kn, G, h, dh, vn, dvn, dof, K ** -0.5, plan, torch.float32,
                                           input_dtype=torch.bfloat16)
     args = (kn, flat[2], flat[4], G, Ai, w, u, dw, dvn, dkp, dGp, plan, torch.float32, torch.bfloat16, torch.bfloat16,
@@ -520,22 +542,10 @@ if "wy" in SECTIONS and dev == "cuda":
             f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dk", "dv", "dbeta", "dg"), got, ref)), flush=True)
     except Exception as exc:
         print(f"wy_bwd S1 gluon: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    grads = {}
-    for form in ("triton", "gluon"):
-        gk.BACKWARD_WY = form
-
-        def bwd():
-            return gk.gdn_backward_gluon(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
-
-        try:
-            grads[form] = bwd()
-            ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median")
-            diff = "" if form == "triton" else ", vs triton: " + " ".join(
-                f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[form], grads["triton"]))
-            print(f"backward S1 gluon backend, BACKWARD_WY {form}: {ms:.3f} ms{diff}", flush=True)
-        except Exception as exc:
-            print(f"backward S1 BACKWARD_WY {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     gk.BACKWARD_WY = wy_switch
+    whole_backward_ab("BACKWARD_WY", [{gk: dict(BACKWARD_WY=f, WY_L2NORM_K=l2)} for f, l2 in
+                                      (("triton", "apart"), ("gluon", "apart"), ("gluon", "fused"))],
+                      lambda st: f"{st[gk]['BACKWARD_WY']}, WY_L2NORM_K {st[gk]['WY_L2NORM_K']}")
 
 
 # stage 9a at S1 on the backward's own operands: stage 9 (9b on Gluon) with its chunk-local part on
@@ -545,12 +555,7 @@ if "dqk" in SECTIONS and dev == "cuda":
     from tileport.ops.gdn import gluon_kernels as gk
 
     print("\n== stage 9a (dqk_local): Triton's against Gluon's (DQK_LOCAL)")
-    qf, kf, vf, gf, bf_, do = backward_inputs(B, T)
-    flat = [tk._flatten(x) for x in (qf, kf, vf, gf, bf_)]
-    dof = tk._flatten(do)
-    qn, kn, G, Ai, w, u, h, vn, _ = tk._recompute(*flat, None, True, plan, False, for_backward=True)
-    dvl = tk.chunk_dv_local(qn, kn, G, dof, K ** -0.5, plan, input_dtype=torch.bfloat16)
-    dh, dvn, _ = tk.chunk_dstates(qn, kn, w, G, dof, dvl, None, K ** -0.5, plan, False, input_dtype=torch.bfloat16)
+    qf, kf, vf, gf, bf_, do, flat, dof, qn, kn, G, Ai, w, u, h, vn, dh, dvn = stage_operands()
     args = (qn, kn, G, h, dh, vn, dvn, dof, K ** -0.5, plan, torch.float32)
     dqk_switch = gk.DQK_LOCAL
     outs = {}
@@ -566,22 +571,7 @@ if "dqk" in SECTIONS and dev == "cuda":
             print(f"dqkwg S1 (9b gluon {gk.DQKWG_STATE_FORM}) with 9a {form}: {ms:.3f} ms{diff}", flush=True)
         except Exception as exc:
             print(f"dqkwg S1 9a {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    grads = {}
-    place = gk.DQK_LOCAL_AT
-    for form, gk.DQK_LOCAL_AT in (("triton", "stage-9"), ("gluon", "stage-9"), ("gluon", "stage-7")):
-        gk.DQK_LOCAL = form
-        name = f"{form} at {gk.DQK_LOCAL_AT}"
-
-        def bwd():
-            return gk.gdn_backward_gluon(do, None, qf, kf, vf, gf, bf_, K ** -0.5, None, True, None)
-
-        try:
-            grads[name] = bwd()
-            ms = triton.testing.do_bench(bwd, warmup=5, rep=40, return_mode="median")
-            diff = "" if form == "triton" else ", vs triton: " + " ".join(
-                f"{n} {rel(a, b):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[name],
-                                                          grads["triton at stage-9"]))
-            print(f"backward S1 gluon backend, DQK_LOCAL {name}: {ms:.3f} ms{diff}", flush=True)
-        except Exception as exc:
-            print(f"backward S1 DQK_LOCAL {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    gk.DQK_LOCAL, gk.DQK_LOCAL_AT = dqk_switch, place
+    gk.DQK_LOCAL = dqk_switch
+    whole_backward_ab("DQK_LOCAL", [{gk: dict(DQK_LOCAL=f, DQK_LOCAL_AT=at)} for f, at in
+                                    (("triton", "stage-9"), ("gluon", "stage-9"), ("gluon", "stage-7"))],
+                      lambda st: f"{st[gk]['DQK_LOCAL']} at {st[gk]['DQK_LOCAL_AT']}")

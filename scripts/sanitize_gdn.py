@@ -8,7 +8,8 @@ clean: triton 3.6's WGMMA race, issue 11047, which needs more than 4 warps: the 
                                                        fused-BV128-8w-tma-store-dqkwg-loop,
                                                        fused-BV128-8w-tma-store-dqkwg-loop-wy,
                                                        fused-BV128-8w-tma-store-dqkwg-loop-wy-dqk,
-                                                       fused-BV128-8w-tma-store-dqkwg-loop-wy-dqk7)
+                                                       fused-BV128-8w-tma-store-dqkwg-loop-wy-dqk7,
+                                                       fused-BV128-8w-tma-store-dqkwg-loop-wy-l2k)
 
 A dense batch with a ragged T (a partial last chunk) and a varlen batch with a length-1 and an
 empty sequence, forward and backward, K = V = 64 and 128; each OUTPUT_FORM of the gluon backend, and FORWARD_FORM "fused" at (RECURRENCE_BV, RECURRENCE_WARPS)
@@ -36,7 +37,8 @@ forms = (("one-shot", "split", 64, 4, "late"), ("persistent", "split", 64, 4, "l
          ("fused-BV128-8w-tma-store-dqkwg-loop", "fused", 128, 8, "staged"),  # ... in its key-block loop form
          ("fused-BV128-8w-tma-store-dqkwg-loop-wy", "fused", 128, 8, "staged"),  # ... and stage 10 in Gluon
          ("fused-BV128-8w-tma-store-dqkwg-loop-wy-dqk", "fused", 128, 8, "staged"),  # ... and 9a in Gluon
-         ("fused-BV128-8w-tma-store-dqkwg-loop-wy-dqk7", "fused", 128, 8, "staged"))  # ... 9a with stage 7
+         ("fused-BV128-8w-tma-store-dqkwg-loop-wy-dqk7", "fused", 128, 8, "staged"),  # ... 9a with stage 7
+         ("fused-BV128-8w-tma-store-dqkwg-loop-wy-l2k", "fused", 128, 8, "staged"))  # ... k's l2norm bwd in 10
 forward_only = "fwd" in sys.argv[1:]
 only = [a for a in sys.argv[1:] if a not in ("quick", "fwd")]
 if set(only) - {f[0] for f in forms}:
@@ -52,6 +54,7 @@ for form, forward_form, bv, warps, gates in forms:
     gluon_kernels.BACKWARD_WY = "gluon" if "-wy" in form else "triton"
     gluon_kernels.DQK_LOCAL = "gluon" if "-dqk" in form else "triton"
     gluon_kernels.DQK_LOCAL_AT = "stage-7" if form.endswith("-dqk7") else "stage-9"
+    gluon_kernels.WY_L2NORM_K = "fused" if form.endswith("-l2k") else "apart"
     gluon_kernels.OUTPUT_FORM = form if forward_form == "split" else "one-shot"
     gluon_kernels.FORWARD_FORM, gluon_kernels.RECURRENCE_BV, gluon_kernels.RECURRENCE_WARPS = forward_form, bv, warps
     for c in cases:

@@ -27,8 +27,9 @@ ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] ==
 # every Gluon form, each switch it depends on set explicitly: the forward's (FORWARD_FORM,
 # OUTPUT_FORM, RECURRENCE_BV, RECURRENCE_WARPS, RECURRENCE_GATES, RECURRENCE_RING,
 # RECURRENCE_O_STORE) and the backward's (BACKWARD_STATES, BACKWARD_DSTATES, TF32_RECURRENCE_BV,
-# TF32_RECURRENCE_WARPS, BACKWARD_DQKWG, DQKWG_STATE_FORM, BACKWARD_WY, DQK_LOCAL, DQK_LOCAL_AT)
-_DSTATES = ("gluon", "gluon", 128, 8, "triton", "per-block", "triton", "triton", "stage-9")  # the backward's recurrences in Gluon, BV 128 on two warpgroups
+# TF32_RECURRENCE_WARPS, BACKWARD_DQKWG, DQKWG_STATE_FORM, BACKWARD_WY, DQK_LOCAL, DQK_LOCAL_AT,
+# WY_L2NORM_K)
+_DSTATES = ("gluon", "gluon", 128, 8, "triton", "per-block", "triton", "triton", "stage-9", "apart")  # the backward's recurrences in Gluon, BV 128 on two warpgroups
 FORMS = {
     "one-shot": ("split", "one-shot", 64, 4, "staged", 2, "masked", *_DSTATES),  # the output kernels after Triton's 1-5
     "persistent": ("split", "persistent", 64, 4, "staged", 2, "masked", *_DSTATES),
@@ -39,23 +40,25 @@ FORMS = {
     "fused-wide-staged": ("fused", "one-shot", 128, 8, "staged", 2, "masked", *_DSTATES),
     "fused-wide-tma-store": ("fused", "one-shot", 128, 8, "staged", 2, "tma", *_DSTATES),
     "recurrences-BV64-4w": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 64, 4, "triton", "per-block",
-                            "triton", "triton", "stage-9"),
+                            "triton", "triton", "stage-9", "apart"),
     "recurrences-triton": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "triton", "triton", 128, 8, "triton",
-                           "per-block", "triton", "triton", "stage-9"),
+                           "per-block", "triton", "triton", "stage-9", "apart"),
     "dqkwg-gluon": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "per-block",
-                    "triton", "triton", "stage-9"),
+                    "triton", "triton", "stage-9", "apart"),
     "dqkwg-gluon-loop": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "loop",
-                         "triton", "triton", "stage-9"),
+                         "triton", "triton", "stage-9", "apart"),
     "wy-gluon": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "loop", "gluon",
-                 "triton", "stage-9"),
+                 "triton", "stage-9", "apart"),
     "dqk-local-gluon": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "loop",
-                        "gluon", "gluon", "stage-9"),
+                        "gluon", "gluon", "stage-9", "apart"),
     "dqk-local-at-7": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "loop",
-                       "gluon", "gluon", "stage-7"),  # 9a with stage 7 in one launch
+                       "gluon", "gluon", "stage-7", "apart"),  # 9a with stage 7 in one launch
+    "wy-l2norm-fused": ("fused", "one-shot", 128, 8, "staged", 2, "tma", "gluon", "gluon", 128, 8, "gluon", "loop",
+                        "gluon", "gluon", "stage-9", "fused"),  # k's l2norm backward in stage 10's kernel
 }
 _SWITCHES = ("FORWARD_FORM", "OUTPUT_FORM", "RECURRENCE_BV", "RECURRENCE_WARPS", "RECURRENCE_GATES", "RECURRENCE_RING",
              "RECURRENCE_O_STORE", "BACKWARD_STATES", "BACKWARD_DSTATES", "TF32_RECURRENCE_BV", "TF32_RECURRENCE_WARPS",
-             "BACKWARD_DQKWG", "DQKWG_STATE_FORM", "BACKWARD_WY", "DQK_LOCAL", "DQK_LOCAL_AT")
+             "BACKWARD_DQKWG", "DQKWG_STATE_FORM", "BACKWARD_WY", "DQK_LOCAL", "DQK_LOCAL_AT", "WY_L2NORM_K")
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -113,7 +116,7 @@ def test_fused_launch_refuses(switch, bad, monkeypatch):
                                          ("BACKWARD_DSTATES", "cuda"), ("BACKWARD_STATES", "cuda"),
                                          ("BACKWARD_DQKWG", "cuda"), ("DQKWG_STATE_FORM", "tiled"),
                                          ("BACKWARD_WY", "cuda"), ("DQK_LOCAL", "tiled"),
-                                         ("DQK_LOCAL_AT", "stage-8")])
+                                         ("DQK_LOCAL_AT", "stage-8"), ("WY_L2NORM_K", "inline")])
 def test_tf32_recurrence_launch_refuses(switch, bad, monkeypatch):
     """A value of the backward recurrences' switches the Gluon kernel cannot take is refused by
     name, the others at their defaults (CPU: nothing launches)."""

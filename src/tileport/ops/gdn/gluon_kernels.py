@@ -740,9 +740,18 @@ if _GLUON_ERROR is None:
             mbarrier.invalidate(bars.index(b))
 
     @gluon.jit
+    def _load_chunk_rows(a_desc, b_desc, c_desc, bos, a_col, b_col, c_col, bar, a_s, b_s, c_s):
+        """TMA one chunk's rows (from token bos) of three [Ntok, H * D] tensors, at the head's columns
+        a_col, b_col, c_col, into a_s, b_s, c_s, all three on `bar`, armed with their bytes."""
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + c_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [bos, a_col], bar, a_s)
+        tma.async_copy_global_to_shared(b_desc, [bos, b_col], bar, b_s)
+        tma.async_copy_global_to_shared(c_desc, [bos, c_col], bar, c_s)
+
+    @gluon.jit
     def _wy_bwd_tf32_kernel(u_desc, w_desc, k_desc, t_ptr, dw_ptr, dvn_ptr, v_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr,
-                            dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H, dGp_stride, K: gl.constexpr,
-                            V: gl.constexpr, NKP: gl.constexpr):
+                            dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, kraw_ptr, H, dGp_stride, eps,
+                            K: gl.constexpr, V: gl.constexpr, NKP: gl.constexpr, L2NORM_K: gl.constexpr):
         """10, back through W, U, T and A (Triton's `_wy_bwd_kernel`), for one chunk and head per
         program, grid (NC, H), 4 or 8 warps (one or two warpgroups side by side along N); every
         product a tf32 WGMMA on fp32 operands:
@@ -761,7 +770,12 @@ if _GLUON_ERROR is None:
         apart, in bf16, to avoid transposes; here B^T is B's transpose in registers, and the two
         key-side products are one. Rows past the chunk's sequence (a varlen tail: the TMA rows of
         the next sequence, finite) meet only masked factors: T, dVn, dW, beta, G and dK's rows are
-        loaded masked, dA's by the strict-lower mask."""
+        loaded masked, dA's by the strict-lower mask.
+        L2NORM_K: K is the l2-normalised raw keys (use_qk_l2norm_in_kernel), and dK leaves through
+        the normalisation's backward (Triton's `_l2norm_bwd_kernel`, stage 11, for k): with y the
+        normalised row recomputed from the raw one, rstd = 1 / sqrt(sum(k^2) + eps),
+            dk = rstd (dK - y rowsum(dK * y))
+        in dk's dtype, so dK's fp32 round trip and that launch go."""
         BT: gl.constexpr = u_desc.block_type.shape[0]
         gl.static_assert(K == V, "dVn^T and K^T share one shared-memory buffer")
         NW: gl.constexpr = gl.num_warps()
@@ -785,10 +799,7 @@ if _GLUON_ERROR is None:
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         fence_async_shared()
-        mbarrier.expect(bar, u_desc.block_type.nbytes + w_desc.block_type.nbytes + k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(u_desc, [bos, hh * V], bar, u_s)
-        tma.async_copy_global_to_shared(w_desc, [bos, hh * K], bar, w_s)
-        tma.async_copy_global_to_shared(k_desc, [bos, hh * K], bar, k_s)
+        _load_chunk_rows(u_desc, w_desc, k_desc, bos, hh * V, hh * K, hh * K, bar, u_s, w_s, k_s)
 
         # under the TMA loads: T^T as a register operand, dVn^T and dW^T into shared memory
         rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
@@ -881,8 +892,15 @@ if _GLUON_ERROR is None:
         gl.thread_barrier()  # every warp's part of K^T is in xT_s (fenced above)
         dk = warpgroup_mma(a_s, xT_s.permute((1, 0)), dk, is_async=True)
         dk, _s, _x = warpgroup_mma_wait(0, deps=[dk, a_s, xT_s])
+        koffs = orows[:, None] * K + col[None, :]
+        if L2NORM_K:
+            # lint: allow TP001 -- the raw keys' rows in the accumulator layout dK is in; a varlen tail's rows masked
+            kraw = gl.load(kraw_ptr + koffs, mask=o_ok[:, None], other=0.0).to(gl.float32)
+            rstd = gl.rsqrt(gl.sum(kraw * kraw, axis=1) + eps)
+            y = kraw * rstd[:, None]
+            dk = rstd[:, None] * (dk - y * gl.sum(dk * y, axis=1)[:, None])
         # lint: allow TP001 -- as dV
-        gl.store(dk_ptr + orows[:, None] * K + col[None, :], dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
+        gl.store(dk_ptr + koffs, dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
         mbarrier.invalidate(bar)
 
     @gluon.jit
@@ -937,10 +955,7 @@ if _GLUON_ERROR is None:
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         fence_async_shared()
-        mbarrier.expect(bar, q_desc.block_type.nbytes + k_desc.block_type.nbytes + vn_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [bos, hh * K], bar, q_s)
-        tma.async_copy_global_to_shared(k_desc, [bos, hh * K], bar, k_s)
-        tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bar, vn_s)
+        _load_chunk_rows(q_desc, k_desc, vn_desc, bos, hh * K, hh * K, hh * V, bar, q_s, k_s, vn_s)
 
         rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
         vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
@@ -1418,12 +1433,19 @@ def chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, dq_dtype:
 # split form 2.540 ms, Gluon's 1.157; the whole backward 7.567 -> 6.182 ms; racecheck clean
 # (docs/perf/gdn.md, gluon row 12).
 BACKWARD_WY = "gluon"
+# Where the gluon backend's stage 10 takes dK back through the keys' l2 normalisation
+# (use_qk_l2norm_in_kernel): "apart" (Triton's `l2norm_bwd` after it: dK stored in fp32 and read
+# back, one more launch, ~0.12 ms at S1 under ncu) or "fused" (in `_wy_bwd_tf32_kernel`'s epilogue,
+# L2NORM_K). Written in the eleventh session after its device time was spent; off until timed.
+WY_L2NORM_K = "apart"
+_WY_L2NORM_FORMS = ("apart", "fused")
 
 
 def wy_bwd_kernel_for(operands, G, input_dtype) -> str:
     """"gluon" or "triton": which kernel runs stage 10 on these operands (BACKWARD_WY)."""
     from tileport.ops.gdn import triton_kernels as tk
 
+    tk._checked("WY_L2NORM_K", WY_L2NORM_K, _WY_L2NORM_FORMS)
     if tk._checked("BACKWARD_WY", BACKWARD_WY, _KERNEL_CHOICES) == "triton":
         return "triton"
     K, V = operands[0].shape[-1], operands[2].shape[-1]
@@ -1432,15 +1454,22 @@ def wy_bwd_kernel_for(operands, G, input_dtype) -> str:
 
 def chunk_wy_bwd_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, dk_dtype: torch.dtype,
                        dv_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dtype: torch.dtype,
-                       input_dtype: torch.dtype | None = None):
+                       input_dtype: torch.dtype | None = None, raw_k=None):
     """Stage 10 on `_wy_bwd_tf32_kernel` where `wy_bwd_kernel_for` says so, else Triton's
-    `chunk_wy_bwd` (whose contract this is): dk, dv, dbeta, dg in the dtypes asked for."""
+    `chunk_wy_bwd` (whose contract this is): dk, dv, dbeta, dg in the dtypes asked for; with raw_k
+    (k is its l2 normalisation) dk is the raw keys' gradient, the normalisation's backward in the
+    same kernel where WY_L2NORM_K is "fused"."""
     from tileport.ops.gdn import triton_kernels as tk
 
     input_dtype = input_dtype or k.dtype
+    fuse_l2 = raw_k is not None and WY_L2NORM_K == "fused"  # (checked by wy_bwd_kernel_for)
     if wy_bwd_kernel_for((k, w, u, dw, dvn, Ai, dkp), G, input_dtype) == "triton":
         return tk.chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, dk_dtype, dv_dtype, dbeta_dtype,
-                               dg_dtype, input_dtype=input_dtype)
+                               dg_dtype, input_dtype=input_dtype, raw_k=raw_k)
+    if raw_k is not None and not fuse_l2:  # the normalisation's backward apart, after the kernel
+        dk, dv, dbeta, dg = chunk_wy_bwd_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, torch.float32,
+                                               dv_dtype, dbeta_dtype, dg_dtype, input_dtype=input_dtype)
+        return tk.l2norm_bwd(raw_k, dk, dk_dtype), dv, dbeta, dg
     Ntok, H, K = k.shape
     V = v.shape[-1]
     dk = new_empty((Ntok, H, K), dk_dtype, k.device)
@@ -1451,7 +1480,8 @@ def chunk_wy_bwd_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, dk_dtyp
         _wy_bwd_tf32_kernel[(plan.NC, H)](
             _descriptor(u.view(Ntok, H * V), [BT, V]), _descriptor(w.view(Ntok, H * K), [BT, K]),
             _descriptor(k.view(Ntok, H * K), [BT, K]), Ai, dw, dvn, v, beta, G, dkp, dGp, dk, dv, dbeta, dg,
-            plan.chunks, H, Ntok * H, K, V, dGp.shape[0], num_warps=8)  # 4 warps spill (sm_90a: 500 B at K = 128)
+            plan.chunks, raw_k if fuse_l2 else k, H, Ntok * H, tk.L2NORM_EPS, K, V, dGp.shape[0], fuse_l2,
+            num_warps=8)  # 4 warps spill (sm_90a: 500 B at K = 128)
     return dk, dv, dbeta, dg
 
 
@@ -1583,11 +1613,12 @@ def compile_cases():
                     beta_ptr=TensorStandIn([Ntok, H], bf), G_ptr=TensorStandIn([Ntok, H], torch.float64),
                     dkp_ptr=rows32, dGp_ptr=TensorStandIn([3, Ntok, H], f32), dk_ptr=rows32,
                     dv_ptr=TensorStandIn([Ntok, H, V], bf), dbeta_ptr=TensorStandIn([Ntok, H], bf),
-                    dg_ptr=TensorStandIn([Ntok, H], f32), chunks_ptr=TensorStandIn([2 * NC], torch.int32), H=H,
-                    dGp_stride=Ntok * H, K=K, V=V, NKP=3)
-        for warps in (8,):
-            cases.append(CompileCase(name=f"gdn_wy_bwd_K{K}_V{V}_w{warps}", kernel=_wy_bwd_tf32_kernel, args=args,
-                                     num_warps=warps, expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                    dg_ptr=TensorStandIn([Ntok, H], f32), chunks_ptr=TensorStandIn([2 * NC], torch.int32),
+                    kraw_ptr=TensorStandIn([Ntok, H, K], bf), H=H, dGp_stride=Ntok * H, eps=1e-6, K=K, V=V, NKP=3)
+        for l2 in (False, True):  # dK as it is, or through the keys' l2norm backward (WY_L2NORM_K)
+            cases.append(CompileCase(name=f"gdn_wy_bwd_K{K}_V{V}{'_l2k' if l2 else ''}_w8", kernel=_wy_bwd_tf32_kernel,
+                                     args=dict(args, L2NORM_K=l2, dk_ptr=TensorStandIn([Ntok, H, K], bf if l2 else f32)),
+                                     num_warps=8, expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
                                                                   "cp.async.bulk.tensor", "mbarrier.try_wait"],
                                      expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     for K in (128, 64):  # the backward's state recurrences (stages 5 and 8): fp32 operands, tf32 WGMMA

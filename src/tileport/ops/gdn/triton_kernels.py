@@ -1617,8 +1617,14 @@ WY_BWD_FORM = "split"
 
 def chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan: ChunkPlan,
                  dk_dtype: torch.dtype, dv_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dtype: torch.dtype,
-                 input_dtype: torch.dtype | None = None):
-    """10: dk [Ntok, H, K], dv [Ntok, H, V], dbeta, dg [Ntok, H], each in the dtype asked for."""
+                 input_dtype: torch.dtype | None = None, raw_k=None):
+    """10: dk [Ntok, H, K], dv [Ntok, H, V], dbeta, dg [Ntok, H], each in the dtype asked for. With
+    raw_k (k is its l2 normalisation, use_qk_l2norm_in_kernel) dk is raw_k's gradient: stage 11's
+    `l2norm_bwd` for k runs here, on this kernel's fp32 dK."""
+    if raw_k is not None:
+        dk, dv, dbeta, dg = chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, _F32, dv_dtype,
+                                         dbeta_dtype, dg_dtype, input_dtype)
+        return l2norm_bwd(raw_k, dk, dk_dtype), dv, dbeta, dg
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1778,7 +1784,7 @@ def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     stages 1-5, then runs 7-11; dht (gradient of the final state) may be None. stages: functions
     that run a stage instead of this module's, by name ("states": the recompute's stage 5, with
     `chunk_states`'s contract; "dstates": stage 8, `chunk_dstates`'s; "dqkwg": stage 9,
-    `chunk_dqkwg`'s; "wy_bwd": stage 10, `chunk_wy_bwd`'s; "dv_local": stage 7, `chunk_dv_local`'s
+    `chunk_dqkwg`'s; "wy_bwd": stage 10 with stage 11 for k, `chunk_wy_bwd`'s; "dv_local": stage 7, `chunk_dv_local`'s
     with vn=, the recompute's Vn, as well); the gluon backend passes its own."""
     stages = stages or {}
     B, T, H, K = q.shape
@@ -1798,12 +1804,12 @@ def gdn_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     l2 = use_qk_l2norm_in_kernel
     dq, dkp, dw, dGp = stages.get("dqkwg", chunk_dqkwg)(qn, kn, G, h, dh, vn, dvn, dof, scale, plan,
                                                         _F32 if l2 else q.dtype, input_dtype=dt)
+    # with l2 the stage takes dk back through k's normalisation too (stage 11 for k)
     dk, dv, dbeta, dg = stages.get("wy_bwd", chunk_wy_bwd)(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan,
-                                                           _F32 if l2 else k.dtype, v.dtype, beta.dtype, g.dtype,
-                                                           input_dtype=dt)
+                                                           k.dtype, v.dtype, beta.dtype, g.dtype, input_dtype=dt,
+                                                           raw_k=kf if l2 else None)
     if l2:
         dq = l2norm_bwd(qf, dq, q.dtype)
-        dk = l2norm_bwd(kf, dk, k.dtype)
     if dh0 is not None and dh0.dtype != initial_state.dtype:
         dh0 = dh0.to(initial_state.dtype)
     return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape), dbeta.view(beta.shape), dh0)
