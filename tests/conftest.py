@@ -56,7 +56,7 @@ def device():
 # Each worker's caching allocator keeps what its largest test needed (6-9 GB seen), and the
 # full-size cases' float64 references need ~20 GB each: on 2026-11-30 (loop 2) 17 tests failed
 # with CUDA out-of-memory, none on parity. So every test hands its cached blocks back when it ends,
-# and at most one full-size case runs at a time (a file lock shared by the workers).
+# and at most one full-size case runs at a time on each GPU (a file lock per card shared by the workers).
 @pytest.fixture(autouse=True)
 def _gpu_memory_discipline(request):
     if not torch.cuda.is_available():
@@ -64,7 +64,9 @@ def _gpu_memory_discipline(request):
         return
     lock = None
     if "full_size" in request.node.nodeid:
-        lock = open(os.path.join(tempfile.gettempdir(), "tileport-full-size-tests.lock"), "w")
+        # one lock per GPU: on a host with several, each card runs one full-size case at a time
+        lock = open(os.path.join(tempfile.gettempdir(),
+                                 f"tileport-full-size-tests-gpu{torch.cuda.current_device()}.lock"), "w")
         fcntl.flock(lock, fcntl.LOCK_EX)
     try:
         yield
