@@ -1,5 +1,6 @@
 """Gated DeltaNet, Gluon backend for Hopper (sm_90): the forward's state recurrence and output, and
-the backward's state recurrences (and, off until timed, stage 9's state part) in Gluon.
+in the backward the two state recurrences, stage 9 (its chunk-local and its state part) and stage
+10 in Gluon.
 
 The backend "gluon" is the Triton backend (tileport.ops.gdn.triton_kernels) with the forward's
 stages 5 and 6 replaced by Gluon kernels (FORWARD_FORM):
@@ -18,7 +19,10 @@ shared memory transposed. H200: stage 8 0.674 ms at S1 against Triton's 1.517 (5
 0.526 against 0.633 (a8d219f); the whole backward 9.18 -> 8.21 ms. Stage 9's state part runs on
 `_dqkwg_state_kernel` (BACKWARD_DQKWG, DQKWG_STATE_FORM 'loop'): 9b 1.80 -> ~1.16 ms, the whole
 backward 8.14 -> 7.70 (d0ddc54); stage 10 on `_wy_bwd_tf32_kernel` (BACKWARD_WY): 2.54 -> 1.16 ms,
-the backward 7.57 -> 6.18 (b39a43f). The CPU compile check asserts
+the backward 7.57 -> 6.18 (b39a43f); stage 9's chunk-local part on `_dqk_local_tf32_kernel`
+(DQK_LOCAL): 1.03 -> ~0.61 ms, bitwise Triton's, the backward 6.13 -> 5.73 (9a1008f). Written
+and off until timed: 9a together with stage 7 in one launch (DQK_LOCAL_AT) and k's l2norm backward
+inside stage 10 (WY_L2NORM_K). The CPU compile check asserts
 wgmma.mma_async and cp.async.bulk.tensor in every kernel's PTX (tests/test_gluon_compile.py).
 
 bf16 only (the backward's recurrences take fp32 operands, which the backward of bf16 inputs
