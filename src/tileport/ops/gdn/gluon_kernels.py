@@ -898,6 +898,10 @@ if _GLUON_ERROR is None:
         dk, _s, _x = warpgroup_mma_wait(0, deps=[dk, a_s, xT_s])
         koffs = orows[:, None] * K + col[None, :]
         if L2NORM_K:
+            if NW > 4:
+                # the row sums below reduce across the warpgroups through shared-memory scratch, and
+                # xT_s, free to the allocator after the wait, may still be read by the other's WGMMA
+                gl.thread_barrier()
             # lint: allow TP001 -- the raw keys' rows in the accumulator layout dK is in; a varlen tail's rows masked
             kraw = gl.load(kraw_ptr + koffs, mask=o_ok[:, None], other=0.0).to(gl.float32)
             rstd = gl.rsqrt(gl.sum(kraw * kraw, axis=1) + eps)
@@ -1002,7 +1006,10 @@ if _GLUON_ERROR is None:
         dql, dkl, _a, _b, _kt, _qt = warpgroup_mma_wait(0, deps=[dql, dkl, a_D, a_Dt, kT_s, qT_s])
         if DV_LOCAL:
             # stage 7 after 9a's products have retired (their operands and accumulators not live
-            # beside P^T's): P^T = (Q K^T)^T * Gam^T on t >= s, a register A operand
+            # beside P^T's): P^T = (Q K^T)^T * Gam^T on t >= s, a register A operand. The layout
+            # conversions use shared-memory scratch, which may land on kT_s or qT_s: every
+            # warpgroup's WGMMAs are done with them first (triton 11047)
+            gl.thread_barrier()
             DV_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                            instr_shape=[16, V // WG, 8])
             mT = (ri[:, None] <= cj[None, :]) & i_ok[:, None] & j_ok[None, :]
@@ -1371,7 +1378,7 @@ def chunk_dv_local_gluon(q, k, G, do, scale: float, plan, input_dtype=None, vn=N
     if not fused:
         return tk.chunk_dv_local(q, k, G, do, scale, plan, input_dtype=input_dtype)
     Ntok, H, K = q.shape
-    dvl = new_empty((Ntok, H, K), torch.float32, q.device)
+    dvl = new_empty((Ntok, H, do.shape[-1]), torch.float32, q.device)
     dql, dkl, dG9a = (new_empty((Ntok, H, K), torch.float32, q.device), new_empty((Ntok, H, K), torch.float32, q.device),
                       new_empty((Ntok, H), torch.float32, q.device))
     if plan.NC:
@@ -1467,6 +1474,8 @@ def chunk_wy_bwd_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, dk_dtyp
 
     input_dtype = input_dtype or k.dtype
     fuse_l2 = raw_k is not None and WY_L2NORM_K == "fused"  # (checked by wy_bwd_kernel_for)
+    if raw_k is not None and (raw_k.shape != k.shape or not raw_k.is_contiguous()):
+        raise ValueError(f"raw_k must be contiguous with k's shape {tuple(k.shape)}, got {tuple(raw_k.shape)}")
     if wy_bwd_kernel_for((k, w, u, dw, dvn, Ai, dkp), G, input_dtype) == "triton":
         return tk.chunk_wy_bwd(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, dk_dtype, dv_dtype, dbeta_dtype,
                                dg_dtype, input_dtype=input_dtype, raw_k=raw_k)
