@@ -101,6 +101,22 @@ def stage_operands():
     return qf, kf, vf, gf, bf_, do, flat, dof, qn, kn, G, Ai, w, u, h, vn, dh, dvn
 
 
+def stage_ab(label: str, fn, ref=None, names=()) -> tuple | None:
+    """One stage function timed at S1 (do_bench median), its outputs compared with ref's by name;
+    a failure printed, not raised. Returns the outputs (None on failure)."""
+    try:
+        got = fn()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+        diff = "" if ref is None else ", vs triton: " + " ".join(
+            f"{n} {rel(a, b):.2e}" for n, a, b in zip(names, got, ref))
+        print(f"{label}: {ms:.3f} ms{diff}", flush=True)
+        return got
+    except Exception as exc:
+        print(f"{label}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return None
+
+
 def whole_backward_ab(switch_name: str, settings: list, label) -> None:
     """The whole backward of the gluon backend at S1 (bench inputs) under each of `settings`, a list
     of {module: {switch: value}} (the first the baseline), timed and its gradients compared with
@@ -499,15 +515,8 @@ if "dqkwg" in SECTIONS and dev == "cuda":
     dqkwg_switch, state_form = gk.BACKWARD_DQKWG, gk.DQKWG_STATE_FORM
     gk.BACKWARD_DQKWG = "gluon"
     for gk.DQKWG_STATE_FORM in gk.DQKWG_STATE_FORMS:
-        try:
-            got = gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16)
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench(lambda: gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16), warmup=5,
-                                         rep=40, return_mode="median")
-            print(f"dqkwg S1 gluon 9b {gk.DQKWG_STATE_FORM}: {ms:.3f} ms, vs triton: " + " ".join(
-                f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dq", "dk", "dw", "dG"), got, ref)), flush=True)
-        except Exception as exc:
-            print(f"dqkwg S1 gluon 9b {gk.DQKWG_STATE_FORM}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        stage_ab(f"dqkwg S1 gluon 9b {gk.DQKWG_STATE_FORM}", lambda: gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16),
+                 ref, ("dq", "dk", "dw", "dG"))
     gk.DQKWG_STATE_FORM = state_form
     tk.DQKWG_FORM = dqkwg_default
     gk.BACKWARD_DQKWG = dqkwg_switch
@@ -533,15 +542,8 @@ if "wy" in SECTIONS and dev == "cuda":
     print(f"wy_bwd S1 triton {tk.WY_BWD_FORM}: {ms:.3f} ms", flush=True)
     wy_switch = gk.BACKWARD_WY
     gk.BACKWARD_WY = "gluon"
-    try:
-        got = gk.chunk_wy_bwd_gluon(*args, input_dtype=torch.bfloat16)
-        torch.cuda.synchronize()
-        ms = triton.testing.do_bench(lambda: gk.chunk_wy_bwd_gluon(*args, input_dtype=torch.bfloat16), warmup=5,
-                                     rep=40, return_mode="median")
-        print(f"wy_bwd S1 gluon: {ms:.3f} ms, vs triton: " + " ".join(
-            f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dk", "dv", "dbeta", "dg"), got, ref)), flush=True)
-    except Exception as exc:
-        print(f"wy_bwd S1 gluon: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    stage_ab("wy_bwd S1 gluon", lambda: gk.chunk_wy_bwd_gluon(*args, input_dtype=torch.bfloat16), ref,
+             ("dk", "dv", "dbeta", "dg"))
     gk.BACKWARD_WY = wy_switch
     whole_backward_ab("BACKWARD_WY", [{gk: dict(BACKWARD_WY=f, WY_L2NORM_K=l2)} for f, l2 in
                                       (("triton", "apart"), ("gluon", "apart"), ("gluon", "fused"))],
@@ -558,19 +560,12 @@ if "dqk" in SECTIONS and dev == "cuda":
     qf, kf, vf, gf, bf_, do, flat, dof, qn, kn, G, Ai, w, u, h, vn, dh, dvn = stage_operands()
     args = (qn, kn, G, h, dh, vn, dvn, dof, K ** -0.5, plan, torch.float32)
     dqk_switch = gk.DQK_LOCAL
-    outs = {}
+    ref = None
     for form in ("triton", "gluon"):
         gk.DQK_LOCAL = form
-        try:
-            outs[form] = gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16)
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench(lambda: gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16), warmup=5,
-                                         rep=40, return_mode="median")
-            diff = "" if form == "triton" else ", vs triton: " + " ".join(
-                f"{n} {rel(a, b):.2e}" for n, a, b in zip(("dq", "dk", "dw", "dG"), outs[form], outs["triton"]))
-            print(f"dqkwg S1 (9b gluon {gk.DQKWG_STATE_FORM}) with 9a {form}: {ms:.3f} ms{diff}", flush=True)
-        except Exception as exc:
-            print(f"dqkwg S1 9a {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        got = stage_ab(f"dqkwg S1 (9b gluon {gk.DQKWG_STATE_FORM}) with 9a {form}",
+                       lambda: gk.chunk_dqkwg_gluon(*args, input_dtype=torch.bfloat16), ref, ("dq", "dk", "dw", "dG"))
+        ref = got if ref is None else ref
     gk.DQK_LOCAL = dqk_switch
     whole_backward_ab("DQK_LOCAL", [{gk: dict(DQK_LOCAL=f, DQK_LOCAL_AT=at)} for f, at in
                                     (("triton", "stage-9"), ("gluon", "stage-9"), ("gluon", "stage-7"))],
