@@ -192,3 +192,107 @@ def test_gluon_backward_plumbing_on_the_cpu(monkeypatch):
         ours = gluon_kernels.gdn_backward_gluon(*args)
         for a, b in zip(ours, theirs):
             assert torch.equal(a, b)
+
+
+class _RecordingLaunch:
+    """Stands in for a Gluon kernel on the CPU: `kernel[grid](*args, **kwargs)` records the call
+    and runs `effect(args)` (say, filling an output)."""
+
+    def __init__(self, effect=None):
+        self.calls = []
+        self.effect = effect
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            if self.effect is not None:
+                self.effect(args)
+
+        return launch
+
+
+def test_stage_9a_at_stage_7_hands_its_results_to_stage_9(monkeypatch):
+    """DQK_LOCAL_AT 'stage-7' (host plumbing, the Gluon launches stubbed on the CPU):
+    chunk_dv_local_gluon runs 9a with stage 7 in one launch and keeps dql, dkl and 9a's partial of
+    dG; chunk_dqkwg_gluon hands exactly those to 9b's kernel (9a not launched again), puts the
+    partial last in dG, and uses the handoff once."""
+    import torch
+
+    from tileport.ops.gdn import gluon_kernels, triton_kernels
+
+    for name, value in (("DQK_LOCAL_AT", "stage-7"), ("DQK_LOCAL", "gluon"), ("BACKWARD_DQKWG", "gluon"),
+                        ("DQKWG_STATE_FORM", "loop")):
+        monkeypatch.setattr(gluon_kernels, name, value)
+    monkeypatch.setattr(gluon_kernels, "_gluon_takes", lambda stage, operands, G, input_dtype: True)
+    launches = []
+
+    def dqk_local(q, k, vn, do, G, dql, dkl, dG9a, dvl, plan, scale):
+        launches.append(dvl is not None)
+        dql.fill_(1.0)
+        dkl.fill_(2.0)
+        dG9a.fill_(3.0)
+        if dvl is not None:
+            dvl.fill_(4.0)
+
+    monkeypatch.setattr(gluon_kernels, "_launch_dqk_local", dqk_local)
+    state_kernel = _RecordingLaunch()
+    monkeypatch.setattr(gluon_kernels, "_dqkwg_state_kernel", state_kernel)
+    Ntok, H, K = 130, 2, 64
+    plan = triton_kernels.make_plan(1, Ntok, None, "cpu")
+    q, k, vn, dvn = (torch.randn(Ntok, H, K) for _ in range(4))
+    do = torch.randn(Ntok, H, K).to(torch.bfloat16)
+    G = torch.zeros(Ntok, H, dtype=torch.float64)
+    h, dh = (torch.randn(plan.NC, H, K, K) for _ in range(2))
+    held = {}
+    dvl = gluon_kernels.chunk_dv_local_gluon(q, k, G, do, 0.1, plan, input_dtype=torch.bfloat16, vn=vn, held=held)
+    assert launches == [True] and dvl.shape == (Ntok, H, K) and bool((dvl == 4.0).all())
+    dql, dkl, _ = held["local"]
+    _dq, _dk, _dw, dG = gluon_kernels.chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, 0.1, plan, torch.float32,
+                                                       input_dtype=torch.bfloat16, held=held)
+    assert launches == [True] and "local" not in held
+    (_grid, args, _kwargs), = state_kernel.calls
+    assert any(a is dql for a in args) and any(a is dkl for a in args)
+    assert bool((dG[-1] == 3.0).all())
+    # without the handoff (stage 9a at stage 9) stage 9 launches 9a itself
+    gluon_kernels.chunk_dqkwg_gluon(q, k, G, h, dh, vn, dvn, do, 0.1, plan, torch.float32, input_dtype=torch.bfloat16,
+                                    held={})
+    assert launches == [True, False]
+
+
+def test_stage_10_takes_the_keys_normalisation_back_where_asked(monkeypatch):
+    """WY_L2NORM_K (host plumbing, the Gluon launch stubbed on the CPU): 'fused' launches stage 10's
+    kernel with L2NORM_K and the raw keys, dk in the dtype asked for; 'apart' launches it for fp32
+    dK and then runs Triton's l2norm_bwd on it (its result: l2norm_bwd's, bitwise)."""
+    import torch
+
+    from tileport.dispatch import interpreter_enabled
+    from tileport.ops.gdn import gluon_kernels, triton_kernels
+
+    monkeypatch.setattr(gluon_kernels, "BACKWARD_WY", "gluon")
+    monkeypatch.setattr(gluon_kernels, "_gluon_takes", lambda stage, operands, G, input_dtype: True)
+    DK, KRAW = 11, 16  # `_wy_bwd_tf32_kernel`'s dk_ptr and kraw_ptr, by position
+    wy_kernel = _RecordingLaunch(lambda args: args[DK].copy_(torch.randn(args[DK].shape)))
+    monkeypatch.setattr(gluon_kernels, "_wy_bwd_tf32_kernel", wy_kernel)
+    Ntok, H, K = 130, 2, 64
+    plan = triton_kernels.make_plan(1, Ntok, None, "cpu")
+    kn, w, u, dw, dvn, dkp = (torch.randn(Ntok, H, K) for _ in range(6))
+    v, raw_k = (torch.randn(Ntok, H, K).to(torch.bfloat16) for _ in range(2))
+    beta = torch.rand(Ntok, H).to(torch.bfloat16)
+    G = torch.zeros(Ntok, H, dtype=torch.float64)
+    Ai = torch.randn(Ntok, H, 64)
+    dGp = torch.randn(3, Ntok, H)
+    args = (kn, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, torch.bfloat16, torch.bfloat16, torch.bfloat16,
+            torch.float32)
+    monkeypatch.setattr(gluon_kernels, "WY_L2NORM_K", "fused")
+    dk, *_ = gluon_kernels.chunk_wy_bwd_gluon(*args, input_dtype=torch.bfloat16, raw_k=raw_k)
+    (_grid, launch_args, _kwargs), = wy_kernel.calls
+    assert dk.dtype == torch.bfloat16 and launch_args[DK] is dk
+    assert launch_args[KRAW] is raw_k and launch_args[-1] is True  # L2NORM_K
+    if not interpreter_enabled():
+        return  # the 'apart' form runs Triton's l2norm_bwd: under the interpreter on a CPU
+    monkeypatch.setattr(gluon_kernels, "WY_L2NORM_K", "apart")
+    dk, *_ = gluon_kernels.chunk_wy_bwd_gluon(*args, input_dtype=torch.bfloat16, raw_k=raw_k)
+    (_grid, launch_args, _kwargs) = wy_kernel.calls[1]
+    assert launch_args[-1] is False and launch_args[DK].dtype == torch.float32
+    assert dk.dtype == torch.bfloat16
+    assert torch.equal(dk, triton_kernels.l2norm_bwd(raw_k, launch_args[DK], torch.bfloat16))
