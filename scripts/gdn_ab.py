@@ -542,12 +542,17 @@ if "wy" in SECTIONS and dev == "cuda":
     print(f"wy_bwd S1 triton {tk.WY_BWD_FORM}: {ms:.3f} ms", flush=True)
     wy_switch = gk.BACKWARD_WY
     gk.BACKWARD_WY = "gluon"
-    stage_ab("wy_bwd S1 gluon", lambda: gk.chunk_wy_bwd_gluon(*args, input_dtype=torch.bfloat16), ref,
-             ("dk", "dv", "dbeta", "dg"))
+    tiles = gk.WY_TILES
+    for gk.WY_TILES in gk._WY_TILE_FORMS:
+        stage_ab(f"wy_bwd S1 gluon, WY_TILES {gk.WY_TILES}", lambda: gk.chunk_wy_bwd_gluon(*args, input_dtype=torch.bfloat16),
+                 ref, ("dk", "dv", "dbeta", "dg"))
+    gk.WY_TILES = tiles
     gk.BACKWARD_WY = wy_switch
-    whole_backward_ab("BACKWARD_WY", [{gk: dict(BACKWARD_WY=f, WY_L2NORM_K=l2)} for f, l2 in
-                                      (("triton", "apart"), ("gluon", "apart"), ("gluon", "fused"))],
-                      lambda st: f"{st[gk]['BACKWARD_WY']}, WY_L2NORM_K {st[gk]['WY_L2NORM_K']}")
+    whole_backward_ab("BACKWARD_WY", [{gk: dict(BACKWARD_WY=f, WY_L2NORM_K=l2, WY_TILES=t)} for f, l2, t in
+                                      (("triton", "apart", "whole"), ("gluon", "apart", "whole"),
+                                       ("gluon", "fused", "whole"), ("gluon", "apart", "halves"))],
+                      lambda st: f"{st[gk]['BACKWARD_WY']}, WY_L2NORM_K {st[gk]['WY_L2NORM_K']}, "
+                                 f"WY_TILES {st[gk]['WY_TILES']}")
 
 
 # stage 9a at S1 on the backward's own operands: stage 9 (9b on Gluon) with its chunk-local part on

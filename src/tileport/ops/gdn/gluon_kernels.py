@@ -753,6 +753,43 @@ if _GLUON_ERROR is None:
         tma.async_copy_global_to_shared(c_desc, [bos, c_col], bar, c_s)
 
     @gluon.jit
+    def _wy_bwd_gate_terms(dA, kk, vdu, kdw, beta, eg, G, G_ptr, dGp_ptr, dbeta_ptr, dg_ptr, bos, eos, hh, H,
+                           dGp_stride, NKP: gl.constexpr):
+        """Stage 10's terms from dA (= dU' U^T + dW' W^T, not yet negated) and K K^T, both [64, 64]
+        in one accumulator layout, with the rows' rowsum(V * dU') (vdu), rowsum(K * dW') (kdw),
+        beta, exp(G) and G: B = diag(beta) (-dA * Gam) on the strict lower triangle of valid rows,
+        returned; dbeta and dg (dG summed in reverse over the chunk, 9's NKP partials added) stored."""
+        A_L: gl.constexpr = dA.type.layout
+        BT: gl.constexpr = dA.shape[0]
+        NW: gl.constexpr = gl.num_warps()
+        ri = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
+        cj = gl.arange(0, BT, layout=gl.SliceLayout(0, A_L))
+        i_ok = bos + ri < eos
+        j_ok = bos + cj < eos
+        Gi = gl.convert_layout(G, gl.SliceLayout(1, A_L))
+        Gj = gl.load(G_ptr + (bos + cj).to(gl.int64) * H + hh, mask=j_ok, other=0.0)
+        m = (ri[:, None] > cj[None, :]) & i_ok[:, None] & j_ok[None, :]
+        gam = gl.exp(gl.where(m, (Gi[:, None] - Gj[None, :]).to(gl.float32), float("-inf")))
+        dAg = gl.where(m, -dA * gam, 0.0)
+        betai = gl.convert_layout(beta, gl.SliceLayout(1, A_L))
+        Bm = dAg * betai[:, None]
+        Mk = Bm * kk
+        egi = gl.convert_layout(eg, gl.SliceLayout(1, A_L))
+        kdwi = gl.convert_layout(kdw, gl.SliceLayout(1, A_L))
+        dbeta = gl.convert_layout(vdu, gl.SliceLayout(1, A_L)) + egi * kdwi + gl.sum(dAg * kk, axis=1)
+        dG = betai * egi * kdwi + gl.sum(Mk, axis=1) - gl.convert_layout(gl.sum(Mk, axis=0), gl.SliceLayout(1, A_L))
+        rowi = (bos + ri).to(gl.int64) * H + hh
+        for p in gl.static_range(NKP):
+            dG += gl.load(dGp_ptr + p * dGp_stride + rowi, mask=i_ok, other=0.0)
+        gl.store(dbeta_ptr + rowi, dbeta.to(dbeta_ptr.dtype.element_ty), mask=i_ok)
+        # the scan in a plain 1D layout (triton 3.6 lowers no scan over a slice of the WGMMA layout)
+        SCAN_L: gl.constexpr = gl.BlockedLayout([BT // 32], [32], [NW], [0])  # each warp scans all 64 rows
+        dg = gl.associative_scan(gl.convert_layout(dG, SCAN_L), 0, _sum_combine, reverse=True)
+        rs = gl.arange(0, BT, layout=SCAN_L)
+        gl.store(dg_ptr + (bos + rs).to(gl.int64) * H + hh, dg.to(dg_ptr.dtype.element_ty), mask=bos + rs < eos)
+        return Bm
+
+    @gluon.jit
     def _wy_bwd_tf32_kernel(u_desc, w_desc, k_desc, t_ptr, dw_ptr, dvn_ptr, v_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr,
                             dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, kraw_ptr, H, dGp_stride, eps,
                             K: gl.constexpr, V: gl.constexpr, NKP: gl.constexpr, L2NORM_K: gl.constexpr):
@@ -863,32 +900,8 @@ if _GLUON_ERROR is None:
         if NW > 4:
             gl.thread_barrier()  # as after the first: w_s is free now
 
-        # B = diag(beta) (dA * Gam) on the strict lower triangle of valid rows
-        ri = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
-        cj = gl.arange(0, BT, layout=gl.SliceLayout(0, A_L))
-        i_ok = bos + ri < eos
-        j_ok = bos + cj < eos
-        Gi = gl.convert_layout(G, gl.SliceLayout(1, A_L))
-        Gj = gl.load(G_ptr + (bos + cj).to(gl.int64) * H + hh, mask=j_ok, other=0.0)
-        m = (ri[:, None] > cj[None, :]) & i_ok[:, None] & j_ok[None, :]
-        gam = gl.exp(gl.where(m, (Gi[:, None] - Gj[None, :]).to(gl.float32), float("-inf")))
-        dAg = gl.where(m, -dA * gam, 0.0)
-        betai = gl.convert_layout(beta, gl.SliceLayout(1, A_L))
-        Bm = dAg * betai[:, None]
-        Mk = Bm * kk
-        egi = gl.convert_layout(eg, gl.SliceLayout(1, A_L))
-        kdwi = gl.convert_layout(kdw, gl.SliceLayout(1, A_L))
-        dbeta = gl.convert_layout(vdu, gl.SliceLayout(1, A_L)) + egi * kdwi + gl.sum(dAg * kk, axis=1)
-        dG = betai * egi * kdwi + gl.sum(Mk, axis=1) - gl.convert_layout(gl.sum(Mk, axis=0), gl.SliceLayout(1, A_L))
-        rowi = (bos + ri).to(gl.int64) * H + hh
-        for p in gl.static_range(NKP):
-            dG += gl.load(dGp_ptr + p * dGp_stride + rowi, mask=i_ok, other=0.0)
-        gl.store(dbeta_ptr + rowi, dbeta.to(dbeta_ptr.dtype.element_ty), mask=i_ok)
-        # the scan in a plain 1D layout (triton 3.6 lowers no scan over a slice of the WGMMA layout)
-        SCAN_L: gl.constexpr = gl.BlockedLayout([BT // 32], [32], [NW], [0])  # each warp scans all 64 rows
-        dg = gl.associative_scan(gl.convert_layout(dG, SCAN_L), 0, _sum_combine, reverse=True)
-        rs = gl.arange(0, BT, layout=SCAN_L)
-        gl.store(dg_ptr + (bos + rs).to(gl.int64) * H + hh, dg.to(dg_ptr.dtype.element_ty), mask=bos + rs < eos)
+        Bm = _wy_bwd_gate_terms(dA, kk, vdu, kdw, beta, eg, G, G_ptr, dGp_ptr, dbeta_ptr, dg_ptr, bos, eos, hh, H,
+                                dGp_stride, NKP)
 
         # dK += (B + B^T) K, onto the accumulator that holds 9's dK and diag(beta exp(G)) dW'
         a_s = gl.convert_layout(Bm + gl.convert_layout(gl.permute(Bm, (1, 0)), A_L),
@@ -909,6 +922,133 @@ if _GLUON_ERROR is None:
             dk = rstd[:, None] * (dk - y * gl.sum(dk * y, axis=1)[:, None])
         # lint: allow TP001 -- as dV
         gl.store(dk_ptr + koffs, dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
+        mbarrier.invalidate(bar)
+
+    @gluon.jit
+    def _transposed_rows(t_ptr, rows, r_ok, cc, A_L: gl.constexpr):
+        """T^T of one chunk and head as a register A operand of a WGMMA with accumulator layout A_L:
+        T's [64, 64] rows (row offsets `rows`, masked by `r_ok` past the sequence) loaded and
+        transposed, which TMA cannot give."""
+        BT: gl.constexpr = cc.shape[0]
+        # lint: allow TP001 -- T's rows, masked past the sequence, go to registers transposed (an A operand), which TMA cannot give
+        t = gl.load(t_ptr + rows * BT + cc[None, :], mask=r_ok, other=0.0)
+        return gl.convert_layout(gl.permute(t, (1, 0)), gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
+
+    @gluon.jit
+    def _wy_bwd_halves_kernel(u_desc, w_desc, k_desc, t_ptr, dw_ptr, dvn_ptr, v_ptr, beta_ptr, G_ptr, dkp_ptr,
+                              dGp_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H, dGp_stride,
+                              K: gl.constexpr, V: gl.constexpr, NKP: gl.constexpr):
+        """Stage 10 as `_wy_bwd_tf32_kernel` computes it, in column blocks of HB (the TMA block's
+        width, 64) so that a program holds [64, 64] fp32 tiles only: ~100 KB of shared memory on
+        4 warps, two programs per SM where the whole-width kernel (176 KB) runs one. Grid (NC, H).
+            pass 1, each block h of V and K:  dU'_h = T^T dVn_h,  dW'_h = T^T dW_h,
+                dV_h stored,  dA += dU'_h U_h^T + dW'_h W_h^T,  kk += K_h K_h^T,
+                rowsum(V * dU') and rowsum(K * dW') accumulated;
+            the gate terms (`_wy_bwd_gate_terms`): B, dbeta, dg;
+            pass 2, each block h of K:  dK_h = dK of 9 + diag(beta exp(G)) dW'_h + (B + B^T) K_h,
+                with dW'_h formed again and K_h loaded again (B needs all of dA first).
+        Explicit here (Triton would choose): the blocking and the second pass (more loads, fewer
+        bytes of shared memory and registers per program); the rest as in the whole-width kernel."""
+        BT: gl.constexpr = u_desc.block_type.shape[0]
+        HB: gl.constexpr = u_desc.block_type.shape[1]
+        gl.static_assert(K == V and K % HB == 0, "the blocks of K and V pair up")
+        NH: gl.constexpr = K // HB
+        NW: gl.constexpr = gl.num_warps()
+        WG: gl.constexpr = NW // 4
+        c = gl.program_id(0)
+        hh = gl.program_id(1)
+        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
+        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+
+        A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, HB // WG, 8])  # every tile is [64, 64]
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HB, BT], gl.float32)
+        u_s = gl.allocate_shared_memory(gl.float32, [BT, HB], u_desc.layout)
+        w_s = gl.allocate_shared_memory(gl.float32, [BT, HB], w_desc.layout)
+        k_s = gl.allocate_shared_memory(gl.float32, [BT, HB], k_desc.layout)
+        xT_s = gl.allocate_shared_memory(gl.float32, [HB, BT], XT_SL)  # dVn_h^T in pass 1, K_h^T in pass 2
+        dwT_s = gl.allocate_shared_memory(gl.float32, [HB, BT], XT_SL)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        fence_async_shared()
+
+        rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+        cc = gl.arange(0, HB, layout=gl.SliceLayout(0, ROWS_L))
+        r_ok = (bos + rr < eos)[:, None]
+        rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
+        ro = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
+        col = gl.arange(0, HB, layout=gl.SliceLayout(0, A_L))
+        o_ok = bos + ro < eos
+        orows = (bos + ro).to(gl.int64) * H + hh
+        beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
+        G = gl.load(G_ptr + orows, mask=o_ok, other=0.0)
+        eg = gl.exp(G.to(gl.float32))
+        zero = gl.zeros([BT, HB], gl.float32, A_L)
+        kk = zero
+        dA = zero
+        vdu = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
+        kdw = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
+        for h in gl.static_range(NH):  # pass 1
+            _load_chunk_rows(u_desc, w_desc, k_desc, bos, hh * V + h * HB, hh * K + h * HB, hh * K + h * HB, bar, u_s,
+                             w_s, k_s)
+            # lint: allow TP001 -- dVn's block goes to shared memory transposed (tokens contiguous, what tf32 WGMMA reads), which TMA cannot write
+            xT_s.store(gl.permute(gl.load(dvn_ptr + rows * V + (h * HB + cc)[None, :], mask=r_ok, other=0.0), (1, 0)))
+            # lint: allow TP001 -- as dVn
+            dwT_s.store(gl.permute(gl.load(dw_ptr + rows * K + (h * HB + cc)[None, :], mask=r_ok, other=0.0), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of dVn_h^T and dW_h^T, before the WGMMAs read them
+            mbarrier.wait(bar, h & 1)
+            # one [64, 64] product in flight beside kk at a time, T^T loaded for each where used:
+            # every tile held through the block is 32 registers per thread on 4 warps
+            a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)
+            dup = warpgroup_mma(a_tT, xT_s.permute((1, 0)), zero, is_async=True)
+            kk = warpgroup_mma(k_s, k_s.permute((1, 0)), kk, is_async=True)
+            dup, kk, _t, _x, _k = warpgroup_mma_wait(0, deps=[dup, kk, a_tT, xT_s, k_s])
+            offs = orows[:, None] * V + (h * HB + col)[None, :]
+            # lint: allow TP001 -- [64, HB] rows in the accumulator layout they are combined in; a varlen tail's rows masked
+            gl.store(dv_ptr + offs, (dup * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
+            # lint: allow TP001 -- as dV
+            vdu += gl.sum(gl.load(v_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32) * dup, axis=1)
+            a_dup = gl.convert_layout(dup, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
+            dA = warpgroup_mma(a_dup, u_s.permute((1, 0)), dA, is_async=True)
+            dA, _a, _u = warpgroup_mma_wait(0, deps=[dA, a_dup, u_s])
+            a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)
+            dwp = warpgroup_mma(a_tT, dwT_s.permute((1, 0)), zero, is_async=True)
+            dwp, _t, _dw = warpgroup_mma_wait(0, deps=[dwp, a_tT, dwT_s])
+            kdw += gl.sum(k_s.load(A_L) * dwp, axis=1)
+            a_dwp = gl.convert_layout(dwp, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
+            dA = warpgroup_mma(a_dwp, w_s.permute((1, 0)), dA, is_async=True)
+            dA, _b, _w = warpgroup_mma_wait(0, deps=[dA, a_dwp, w_s])
+            gl.thread_barrier()  # every warp(group) is done with this block's buffers before the next block's land (triton 11047)
+
+        # lint: allow TP001 -- the helper moves [64] rows only (G, 9's dG partials, dbeta, dg); the lint's shape inference takes a 2D tile from this caller
+        Bm = _wy_bwd_gate_terms(dA, kk, vdu, kdw, beta, eg, G, G_ptr, dGp_ptr, dbeta_ptr, dg_ptr, bos, eos, hh, H,
+                                dGp_stride, NKP)
+        a_s = gl.convert_layout(Bm + gl.convert_layout(gl.permute(Bm, (1, 0)), A_L),
+                                gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
+        for h in gl.static_range(NH):  # pass 2
+            mbarrier.expect(bar, k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [bos, hh * K + h * HB], bar, k_s)
+            # lint: allow TP001 -- as dVn in pass 1
+            dwT_s.store(gl.permute(gl.load(dw_ptr + rows * K + (h * HB + cc)[None, :], mask=r_ok, other=0.0), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of dW_h^T
+            a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)
+            dwp = warpgroup_mma(a_tT, dwT_s.permute((1, 0)), zero, is_async=True)
+            offs = orows[:, None] * K + (h * HB + col)[None, :]
+            # lint: allow TP001 -- as dV in pass 1
+            dkp = gl.load(dkp_ptr + offs, mask=o_ok[:, None], other=0.0)
+            mbarrier.wait(bar, (NH + h) & 1)
+            xT_s.store(gl.permute(k_s.load(ROWS_L), (1, 0)))  # K_h^T
+            fence_async_shared()
+            dwp, _t2, _dw2 = warpgroup_mma_wait(0, deps=[dwp, a_tT, dwT_s])
+            gl.thread_barrier()  # every warp's part of K_h^T; every warpgroup past its WGMMA (triton 11047)
+            dk = warpgroup_mma(a_s, xT_s.permute((1, 0)), dkp + dwp * (beta * eg)[:, None], is_async=True)
+            dk, _s, _x = warpgroup_mma_wait(0, deps=[dk, a_s, xT_s])
+            # lint: allow TP001 -- as dV in pass 1
+            gl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
+            gl.thread_barrier()  # every warp is done with k_s, xT_s, dwT_s before the next block's land
         mbarrier.invalidate(bar)
 
     @gluon.jit
@@ -1450,6 +1590,17 @@ BACKWARD_WY = "gluon"
 # L2NORM_K). Written in the eleventh session after its device time was spent; off until timed.
 WY_L2NORM_K = "apart"
 _WY_L2NORM_FORMS = ("apart", "fused")
+# The tiles stage 10's Gluon kernel holds: "whole" (`_wy_bwd_tf32_kernel`, [64, K] fp32 tiles,
+# 176 KB of shared memory at K = 128 on 8 warps: one program per SM) or "halves"
+# (`_wy_bwd_halves_kernel`, [64, 64] tiles, ~100 KB on 4 warps: two programs per SM, K and dW read
+# twice). The ncu profile has the whole-width kernel at 12.4% occupancy and 52% of memory
+# throughput (9c790a4): a second program per SM should fill the gaps. Written in the eleventh
+# session after its device time was spent; off until timed (sm_90a: 255 registers and 304 B of
+# spills per thread at K = 128, against which the second program must win; no gate form until an
+# A/B says it does). ("halves" takes k's l2norm backward apart whatever WY_L2NORM_K says: its dK
+# rows are never whole in one program.)
+WY_TILES = "whole"
+_WY_TILE_FORMS = ("whole", "halves")
 
 
 def wy_bwd_kernel_for(operands, G, input_dtype) -> str:
@@ -1457,6 +1608,7 @@ def wy_bwd_kernel_for(operands, G, input_dtype) -> str:
     from tileport.ops.gdn import triton_kernels as tk
 
     tk._checked("WY_L2NORM_K", WY_L2NORM_K, _WY_L2NORM_FORMS)
+    tk._checked("WY_TILES", WY_TILES, _WY_TILE_FORMS)
     if tk._checked("BACKWARD_WY", BACKWARD_WY, _KERNEL_CHOICES) == "triton":
         return "triton"
     K, V = operands[0].shape[-1], operands[2].shape[-1]
@@ -1473,7 +1625,7 @@ def chunk_wy_bwd_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, dk_dtyp
     from tileport.ops.gdn import triton_kernels as tk
 
     input_dtype = input_dtype or k.dtype
-    fuse_l2 = raw_k is not None and WY_L2NORM_K == "fused"  # (checked by wy_bwd_kernel_for)
+    fuse_l2 = raw_k is not None and WY_L2NORM_K == "fused" and WY_TILES == "whole"  # (checked by wy_bwd_kernel_for)
     if raw_k is not None and (raw_k.shape != k.shape or not raw_k.is_contiguous()):
         raise ValueError(f"raw_k must be contiguous with k's shape {tuple(k.shape)}, got {tuple(raw_k.shape)}")
     if wy_bwd_kernel_for((k, w, u, dw, dvn, Ai, dkp), G, input_dtype) == "triton":
@@ -1489,7 +1641,13 @@ def chunk_wy_bwd_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dkp, dGp, plan, dk_dtyp
     dv = new_empty((Ntok, H, V), dv_dtype, k.device)
     dbeta = new_empty((Ntok, H), dbeta_dtype, k.device)
     dg = new_empty((Ntok, H), dg_dtype, k.device)
-    if plan.NC:
+    if plan.NC and WY_TILES == "halves":
+        HB = min(64, K)
+        _wy_bwd_halves_kernel[(plan.NC, H)](
+            _descriptor(u.view(Ntok, H * V), [BT, HB]), _descriptor(w.view(Ntok, H * K), [BT, HB]),
+            _descriptor(k.view(Ntok, H * K), [BT, HB]), Ai, dw, dvn, v, beta, G, dkp, dGp, dk, dv, dbeta, dg,
+            plan.chunks, H, Ntok * H, K, V, dGp.shape[0], num_warps=4)
+    elif plan.NC:
         _wy_bwd_tf32_kernel[(plan.NC, H)](
             _descriptor(u.view(Ntok, H * V), [BT, V]), _descriptor(w.view(Ntok, H * K), [BT, K]),
             _descriptor(k.view(Ntok, H * K), [BT, K]), Ai, dw, dvn, v, beta, G, dkp, dGp, dk, dv, dbeta, dg,
@@ -1634,6 +1792,28 @@ def compile_cases():
                                      num_warps=8, expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
                                                                   "cp.async.bulk.tensor", "mbarrier.try_wait"],
                                      expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+    for K in (128, 64):  # stage 10 in 64-column blocks (WY_TILES "halves"): 4 warps, two programs per SM
+        V = K
+        f32 = torch.float32
+
+        def desc32(rows, cols, block):
+            return descriptor_stand_in([rows, cols], f32, block, _smem_layout(block, f32))
+
+        rows32 = TensorStandIn([Ntok, H, K], f32)
+        args = dict(u_desc=desc32(Ntok, H * V, [BT, 64]), w_desc=desc32(Ntok, H * K, [BT, 64]),
+                    k_desc=desc32(Ntok, H * K, [BT, 64]), t_ptr=TensorStandIn([Ntok, H, BT], f32), dw_ptr=rows32,
+                    dvn_ptr=TensorStandIn([Ntok, H, V], f32), v_ptr=TensorStandIn([Ntok, H, V], bf),
+                    beta_ptr=TensorStandIn([Ntok, H], bf), G_ptr=TensorStandIn([Ntok, H], torch.float64),
+                    dkp_ptr=rows32, dGp_ptr=TensorStandIn([3, Ntok, H], f32), dk_ptr=rows32,
+                    dv_ptr=TensorStandIn([Ntok, H, V], bf), dbeta_ptr=TensorStandIn([Ntok, H], bf),
+                    dg_ptr=TensorStandIn([Ntok, H], f32), chunks_ptr=TensorStandIn([2 * NC], torch.int32), H=H,
+                    dGp_stride=Ntok * H, K=K, V=V, NKP=3)
+        cases.append(CompileCase(name=f"gdn_wy_bwd_halves_K{K}_V{V}_w4", kernel=_wy_bwd_halves_kernel, args=args,
+                                 num_warps=4, expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                                                          "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                 # sm_90a: 304 B of spills at K = 128 (116 at 64) at 255 registers; 8 warps
+                                 # spill none at 236 registers, which leave one program per SM
+                                 expect_max_spills=320, expect_max_shared=SMEM_PER_SM // 2))
     for K in (128, 64):  # the backward's state recurrences (stages 5 and 8): fp32 operands, tf32 WGMMA
         V = K
         N = 8
