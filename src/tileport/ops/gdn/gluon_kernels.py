@@ -952,6 +952,7 @@ if _GLUON_ERROR is None:
         BT: gl.constexpr = u_desc.block_type.shape[0]
         HB: gl.constexpr = u_desc.block_type.shape[1]
         gl.static_assert(K == V and K % HB == 0, "the blocks of K and V pair up")
+        gl.static_assert(HB == BT, "one column index serves T's rows and a block's")
         NH: gl.constexpr = K // HB
         NW: gl.constexpr = gl.num_warps()
         WG: gl.constexpr = NW // 4
