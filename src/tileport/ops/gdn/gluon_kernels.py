@@ -1006,6 +1006,8 @@ if _GLUON_ERROR is None:
             dup = warpgroup_mma(a_tT, xT_s.permute((1, 0)), zero, is_async=True)
             kk = warpgroup_mma(k_s, k_s.permute((1, 0)), kk, is_async=True)
             dup, kk, _t, _x, _k = warpgroup_mma_wait(0, deps=[dup, kk, a_tT, xT_s, k_s])
+            if NW > 4:
+                gl.thread_barrier()  # triton 11047: scratch may reuse what the other warpgroup still reads
             offs = orows[:, None] * V + (h * HB + col)[None, :]
             # lint: allow TP001 -- [64, HB] rows in the accumulator layout they are combined in; a varlen tail's rows masked
             gl.store(dv_ptr + offs, (dup * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
@@ -1014,9 +1016,13 @@ if _GLUON_ERROR is None:
             a_dup = gl.convert_layout(dup, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
             dA = warpgroup_mma(a_dup, u_s.permute((1, 0)), dA, is_async=True)
             dA, _a, _u = warpgroup_mma_wait(0, deps=[dA, a_dup, u_s])
+            if NW > 4:
+                gl.thread_barrier()  # as above: u_s is free to the allocator now
             a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)
             dwp = warpgroup_mma(a_tT, dwT_s.permute((1, 0)), zero, is_async=True)
             dwp, _t, _dw = warpgroup_mma_wait(0, deps=[dwp, a_tT, dwT_s])
+            if NW > 4:
+                gl.thread_barrier()  # as above: dwT_s is free now
             kdw += gl.sum(k_s.load(A_L) * dwp, axis=1)
             a_dwp = gl.convert_layout(dwp, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
             dA = warpgroup_mma(a_dwp, w_s.permute((1, 0)), dA, is_async=True)
