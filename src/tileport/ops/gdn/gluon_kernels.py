@@ -74,6 +74,11 @@ def gluon_refusal(K: int, V: int, dtype: torch.dtype) -> str | None:
 if _GLUON_ERROR is None:
 
     @gluon.jit
+    def _chunk_bounds(chunks_ptr, c):
+        """The first token and the end of chunk c of the plan (int32: TMA coordinates are)."""
+        return gl.load(chunks_ptr + 2 * c).to(gl.int32), gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+
+    @gluon.jit
     def _issue_chunk_tiles(q_desc, k_desc, vn_desc, h_desc, chunks_ptr, item, H, q_b, k_b, vn_b, h_b, bar,
                            K: gl.constexpr, V: gl.constexpr):
         """TMA the q, k, Vn tiles and the state h_c of work item `item` = c * H + hh (chunk c,
@@ -125,8 +130,7 @@ if _GLUON_ERROR is None:
         BT: gl.constexpr = q_b.shape[0]  # the chunk (64)
         c = item // H
         hh = item % H
-        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
-        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+        bos, eos = _chunk_bounds(chunks_ptr, c)
         if L2NORM_Q:
             ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
             qf = q_b.load(ROWS_L).to(gl.float32)
@@ -691,8 +695,7 @@ if _GLUON_ERROR is None:
         else:
             c = gl.program_id(0) // NK
             kb0 = gl.program_id(0) % NK
-        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
-        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+        bos, eos = _chunk_bounds(chunks_ptr, c)
 
         ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
         h_s = gl.allocate_shared_memory(gl.float32, [NB, BKS, V], h_desc.layout)
@@ -751,6 +754,40 @@ if _GLUON_ERROR is None:
         tma.async_copy_global_to_shared(a_desc, [bos, a_col], bar, a_s)
         tma.async_copy_global_to_shared(b_desc, [bos, b_col], bar, b_s)
         tma.async_copy_global_to_shared(c_desc, [bos, c_col], bar, c_s)
+
+    @gluon.jit
+    def _transposed_rows(t_ptr, rows, r_ok, cc, A_L: gl.constexpr):
+        """T^T of one chunk and head as a register A operand of a WGMMA with accumulator layout A_L:
+        T's [64, 64] rows (row offsets `rows`, masked by `r_ok` past the sequence) loaded and
+        transposed, which TMA cannot give."""
+        BT: gl.constexpr = cc.shape[0]
+        # lint: allow TP001 -- T's rows, masked past the sequence, go to registers transposed (an A operand), which TMA cannot give
+        t = gl.load(t_ptr + rows * BT + cc[None, :], mask=r_ok, other=0.0)
+        return gl.convert_layout(gl.permute(t, (1, 0)), gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
+
+    @gluon.jit
+    def _store_transposed(dst_s, ptr, rows, cols, r_ok, D: gl.constexpr):
+        """A [64, n] row tile (row offsets `rows` [64, 1] of a [.., D] tensor, columns `cols`,
+        masked by `r_ok` past the sequence) into shared memory transposed: tokens contiguous, as
+        tf32 WGMMA reads an operand that contracts over the chunk's tokens (TMA cannot write it)."""
+        # lint: allow TP001 -- the tile goes to shared memory transposed, which TMA cannot write; rows past the sequence masked
+        dst_s.store(gl.permute(gl.load(ptr + rows * D + cols[None, :], mask=r_ok, other=0.0), (1, 0)))
+
+    @gluon.jit
+    def _dv_rows(dup, beta, dv_ptr, v_ptr, offs, o_ok):
+        """dV = diag(beta) dU' stored (rows past the sequence masked), and rowsum(V * dU') returned:
+        stage 10's uses of dU' beside dA."""
+        # lint: allow TP001 -- rows in the accumulator layout they are combined in; a varlen tail's rows masked
+        gl.store(dv_ptr + offs, (dup * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
+        # lint: allow TP001 -- as dV
+        return gl.sum(gl.load(v_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32) * dup, axis=1)
+
+    @gluon.jit
+    def _symmetric_operand(Bm, parent: gl.constexpr):
+        """B + B^T ([64, 64], one accumulator layout) as a register A operand of a WGMMA whose
+        accumulator layout is `parent`: dK's (B + B^T) K in one product."""
+        return gl.convert_layout(Bm + gl.convert_layout(gl.permute(Bm, (1, 0)), Bm.type.layout),
+                                 gl.DotOperandLayout(operand_index=0, parent=parent, k_width=1))
 
     @gluon.jit
     def _wy_bwd_gate_terms(dA, kk, vdu, kdw, beta, eg, G, G_ptr, dGp_ptr, dbeta_ptr, dg_ptr, bos, eos, hh, H,
@@ -823,8 +860,7 @@ if _GLUON_ERROR is None:
         WG: gl.constexpr = NW // 4
         c = gl.program_id(0)
         hh = gl.program_id(1)
-        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
-        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+        bos, eos = _chunk_bounds(chunks_ptr, c)
 
         D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                       instr_shape=[16, V // WG, 8])  # [64, K] and [64, V]
@@ -848,13 +884,9 @@ if _GLUON_ERROR is None:
         tc = gl.arange(0, BT, layout=gl.SliceLayout(0, ROWS_L))
         r_ok = (bos + rr < eos)[:, None]
         rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
-        # lint: allow TP001 -- T's rows, masked past the sequence, go to registers transposed (an A operand), which TMA cannot give
-        t = gl.load(t_ptr + rows * BT + tc[None, :], mask=r_ok, other=0.0)
-        a_tT = gl.convert_layout(gl.permute(t, (1, 0)), gl.DotOperandLayout(operand_index=0, parent=D_L, k_width=1))
-        # lint: allow TP001 -- dVn goes to shared memory transposed (tokens contiguous, what tf32 WGMMA reads), which TMA cannot write
-        xT_s.store(gl.permute(gl.load(dvn_ptr + rows * V + cc[None, :], mask=r_ok, other=0.0), (1, 0)))
-        # lint: allow TP001 -- as dVn
-        dwT_s.store(gl.permute(gl.load(dw_ptr + rows * K + cc[None, :], mask=r_ok, other=0.0), (1, 0)))
+        a_tT = _transposed_rows(t_ptr, rows, r_ok, tc, D_L)
+        _store_transposed(xT_s, dvn_ptr, rows, cc, r_ok, V)
+        _store_transposed(dwT_s, dw_ptr, rows, cc, r_ok, K)
         fence_async_shared()
         gl.thread_barrier()  # every warp's part of dVn^T and dW^T, before the WGMMAs read them
         mbarrier.wait(bar, 0)
@@ -878,10 +910,8 @@ if _GLUON_ERROR is None:
         # dA from registers, dU' U^T issued as soon as dU' has given dV and rowsum(V * dU') (so that
         # dU' and its operand copy are not live together with dW''s), then dW' W^T
         offs = orows[:, None] * V + col[None, :]
-        # lint: allow TP001 -- [64, V] rows in the accumulator layout they are combined in; a varlen tail's rows masked
-        gl.store(dv_ptr + offs, (dup * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
-        # lint: allow TP001 -- as dV
-        vdu = gl.sum(gl.load(v_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32) * dup, axis=1)
+        # lint: allow TP001 -- dV and V's [64, V] rows in the accumulator layout they are combined in (TMA would add a shared-memory round trip); a varlen tail's rows masked
+        vdu = _dv_rows(dup, beta, dv_ptr, v_ptr, offs, o_ok)
         a_dup = gl.convert_layout(dup, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
         dA = warpgroup_mma(a_dup, u_s.permute((1, 0)), gl.zeros([BT, BT], gl.float32, A_L), is_async=True)
         kr = k_s.load(ROWS_L)
@@ -900,12 +930,12 @@ if _GLUON_ERROR is None:
         if NW > 4:
             gl.thread_barrier()  # as after the first: w_s is free now
 
+        # lint: allow TP001 -- the helper moves [64] rows only (G, 9's dG partials, dbeta, dg); the lint's shape inference takes a 2D tile from this caller
         Bm = _wy_bwd_gate_terms(dA, kk, vdu, kdw, beta, eg, G, G_ptr, dGp_ptr, dbeta_ptr, dg_ptr, bos, eos, hh, H,
                                 dGp_stride, NKP)
 
         # dK += (B + B^T) K, onto the accumulator that holds 9's dK and diag(beta exp(G)) dW'
-        a_s = gl.convert_layout(Bm + gl.convert_layout(gl.permute(Bm, (1, 0)), A_L),
-                                gl.DotOperandLayout(operand_index=0, parent=D_L, k_width=1))
+        a_s = _symmetric_operand(Bm, D_L)
         gl.thread_barrier()  # every warp's part of K^T is in xT_s (fenced above)
         dk = warpgroup_mma(a_s, xT_s.permute((1, 0)), dk, is_async=True)
         dk, _s, _x = warpgroup_mma_wait(0, deps=[dk, a_s, xT_s])
@@ -923,16 +953,6 @@ if _GLUON_ERROR is None:
         # lint: allow TP001 -- as dV
         gl.store(dk_ptr + koffs, dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
         mbarrier.invalidate(bar)
-
-    @gluon.jit
-    def _transposed_rows(t_ptr, rows, r_ok, cc, A_L: gl.constexpr):
-        """T^T of one chunk and head as a register A operand of a WGMMA with accumulator layout A_L:
-        T's [64, 64] rows (row offsets `rows`, masked by `r_ok` past the sequence) loaded and
-        transposed, which TMA cannot give."""
-        BT: gl.constexpr = cc.shape[0]
-        # lint: allow TP001 -- T's rows, masked past the sequence, go to registers transposed (an A operand), which TMA cannot give
-        t = gl.load(t_ptr + rows * BT + cc[None, :], mask=r_ok, other=0.0)
-        return gl.convert_layout(gl.permute(t, (1, 0)), gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
 
     @gluon.jit
     def _wy_bwd_halves_kernel(u_desc, w_desc, k_desc, t_ptr, dw_ptr, dvn_ptr, v_ptr, beta_ptr, G_ptr, dkp_ptr,
@@ -958,8 +978,7 @@ if _GLUON_ERROR is None:
         WG: gl.constexpr = NW // 4
         c = gl.program_id(0)
         hh = gl.program_id(1)
-        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
-        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+        bos, eos = _chunk_bounds(chunks_ptr, c)
 
         A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                       instr_shape=[16, HB // WG, 8])  # every tile is [64, 64]
@@ -993,10 +1012,8 @@ if _GLUON_ERROR is None:
         for h in gl.static_range(NH):  # pass 1
             _load_chunk_rows(u_desc, w_desc, k_desc, bos, hh * V + h * HB, hh * K + h * HB, hh * K + h * HB, bar, u_s,
                              w_s, k_s)
-            # lint: allow TP001 -- dVn's block goes to shared memory transposed (tokens contiguous, what tf32 WGMMA reads), which TMA cannot write
-            xT_s.store(gl.permute(gl.load(dvn_ptr + rows * V + (h * HB + cc)[None, :], mask=r_ok, other=0.0), (1, 0)))
-            # lint: allow TP001 -- as dVn
-            dwT_s.store(gl.permute(gl.load(dw_ptr + rows * K + (h * HB + cc)[None, :], mask=r_ok, other=0.0), (1, 0)))
+            _store_transposed(xT_s, dvn_ptr, rows, h * HB + cc, r_ok, V)
+            _store_transposed(dwT_s, dw_ptr, rows, h * HB + cc, r_ok, K)
             fence_async_shared()
             gl.thread_barrier()  # every warp's part of dVn_h^T and dW_h^T, before the WGMMAs read them
             mbarrier.wait(bar, h & 1)
@@ -1008,11 +1025,8 @@ if _GLUON_ERROR is None:
             dup, kk, _t, _x, _k = warpgroup_mma_wait(0, deps=[dup, kk, a_tT, xT_s, k_s])
             if NW > 4:
                 gl.thread_barrier()  # triton 11047: scratch may reuse what the other warpgroup still reads
-            offs = orows[:, None] * V + (h * HB + col)[None, :]
-            # lint: allow TP001 -- [64, HB] rows in the accumulator layout they are combined in; a varlen tail's rows masked
-            gl.store(dv_ptr + offs, (dup * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
-            # lint: allow TP001 -- as dV
-            vdu += gl.sum(gl.load(v_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32) * dup, axis=1)
+            # lint: allow TP001 -- as in `_wy_bwd_tf32_kernel`: dV and V's rows in the accumulator layout; a varlen tail's rows masked
+            vdu += _dv_rows(dup, beta, dv_ptr, v_ptr, orows[:, None] * V + (h * HB + col)[None, :], o_ok)
             a_dup = gl.convert_layout(dup, gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
             dA = warpgroup_mma(a_dup, u_s.permute((1, 0)), dA, is_async=True)
             dA, _a, _u = warpgroup_mma_wait(0, deps=[dA, a_dup, u_s])
@@ -1032,13 +1046,11 @@ if _GLUON_ERROR is None:
         # lint: allow TP001 -- the helper moves [64] rows only (G, 9's dG partials, dbeta, dg); the lint's shape inference takes a 2D tile from this caller
         Bm = _wy_bwd_gate_terms(dA, kk, vdu, kdw, beta, eg, G, G_ptr, dGp_ptr, dbeta_ptr, dg_ptr, bos, eos, hh, H,
                                 dGp_stride, NKP)
-        a_s = gl.convert_layout(Bm + gl.convert_layout(gl.permute(Bm, (1, 0)), A_L),
-                                gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1))
+        a_s = _symmetric_operand(Bm, A_L)
         for h in gl.static_range(NH):  # pass 2
             mbarrier.expect(bar, k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [bos, hh * K + h * HB], bar, k_s)
-            # lint: allow TP001 -- as dVn in pass 1
-            dwT_s.store(gl.permute(gl.load(dw_ptr + rows * K + (h * HB + cc)[None, :], mask=r_ok, other=0.0), (1, 0)))
+            _store_transposed(dwT_s, dw_ptr, rows, h * HB + cc, r_ok, K)
             fence_async_shared()
             gl.thread_barrier()  # every warp's part of dW_h^T
             a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)
@@ -1090,8 +1102,7 @@ if _GLUON_ERROR is None:
         WG: gl.constexpr = NW // 4
         c = gl.program_id(0)
         hh = gl.program_id(1)
-        bos = gl.load(chunks_ptr + 2 * c).to(gl.int32)
-        eos = gl.load(chunks_ptr + 2 * c + 1).to(gl.int32)
+        bos, eos = _chunk_bounds(chunks_ptr, c)
 
         D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                       instr_shape=[16, K // WG, 8])  # [64, K]
