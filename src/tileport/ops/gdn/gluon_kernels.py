@@ -1516,9 +1516,10 @@ def _launch_dqk_local(q, k, vn, do, G, dql, dkl, dG9a, dvl, plan, scale: float):
 # Where the gluon backend runs 9a when DQK_LOCAL is "gluon": "stage-9" (before 9b, in
 # `chunk_dqkwg_gluon`) or "stage-7" (with stage 7's dVl in one launch, `chunk_dv_local_gluon`:
 # Q K^T and dO loaded and formed once for both, Triton's `_dv_local_kernel` (0.48 ms at S1) gone;
-# dql, dkl and 9a's partial of dG wait through stage 8 for 9b). Written in the eleventh session
-# after its device time was spent; off until timed.
-DQK_LOCAL_AT = "stage-9"
+# dql, dkl and 9a's partial of dG wait through stage 8 for 9b). H200 at S1 (gdn_ab.py "dqk" at
+# dcbb92d): the whole backward 5.736 -> 5.553 ms, gradients bitwise equal; racecheck clean
+# (docs/perf/gdn.md, gluon row 14).
+DQK_LOCAL_AT = "stage-7"
 _DQK_LOCAL_PLACES = ("stage-9", "stage-7")
 
 
@@ -1605,17 +1606,18 @@ BACKWARD_WY = "gluon"
 # Where the gluon backend's stage 10 takes dK back through the keys' l2 normalisation
 # (use_qk_l2norm_in_kernel): "apart" (Triton's `l2norm_bwd` after it: dK stored in fp32 and read
 # back, one more launch, ~0.12 ms at S1 under ncu) or "fused" (in `_wy_bwd_tf32_kernel`'s epilogue,
-# L2NORM_K). Written in the eleventh session after its device time was spent; off until timed.
-WY_L2NORM_K = "apart"
+# L2NORM_K). H200 at S1 (gdn_ab.py "wy" at dcbb92d): the whole backward 5.729 -> 5.700 ms;
+# racecheck clean (docs/perf/gdn.md, gluon row 15).
+WY_L2NORM_K = "fused"
 _WY_L2NORM_FORMS = ("apart", "fused")
 # The tiles stage 10's Gluon kernel holds: "whole" (`_wy_bwd_tf32_kernel`, [64, K] fp32 tiles,
 # 176 KB of shared memory at K = 128 on 8 warps: one program per SM) or "halves"
 # (`_wy_bwd_halves_kernel`, [64, 64] tiles, ~100 KB on 4 warps: two programs per SM, K and dW read
 # twice). The ncu profile has the whole-width kernel at 12.4% occupancy and 52% of memory
-# throughput (9c790a4): a second program per SM should fill the gaps. Written in the eleventh
-# session after its device time was spent; off until timed (sm_90a: 255 registers and 304 B of
-# spills per thread at K = 128, against which the second program must win; no gate form until an
-# A/B says it does). ("halves" takes k's l2norm backward apart whatever WY_L2NORM_K says: its dK
+# throughput (9c790a4): a second program per SM should fill the gaps. It did not: H200 at S1
+# (gdn_ab.py "wy" at dcbb92d) 1.174 ms against the whole-width kernel's 1.152 (sm_90a: 255
+# registers and 304 B of spills per thread at K = 128; docs/perf/gdn.md, gluon row 16). Off; no
+# gate form. ("halves" takes k's l2norm backward apart whatever WY_L2NORM_K says: its dK
 # rows are never whole in one program.)
 WY_TILES = "whole"
 _WY_TILE_FORMS = ("whole", "halves")
