@@ -1,12 +1,17 @@
 """A/B of the KDA Triton backend's DIAGONAL_FORM (forward: stage 3 and the output kernel; backward:
 dv_local and the gated products) on the H200, at
 S1 (B=8, T=4096, H=16, K=V=128, bf16): "exact" (pairwise exponents in every diagonal sub-block) against
-"factored" (reference-row factors where a sub-block's gates span at most SPAN_MAX), with
-logsigmoid(N(0, 1)) gates (the bench's: the factored branch everywhere) and with steep gates
-(every entry at -20..-30: the exact branch everywhere, so the cost of the run-time check).
+"factored" (reference-row factors where a sub-block's gates span at most SPAN_MAX) and, forward
+only, "chunk" (whole-chunk factors where a chunk's gates allow; the output kernel on OUTPUT_CHUNK_WARPS
+4 and 8), with logsigmoid(N(0, 1)) gates (the bench's: the factored branch everywhere) and with steep
+gates (every entry at -20..-30: the exact branch everywhere, so the cost of the run-time check);
+then the per-kernel times of one forward in the default form and in "chunk" (torch profiler).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
+    KDA_AB_SECTIONS=forward,profile,backward (default: all)
 """
+
+import os
 
 import torch
 import triton.testing
@@ -22,25 +27,46 @@ v = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
 beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
 gates = {"logsigmoid": torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev)),
          "steep": -20.0 - 10.0 * torch.rand(B, T, H, K, device=dev)}
-for name, g in gates.items():
+SECTIONS = os.environ.get("KDA_AB_SECTIONS", "forward,profile,backward").split(",")
+default_form, default_warps = kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS
+
+
+def fwd(g):
+    return kk.kda_forward_triton(q, k, v, g, beta, K ** -0.5, None, False, True, None)[0]
+
+
+for name, g in gates.items() if "forward" in SECTIONS else ():
     base = None
-    for form in ("exact", "factored"):
-        kk.DIAGONAL_FORM = form
-
-        def fwd():
-            return kk.kda_forward_triton(q, k, v, g, beta, K ** -0.5, None, False, True, None)[0]
-
-        o = fwd().float()
+    for form, warps in (("exact", 4), ("factored", 4), ("chunk", 4), ("chunk", 8)):
+        kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS = form, warps
+        o = fwd(g).float()
         base = o if base is None else base
         err = ((o - base).norm() / base.norm().clamp_min(1e-30)).item()
-        ms = triton.testing.do_bench(fwd, warmup=5, rep=40, return_mode="median") if dev == "cuda" else float("nan")
-        print(f"kda forward gates={name:10} diagonal {form:8}: {ms:.3f} ms, vs exact {err:.2e}", flush=True)
-kk.DIAGONAL_FORM = "exact"
+        ms = (triton.testing.do_bench(lambda: fwd(g), warmup=5, rep=40, return_mode="median") if dev == "cuda"
+              else float("nan"))
+        tag = f"{form} {warps}w" if form == "chunk" else form
+        print(f"kda forward gates={name:10} diagonal {tag:8}: {ms:.3f} ms, vs exact {err:.2e}", flush=True)
+kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS = default_form, default_warps
+
+if "profile" in SECTIONS and dev == "cuda":
+    from torch.profiler import ProfilerActivity, profile
+
+    for form in dict.fromkeys((default_form, "chunk")):
+        kk.DIAGONAL_FORM = form
+        fwd(gates["logsigmoid"])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fwd(gates["logsigmoid"])
+            torch.cuda.synchronize()
+        print(f"\n== kda forward, DIAGONAL_FORM {form}: kernels over 5 calls (logsigmoid gates)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+    kk.DIAGONAL_FORM = default_form
 
 # the backward (Triton since the fifth session) in both forms: its dv_local and gated products take
 # the same DIAGONAL_FORM; same inputs and upstream gradient for both
 do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
-for name, g in gates.items():
+for name, g in gates.items() if "backward" in SECTIONS else ():
     base = None
     for form in ("exact", "factored"):
         kk.DIAGONAL_FORM = form

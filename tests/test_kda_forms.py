@@ -7,6 +7,11 @@ whose gates span at most SPAN_MAX form their diagonal block from reference-row f
 tensor-core dot); steeper ones keep the exact form. The gate's cases cover both: "normal" and
 "near0" gates take the factored form, "split" and "verynegative" ones the exact form, "mixed"
 ones both within one sequence.
+
+DIAGONAL_FORM = "chunk" (the forward of 16-bit inputs): stage 3 and the output kernel take a chunk
+whose gates span at most 60 about its middle row as one whole-chunk product of factors (GDN's tile
+solve with PER_CHANNEL), the others as "factored"; the backward as "factored". The same cases cover
+both kinds of chunk: "normal" and "near0" whole, "split" and "verynegative" by blocks, "mixed" both.
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ from tileport.ops.kda import triton_kernels as kk
 def test_factored_diagonal(case_id, device, seed, monkeypatch):
     parity._backend_or_skip("triton", device)
     monkeypatch.setattr(kk, "DIAGONAL_FORM", "factored")
+    parity._run_and_check("triton", case_id, device, seed)
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_chunk_diagonal(case_id, device, seed, monkeypatch):
+    parity._backend_or_skip("triton", device)
+    monkeypatch.setattr(kk, "DIAGONAL_FORM", "chunk")
     parity._run_and_check("triton", case_id, device, seed)
 
 

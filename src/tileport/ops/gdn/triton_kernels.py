@@ -440,13 +440,13 @@ def _rounded_for(x, ptr, DA: tl.constexpr):
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.autotune(configs=_tuned(SOLVE_WU_OPTIONS), key=["K", "V", "H", "PER_CHANNEL", "STORE_T", "EXACT_WU",
-                                                       "FACTORED_DIAGONAL"])
+                                                       "FACTORED_DIAGONAL", "ONLY_FLAGGED"])
 @triton.jit
 def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PER_CHANNEL: tl.constexpr,
                      STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, FACTORED_DIAGONAL: tl.constexpr = False,
-                     SPAN_MAX: tl.constexpr = 40.0):
+                     SPAN_MAX: tl.constexpr = 40.0, ONLY_FLAGGED: tl.constexpr = False, flags_ptr=None):
     """3: T = (I + A)^-1, A = strict_lower(diag(beta) (K K^T * Gam)), then W = T diag(beta exp(G)) K
     and U = T diag(beta) V, for one chunk and head; grid (NC, H). T never leaves registers unless
     STORE_T (the backward reads it): the forward saves T's round trip through HBM and the
@@ -470,9 +470,14 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
     any gate magnitude; kda.reference.gated_products is the same scheme in float64);
     W = T diag(beta) (exp(G) * K). FACTORED_DIAGONAL: a diagonal block whose gates span at most
     SPAN_MAX (max abs(G_s - G_r) over its rows and channels, checked at run time) is one dot of the
-    same reference-row factors instead (KDA's DIAGONAL_FORM; kda/triton_kernels.py says why)."""
+    same reference-row factors instead (KDA's DIAGONAL_FORM; kda/triton_kernels.py says why).
+    ONLY_FLAGGED: only the chunks whose flag (int8 at flags_ptr, per chunk and head) the tile
+    kernel set, those whose gates span too much for its whole-chunk factors; the others return."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
+    if ONLY_FLAGGED:
+        if tl.load(flags_ptr + c * H + hh) == 0:
+            return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     NB: tl.constexpr = BT // 16
@@ -618,9 +623,25 @@ def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
     return r
 
 
+# lint: allow-function TP001,TP007 -- a [64, K] chunk tile of G [T, H, K] (fp64), as the solve kernels load it: varlen tails would need a descriptor per sequence
+@triton.jit
+def _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K: tl.constexpr, SPAN_MAX: tl.constexpr):
+    """(d, fits) for a chunk of per-channel gates (G [Ntok, H, K] fp64): d = G - G_m in fp32, [BT,
+    BK], m the chunk's middle row ((eos - bos - 1) // 2: every row within half a chunk of it), 0
+    off the mask; fits: max abs(d) <= SPAN_MAX, so exp(d) and exp(-d) are finite in bf16 and
+    fp32. One definition for the solve and the output kernel: the output kernel reads the solve's
+    flag, so both must mean the same chunk by it."""
+    m = bos + (eos - bos - 1) // 2
+    Gm = tl.load(G_ptr + (m.to(tl.int64) * H + hh) * K + kc, mask=kc < K, other=0.0)
+    Gt = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    d = tl.where(mk, (Gt - Gm[None, :]).to(tl.float32), 0.0)
+    return d, tl.max(tl.max(tl.abs(d), 1), 0) <= SPAN_MAX
+
+
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.autotune(configs=_tuned(SOLVE_WU_TILE_OPTIONS), key=["K", "V", "H", "STORE_T", "EXACT_WU", "L2NORM_K", "WITH_WU",
-                                                            "STORE_KN", "CUMSUM_G", "PREC", "T_CHAIN", "DIAG_PREC"])
+                                                            "STORE_KN", "CUMSUM_G", "PREC", "T_CHAIN", "DIAG_PREC",
+                                                            "PER_CHANNEL"])
 @triton.jit
 def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
@@ -628,9 +649,10 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
                           STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, eps=1e-6, L2NORM_K: tl.constexpr = False,
                           WITH_WU: tl.constexpr = True, kn_ptr=None, STORE_KN: tl.constexpr = False,
                           g_ptr=None, CUMSUM_G: tl.constexpr = False, T_CHAIN: tl.constexpr = "horner",
-                          DIAG_PREC: tl.constexpr = "ieee"):
-    """3, the same T, W and U as `_solve_wu_kernel` (scalar gates only), in whole [64, 64] tiles
-    rather than a chain of 16x16 blocks; grid (NC, H).
+                          DIAG_PREC: tl.constexpr = "ieee", PER_CHANNEL: tl.constexpr = False, flags_ptr=None,
+                          SPAN_MAX: tl.constexpr = 60.0):
+    """3, the same T, W and U as `_solve_wu_kernel`, in whole [64, 64] tiles rather than a chain
+    of 16x16 blocks; grid (NC, H).
 
     A = strict_lower(diag(beta) (K K^T * Gam)) is one [64, K] x [K, 64] product. Its four
     diagonal 16x16 blocks are taken out as a batch [4, 16, 16] (a reshape to [4, 16, 4, 16] and a
@@ -654,24 +676,49 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     them, and stage 1's kernel is not launched). CUMSUM_G: stage 2 here too (CUMSUM_FORM
     "stage-3"): G is the in-chunk cumulative sum of the raw gates at g_ptr, formed as
     `_cumsum_kernel` forms it and stored to G_ptr for the states kernel. WITH_WU = False (WU_FORM
-    "split"): T alone, stored (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U."""
+    "split"): T alone, stored (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U.
+
+    PER_CHANNEL (KDA's DIAGONAL_FORM "chunk", the forward only): G is [Ntok, H, K] and
+    A_ts = beta_t sum_c k_tc k_sc exp(G_tc - G_sc) is one product of factors taken through the
+    chunk's middle row m: (k_t exp(G_t - G_m)) . (k_s exp(G_m - G_s)). Where a chunk's gates span
+    at most SPAN_MAX about m (max abs(G_t - G_m) over its rows and channels, checked here) every
+    factor is below exp(SPAN_MAX) = 1.1e26, finite in bf16, and the lower triangle's terms are the
+    exact ones up to the factors' rounding (no term is ever larger than abs(k_t k_s)); the upper
+    triangle may overflow and is masked out. A steeper chunk is left alone: its flag (int8, one
+    per chunk and head, at flags_ptr) is set and `_solve_wu_kernel` (ONLY_FLAGGED) forms it in
+    16-row blocks. W = T diag(beta) (exp(G) * K)."""
     c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, tl.program_id(0))
     NB: tl.constexpr = BT // 16
     tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
+    if PER_CHANNEL:
+        tl.static_assert(not (CUMSUM_G or L2NORM_K or STORE_KN), "per-channel gates: G and the keys come formed")
+        d, fits = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, SPAN_MAX)
+        tl.store(flags_ptr + c * H + hh, tl.where(fits, 0, 1).to(tl.int8))
+        # a chunk past the span does nothing here (every load and store masked); a where, not an &:
+        # the interpreter's & of a reduced scalar and a vector is a numpy TypeError (triton 3.6)
+        valid = tl.where(fits, valid, False)
+        mk = valid[:, None] & (kc < K)[None, :]
+        mv0 = valid[:, None] & (vc0 < V)[None, :]
     b = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
     if CUMSUM_G:  # `_cumsum_kernel`'s sum (fp64, the same order), zero past the chunk's end as loaded
         g = tl.cumsum(tl.load(g_ptr + row, mask=valid, other=0.0).to(tl.float64), 0)
         tl.store(G_ptr + row, g, mask=valid)
         g = tl.where(valid, g, 0.0)
-    else:
+    elif not PER_CHANNEL:  # (per-channel gates: `_chunk_gate_span` read them)
         g = tl.load(G_ptr + row, mask=valid, other=0.0)
     kd = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
     if STORE_KN:  # the values stage 1 stores (`_load_keys` rounds as it does): exact in kn's dtype
         tl.store(kn_ptr + row[:, None] * K + kc[None, :], kd.to(kn_ptr.dtype.element_ty), mask=mk)
-    kd = _op(kd, DT, DA)
-    kk = tl.dot(kd, tl.trans(kd), input_precision="ieee")
-    strict = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
-    A = kk * b[:, None] * tl.exp(tl.where(strict, (g[:, None] - g[None, :]).to(tl.float32), float("-inf")))
+    if PER_CHANNEL:
+        d = tl.where(mk, d, 0.0)
+        kk = tl.dot(_op(kd * tl.exp(d), DT, DA), tl.trans(_op(kd * tl.exp(-d), DT, DA)), input_precision="ieee")
+        strict = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
+        A = tl.where(strict, kk * b[:, None], 0.0)
+    else:
+        kd = _op(kd, DT, DA)
+        kk = tl.dot(kd, tl.trans(kd), input_precision="ieee")
+        strict = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
+        A = kk * b[:, None] * tl.exp(tl.where(strict, (g[:, None] - g[None, :]).to(tl.float32), float("-inf")))
     # the diagonal blocks as a batch, inverted; then D = blockdiag of the inverses as [64, 64]
     blk = tl.arange(0, NB)
     same = blk[:, None, None, None] == blk[None, None, :, None]  # [NB, 1, NB, 1]
@@ -696,7 +743,12 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
         Top = _op(Tm, WT, WA)
         # k loaded again (an L1/L2 hit) rather than held through the solve: registers
         kt = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
-        w = _tile_dot(Top, _op(kt * (b * tl.exp(g.to(tl.float32)))[:, None], WT, WA), PREC, WT, WA)
+        if PER_CHANNEL:  # G loaded again, as the block kernel forms W's operand
+            Gt = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+            kw = kt * tl.exp(Gt.to(tl.float32)) * b[:, None]
+        else:
+            kw = kt * (b * tl.exp(g.to(tl.float32)))[:, None]
+        w = _tile_dot(Top, _op(kw, WT, WA), PREC, WT, WA)
         tl.store(w_ptr + row[:, None] * K + kc[None, :], _rounded_for(w, w_ptr, DA), mask=mk)
         for jv in tl.static_range(NV):
             vc = jv * BV + tl.arange(0, BV)
@@ -1339,7 +1391,8 @@ def _intermediate_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
 def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compact: bool = False,
                    exact_wu: bool = False, keys_normalised: bool = False, l2norm_k: bool = False,
                    factored_diagonal: bool = False, input_dtype: torch.dtype | None = None,
-                   kn_out: torch.Tensor | None = None, g: torch.Tensor | None = None):
+                   kn_out: torch.Tensor | None = None, g: torch.Tensor | None = None,
+                   span_flags: torch.Tensor | None = None):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
@@ -1348,7 +1401,10 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     backward's fp32 normalised keys), which picks the form, the rounding and the precision.
     kn_out (with l2norm_k): where the kernel also stores the normalised keys, k's shape and dtype.
     g (the tile form, scalar gates): the raw gates [Ntok, H]; G is then an output, the kernel
-    forms the in-chunk sums (stage 2) and stores them there."""
+    forms the in-chunk sums (stage 2) and stores them there. span_flags (KDA's forward, 16-bit
+    inputs; int8 [NC, H]): the per-channel tile form (`_solve_wu_tile_kernel` with PER_CHANNEL,
+    whole-chunk factors) where a chunk's gates allow it, flagged there otherwise, and the block
+    kernel for the flagged chunks only; the flags are left for the output kernel."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1367,19 +1423,20 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         raise ValueError("kn_out needs l2norm_k and k's shape and dtype")
     if g is not None and not (form == "tile" and g.shape == G.shape and G.dtype == torch.float64):
         raise ValueError("g needs the tile form of stage 3 and G as its fp64 [Ntok, H] output")
+    if span_flags is not None:
+        if G.dim() != 3 or dtype == torch.float32 or store_T or exact_wu or l2norm_k or g is not None or kn_out is not None:
+            raise ValueError("span_flags: the per-channel tile form is the forward's, for 16-bit inputs")
+        if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
+            raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
+        prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised)
+        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, prec,
+                                            False, False, L2NORM_EPS, T_CHAIN=_t_chain(), DIAG_PREC=diag_prec,
+                                            PER_CHANNEL=True, flags_ptr=span_flags)
+        _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True,
+                                       False, False, factored_diagonal, ONLY_FLAGGED=True, flags_ptr=span_flags)
+        return Ai, w, u
     if form == "tile":
-        # the [64, 64] products and the diagonal blocks' inverses: exact-ish but with normalised
-        # 16-bit keys, where the forward and the backward's recompute each have their switches
-        prec, diag_prec = ("ieee" if dtype == torch.float32 else "tf32x3"), "ieee"
-        if dtype != torch.float32 and (keys_normalised or l2norm_k):
-            if compact and not store_T:  # the forward
-                prec = _checked("NORMALISED_KEYS_PREC", NORMALISED_KEYS_PREC, ("tf32x3", "tf32", "bf16"))
-                diag_prec = _checked("NORMALISED_KEYS_DIAG_PREC", NORMALISED_KEYS_DIAG_PREC, ("ieee", "tf32"))
-            elif store_T and exact_wu:  # the backward's recompute
-                prec = _checked("RECOMPUTE_NORMALISED_KEYS_PREC", RECOMPUTE_NORMALISED_KEYS_PREC, ("tf32x3", "tf32"))
-                diag_prec = _checked("RECOMPUTE_NORMALISED_KEYS_DIAG_PREC", RECOMPUTE_NORMALISED_KEYS_DIAG_PREC,
-                                     ("ieee", "tf32"))
-        prec, diag_prec = _emulated_here(prec), _emulated_here(diag_prec)
+        prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised or l2norm_k)
         if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):
             # 3a: T alone, in bf16 as W and U's products read it; 3b: W and U in column blocks
             Tb = new_empty((Ntok, H, BT), inter, k.device)
@@ -1399,6 +1456,22 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
                                        DT, DA, G.dim() == 3, store_T, exact_wu, factored_diagonal and G.dim() == 3)
     return Ai, w, u
+
+
+def _tile_precisions(dtype: torch.dtype, compact: bool, store_T: bool, exact_wu: bool, keys_normalised: bool):
+    """(PREC, DIAG_PREC) of `_solve_wu_tile_kernel` for a call: the [64, 64] products and the
+    diagonal blocks' inverses, exact-ish but with normalised 16-bit keys, where the forward and the
+    backward's recompute each have their switches."""
+    prec, diag_prec = ("ieee" if dtype == torch.float32 else "tf32x3"), "ieee"
+    if dtype != torch.float32 and keys_normalised:
+        if compact and not store_T:  # the forward
+            prec = _checked("NORMALISED_KEYS_PREC", NORMALISED_KEYS_PREC, ("tf32x3", "tf32", "bf16"))
+            diag_prec = _checked("NORMALISED_KEYS_DIAG_PREC", NORMALISED_KEYS_DIAG_PREC, ("ieee", "tf32"))
+        elif store_T and exact_wu:  # the backward's recompute
+            prec = _checked("RECOMPUTE_NORMALISED_KEYS_PREC", RECOMPUTE_NORMALISED_KEYS_PREC, ("tf32x3", "tf32"))
+            diag_prec = _checked("RECOMPUTE_NORMALISED_KEYS_DIAG_PREC", RECOMPUTE_NORMALISED_KEYS_DIAG_PREC,
+                                 ("ieee", "tf32"))
+    return _emulated_here(prec), _emulated_here(diag_prec)
 
 
 # Which kernel forms T, W and U: "blocks" (`_solve_wu_kernel`, a chain of 16x16 blocks; KDA's

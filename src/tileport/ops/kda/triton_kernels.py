@@ -52,6 +52,8 @@ from tileport.ops.gdn.triton_kernels import (
     _F32,
     BT,
     _blocks,
+    _checked,
+    _chunk_gate_span,
     _chunk_program,
     _done,
     _dot_types,
@@ -74,11 +76,19 @@ from tileport.ops.gdn.triton_kernels import (
 __all__ = ["kda_forward_triton", "kda_backward_triton", "chunk_output_kda", "triton_refusal"]
 
 _LAUNCH_OUTPUT = dict(num_warps=4)
+# The output kernel's warps where it takes whole chunks (DIAGONAL_FORM "chunk"): sm_90a at K = V =
+# 128, bf16: 4 warps 255 registers and 204 B of spills per thread, 8 warps 255 and none.
+OUTPUT_CHUNK_WARPS = 8
 # How stage 3 (GDN's solve kernel, PER_CHANNEL), the output kernel and the backward's block kernels
 # (dv_local and the gated products of 9b and 10b) form each 16-row sub-block's diagonal block:
 # "exact" (pairwise exponents, always) or "factored" (reference-row factors when the sub-block's
-# gates span at most SPAN_MAX, the exact form otherwise). Off until the H200 has run the gate and
-# timed it (scripts/kda_ab.py).
+# gates span at most SPAN_MAX, the exact form otherwise); or, in the forward of 16-bit inputs,
+# "chunk": stage 3 and the output kernel take a whole chunk as one [64, K] x [K, 64] product of
+# factors through its middle row where its gates span at most 60 about it (`_chunk_gate_span`),
+# GDN's tile solve (`_solve_wu_tile_kernel`, PER_CHANNEL) instead of the 16x16 chain, and the
+# "factored" blocks elsewhere (the backward as "factored"). H200 at 15abe43 (scripts/kda_ab.py, S1):
+# the forward 13.005 ms exact, 5.945 factored (o within 3.5e-3 normwise; the output kernel 7.3 ms
+# and stage 3 4.6 of the exact form's 13.0); "chunk" not yet run.
 DIAGONAL_FORM = "exact"
 
 
@@ -87,7 +97,8 @@ DIAGONAL_FORM = "exact"
 def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, scale,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                        BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
-                       FACTORED_DIAGONAL: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0):
+                       FACTORED_DIAGONAL: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0,
+                       CHUNK_TILE: tl.constexpr = False, flags_ptr=None, CHUNK_SPAN_MAX: tl.constexpr = 60.0):
     """6: O = scale ((exp(G) * Q) h_c + lower[sum_c q_tc k_sc exp(G_tc - G_sc)] Vn), in o's dtype,
     one 16-row sub-block of the chunk at a time (see the module docstring for the exponents);
     grid (NC * V/BV, H).
@@ -97,16 +108,17 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
     the reference-row factors, so the whole row block is one tensor-core dot; steeper sub-blocks
     keep the exact pairwise [16, 16, K] form. Why: that form's reduction over key channels is a
     shuffle tree across lanes (5120 shfl per thread, sm_90a PTX) and set the kernel's issue floor
-    at 1.47 ms at S1 (docs/perf/kda.md); exp(SPAN_MAX) = 2.4e17 keeps every factor finite in bf16."""
+    at 1.47 ms at S1 (docs/perf/kda.md); exp(SPAN_MAX) = 2.4e17 keeps every factor finite in bf16.
+
+    CHUNK_TILE (DIAGONAL_FORM "chunk"): a chunk that stage 3's tile kernel did not flag (its gates
+    span at most CHUNK_SPAN_MAX about its middle row, `_chunk_gate_span`) is formed whole by
+    `_kda_output_chunk`; a flagged one as above."""
     c = tl.program_id(0) // NV
     j = tl.program_id(0) % NV
     hh = tl.program_id(1)
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
-    NB: tl.constexpr = BT // 16
-    CB: tl.constexpr = 32 if BK > 32 else BK
     r = tl.arange(0, BT)
-    r16 = tl.arange(0, 16)
     kc = tl.arange(0, BK)
     vc = j * BV + tl.arange(0, BV)
     tok = bos + r
@@ -116,6 +128,52 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
     vn = _op(tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
     h = _op(tl.load(h_ptr + (c.to(tl.int64) * H + hh) * (K * V) + kc[:, None] * V + vc[None, :],
                     mask=(kc < K)[:, None] & (vc < V)[None, :], other=0.0), DT, DA)
+    tiled = False
+    if CHUNK_TILE:
+        tiled = tl.load(flags_ptr + c * H + hh) == 0
+    if tiled:
+        _kda_output_chunk(q_ptr, k_ptr, G_ptr, h, vn, o_ptr, row, valid, bos, eos, H, hh, vc, scale, K, V, BK, BT,
+                          DT, DA, CHUNK_SPAN_MAX)
+    else:
+        _kda_output_blocks(q_ptr, k_ptr, G_ptr, h, vn, vn_ptr, o_ptr, row, valid, bos, eos, H, hh, vc, scale, K, V, BK, BV,
+                           BT, DT, DA, FACTORED_DIAGONAL, SPAN_MAX)
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.jit
+def _kda_output_chunk(q_ptr, k_ptr, G_ptr, h, vn, o_ptr, row, valid, bos, eos, H, hh, vc, scale, K: tl.constexpr,
+                      V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                      SPAN_MAX: tl.constexpr):
+    """6 for a whole chunk whose gates span at most SPAN_MAX about its middle row m: P = lower(
+    (Q * exp(G - G_m)) (K * exp(G_m - G))^T), one [64, K] x [K, 64] product (the factors are
+    finite; the lower triangle's terms are the exact ones up to their rounding, the upper one is
+    masked out), then O = scale ((exp(G) * Q) h + P Vn) for this V block."""
+    kc = tl.arange(0, BK)
+    r = tl.arange(0, BT)
+    mk = valid[:, None] & (kc < K)[None, :]
+    q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    Gt = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
+    o = tl.dot(_op(q * tl.exp(Gt.to(tl.float32)), DT, DA), h, input_precision="ieee")
+    d, _ = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, SPAN_MAX)
+    kt = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
+    P = tl.dot(_op(q * tl.exp(d), DT, DA), tl.trans(_op(kt * tl.exp(-d), DT, DA)), input_precision="ieee")
+    P = tl.where((r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :], P, 0.0)
+    o += tl.dot(_op(P, DT, DA), vn, input_precision="ieee")
+    tl.store(o_ptr + row[:, None] * V + vc[None, :], (o * scale).to(o_ptr.dtype.element_ty),
+             mask=valid[:, None] & (vc < V)[None, :])
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
+@triton.jit
+def _kda_output_blocks(q_ptr, k_ptr, G_ptr, h, vn, vn_ptr, o_ptr, row, valid, bos, eos, H, hh, vc, scale, K: tl.constexpr,
+                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr,
+                       DA: tl.constexpr, FACTORED_DIAGONAL: tl.constexpr, SPAN_MAX: tl.constexpr):
+    """6 for a chunk by 16-row sub-blocks (`_kda_output_kernel`'s docstring says how)."""
+    NB: tl.constexpr = BT // 16
+    CB: tl.constexpr = 32 if BK > 32 else BK
+    r = tl.arange(0, BT)
+    r16 = tl.arange(0, 16)
+    kc = tl.arange(0, BK)
     incl = r16[:, None] >= r16[None, :]
     for i in tl.static_range(NB):
         ti = bos + i * 16 + r16
@@ -179,17 +237,26 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
         tl.store(o_ptr + rowi[:, None] * V + vc[None, :], (oi * scale).to(o_ptr.dtype.element_ty), mask=mvi)
 
 
-def chunk_output_kda(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype):
-    """6: o [Ntok, H, V] in out_dtype; G [Ntok, H, K] fp64."""
+def chunk_output_kda(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, span_flags=None):
+    """6: o [Ntok, H, V] in out_dtype; G [Ntok, H, K] fp64. span_flags: stage 3's per-chunk flags
+    (DIAGONAL_FORM "chunk"): the chunks it left unflagged are formed whole."""
     Ntok, H, K = q.shape
     V = vn.shape[-1]
     BK, BV, NV = _blocks(K, V)
     o = _out((Ntok, H, V), out_dtype, q.device)
     if plan.NC:
         _kda_output_kernel[(plan.NC * NV, H)](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
-                                             *_dot_types(q.dtype), DIAGONAL_FORM == "factored",
-                                             **_LAUNCH_OUTPUT)
+                                             *_dot_types(q.dtype), _factored_diagonal(),
+                                             CHUNK_TILE=span_flags is not None, flags_ptr=span_flags,
+                                             **(_LAUNCH_OUTPUT if span_flags is None else
+                                                dict(_LAUNCH_OUTPUT, num_warps=OUTPUT_CHUNK_WARPS)))
     return _done(o, out_dtype)
+
+
+def _factored_diagonal() -> bool:
+    """Whether the 16-row blocks form their diagonal block from reference-row factors where the
+    gates allow it (DIAGONAL_FORM "factored", and "chunk" for the blocks it leaves to them)."""
+    return _checked("DIAGONAL_FORM", DIAGONAL_FORM, ("exact", "factored", "chunk")) != "exact"
 
 
 def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
@@ -202,9 +269,15 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     if use_qk_l2norm_in_kernel:
         qf, kf = l2norm_fwd(qf), l2norm_fwd(kf)
     G = chunk_cumsum(gf, plan)  # [Ntok, H, K] fp64
-    _, w, u = chunk_solve_wu(kf, vf, bf, G, plan, compact=True, factored_diagonal=DIAGONAL_FORM == "factored")
+    factored = _factored_diagonal()
+    # DIAGONAL_FORM "chunk": whole-chunk tiles where the gates allow (16-bit inputs; fp32 inputs keep
+    # the block kernels, as GDN's do), flagged per chunk by stage 3 for the output kernel
+    flags = (torch.empty((plan.NC, H), dtype=torch.int8, device=q.device)
+             if DIAGONAL_FORM == "chunk" and q.dtype != torch.float32 and plan.NC else None)
+    _, w, u = chunk_solve_wu(kf, vf, bf, G, plan, compact=True, factored_diagonal=factored,
+                             keys_normalised=use_qk_l2norm_in_kernel and flags is not None, span_flags=flags)
     h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
-    o = chunk_output_kda(qf, kf, G, h, vn, scale, plan, q.dtype)
+    o = chunk_output_kda(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
     return o.view(B, T, H, V), ht
 
 
@@ -631,7 +704,7 @@ def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_dv_local_kernel[(plan.NC * NV, H)](q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
-                                                PREC, DT, DA, DIAGONAL_FORM == "factored", **_LAUNCH_BACKWARD)
+                                                PREC, DT, DA, _factored_diagonal(), **_LAUNCH_BACKWARD)
     return dvl
 
 
@@ -656,7 +729,7 @@ def chunk_dp_apply_kda(dp, q, k, G, dq, dk, dG, plan, input_dtype: torch.dtype):
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_dp_apply_kernel[(plan.NC, H)](dp, q, k, G, dq, dk, dG, plan.chunks, H, K, _blocks(K, 1)[0], BT,
-                                           PREC, DT, DA, DIAGONAL_FORM == "factored", **_LAUNCH_BACKWARD)
+                                           PREC, DT, DA, _factored_diagonal(), **_LAUNCH_BACKWARD)
 
 
 def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
@@ -685,7 +758,7 @@ def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtyp
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_da_apply_kernel[(plan.NC, H)](da, k, beta, G, dkp, dGp, dbp, dk, dbeta, dg, plan.chunks, H, K,
-                                           _blocks(K, 1)[0], BT, PREC, DT, DA, DIAGONAL_FORM == "factored",
+                                           _blocks(K, 1)[0], BT, PREC, DT, DA, _factored_diagonal(),
                                            **_LAUNCH_BACKWARD)
     return _done(dk, dk_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
@@ -708,7 +781,7 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
         qn, kn = qf, kf
     G = chunk_cumsum(gf, plan)
     Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
-                              factored_diagonal=DIAGONAL_FORM == "factored")
+                              factored_diagonal=_factored_diagonal())
     h, vn, _ = chunk_states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
     dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt)
     dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
