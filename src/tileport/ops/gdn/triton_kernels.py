@@ -625,17 +625,17 @@ def _tile_dot(a, b, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
 
 # lint: allow-function TP001,TP007 -- a [64, K] chunk tile of G [T, H, K] (fp64), as the solve kernels load it: varlen tails would need a descriptor per sequence
 @triton.jit
-def _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K: tl.constexpr, SPAN_MAX: tl.constexpr):
-    """(d, fits) for a chunk of per-channel gates (G [Ntok, H, K] fp64): d = G - G_m in fp32, [BT,
-    BK], m the chunk's middle row ((eos - bos - 1) // 2: every row within half a chunk of it), 0
-    off the mask; fits: max abs(d) <= SPAN_MAX, so exp(d) and exp(-d) are finite in bf16 and
-    fp32. One definition for the solve and the output kernel: the output kernel reads the solve's
-    flag, so both must mean the same chunk by it."""
-    m = bos + (eos - bos - 1) // 2
+def _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K: tl.constexpr, BT: tl.constexpr):
+    """(d, span) for a chunk of per-channel gates (G [Ntok, H, K] fp64): d = G - G_m in fp32, [BT,
+    BK], m the chunk's middle row (bos + (n - 1) // 2 for its n = min(eos - bos, BT) rows: eos is
+    its sequence's end, not the chunk's), 0 off the mask; span = max abs(d). Where span <= 60,
+    exp(d) and exp(-d) are finite in bf16 and fp32. One definition for the solve and the output
+    kernel: the output kernel reads the solve's flag, so both must mean the same chunk by it."""
+    m = bos + (tl.minimum(eos - bos, BT) - 1) // 2
     Gm = tl.load(G_ptr + (m.to(tl.int64) * H + hh) * K + kc, mask=kc < K, other=0.0)
     Gt = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
     d = tl.where(mk, (Gt - Gm[None, :]).to(tl.float32), 0.0)
-    return d, tl.max(tl.max(tl.abs(d), 1), 0) <= SPAN_MAX
+    return d, tl.max(tl.max(tl.abs(d), 1), 0)
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
@@ -684,21 +684,18 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     at most SPAN_MAX about m (max abs(G_t - G_m) over its rows and channels, checked here) every
     factor is below exp(SPAN_MAX) = 1.1e26, finite in bf16, and the lower triangle's terms are the
     exact ones up to the factors' rounding (no term is ever larger than abs(k_t k_s)); the upper
-    triangle may overflow and is masked out. A steeper chunk is left alone: its flag (int8, one
-    per chunk and head, at flags_ptr) is set and `_solve_wu_kernel` (ONLY_FLAGGED) forms it in
-    16-row blocks. W = T diag(beta) (exp(G) * K)."""
+    triangle may overflow and is masked out. A steeper chunk is left alone (the program returns):
+    its flag (int8, one per chunk and head, at flags_ptr) is set and `_solve_wu_kernel`
+    (ONLY_FLAGGED) forms it in 16-row blocks. W = T diag(beta) (exp(G) * K)."""
     c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, tl.program_id(0))
     NB: tl.constexpr = BT // 16
     tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
     if PER_CHANNEL:
         tl.static_assert(not (CUMSUM_G or L2NORM_K or STORE_KN), "per-channel gates: G and the keys come formed")
-        d, fits = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, SPAN_MAX)
-        tl.store(flags_ptr + c * H + hh, tl.where(fits, 0, 1).to(tl.int8))
-        # a chunk past the span does nothing here (every load and store masked); a where, not an &:
-        # the interpreter's & of a reduced scalar and a vector is a numpy TypeError (triton 3.6)
-        valid = tl.where(fits, valid, False)
-        mk = valid[:, None] & (kc < K)[None, :]
-        mv0 = valid[:, None] & (vc0 < V)[None, :]
+        d, span = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
+        tl.store(flags_ptr + c * H + hh, tl.where(span <= SPAN_MAX, 0, 1).to(tl.int8))
+        if span > SPAN_MAX:  # left to the block kernel
+            return
     b = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
     if CUMSUM_G:  # `_cumsum_kernel`'s sum (fp64, the same order), zero past the chunk's end as loaded
         g = tl.cumsum(tl.load(g_ptr + row, mask=valid, other=0.0).to(tl.float64), 0)

@@ -98,7 +98,7 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                        BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                        FACTORED_DIAGONAL: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0,
-                       CHUNK_TILE: tl.constexpr = False, flags_ptr=None, CHUNK_SPAN_MAX: tl.constexpr = 60.0):
+                       CHUNK_TILE: tl.constexpr = False, flags_ptr=None):
     """6: O = scale ((exp(G) * Q) h_c + lower[sum_c q_tc k_sc exp(G_tc - G_sc)] Vn), in o's dtype,
     one 16-row sub-block of the chunk at a time (see the module docstring for the exponents);
     grid (NC * V/BV, H).
@@ -111,7 +111,7 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
     at 1.47 ms at S1 (docs/perf/kda.md); exp(SPAN_MAX) = 2.4e17 keeps every factor finite in bf16.
 
     CHUNK_TILE (DIAGONAL_FORM "chunk"): a chunk that stage 3's tile kernel did not flag (its gates
-    span at most CHUNK_SPAN_MAX about its middle row, `_chunk_gate_span`) is formed whole by
+    span at most 60 about its middle row, `_chunk_gate_span`) is formed whole by
     `_kda_output_chunk`; a flagged one as above."""
     c = tl.program_id(0) // NV
     j = tl.program_id(0) % NV
@@ -133,7 +133,7 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
         tiled = tl.load(flags_ptr + c * H + hh) == 0
     if tiled:
         _kda_output_chunk(q_ptr, k_ptr, G_ptr, h, vn, o_ptr, row, valid, bos, eos, H, hh, vc, scale, K, V, BK, BT,
-                          DT, DA, CHUNK_SPAN_MAX)
+                          DT, DA)
     else:
         _kda_output_blocks(q_ptr, k_ptr, G_ptr, h, vn, vn_ptr, o_ptr, row, valid, bos, eos, H, hh, vc, scale, K, V, BK, BV,
                            BT, DT, DA, FACTORED_DIAGONAL, SPAN_MAX)
@@ -142,19 +142,19 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.jit
 def _kda_output_chunk(q_ptr, k_ptr, G_ptr, h, vn, o_ptr, row, valid, bos, eos, H, hh, vc, scale, K: tl.constexpr,
-                      V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
-                      SPAN_MAX: tl.constexpr):
-    """6 for a whole chunk whose gates span at most SPAN_MAX about its middle row m: P = lower(
-    (Q * exp(G - G_m)) (K * exp(G_m - G))^T), one [64, K] x [K, 64] product (the factors are
-    finite; the lower triangle's terms are the exact ones up to their rounding, the upper one is
-    masked out), then O = scale ((exp(G) * Q) h + P Vn) for this V block."""
+                      V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """6 for a whole chunk whose gates span at most 60 about its middle row m (stage 3 left its
+    flag clear): P = lower((Q * exp(G - G_m)) (K * exp(G_m - G))^T), one [64, K] x [K, 64]
+    product (the factors are finite; the lower triangle's terms are the exact ones up to their
+    rounding, the upper one is masked out), then O = scale ((exp(G) * Q) h + P Vn) for this V
+    block."""
     kc = tl.arange(0, BK)
     r = tl.arange(0, BT)
     mk = valid[:, None] & (kc < K)[None, :]
     q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
     Gt = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
     o = tl.dot(_op(q * tl.exp(Gt.to(tl.float32)), DT, DA), h, input_precision="ieee")
-    d, _ = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, SPAN_MAX)
+    d, _ = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
     kt = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
     P = tl.dot(_op(q * tl.exp(d), DT, DA), tl.trans(_op(kt * tl.exp(-d), DT, DA)), input_precision="ieee")
     P = tl.where((r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :], P, 0.0)

@@ -1,0 +1,60 @@
+"""KDA's whole-chunk forward (DIAGONAL_FORM "chunk") routes each chunk by its gates: stage 3 flags a
+chunk whose gates span more than 60 about its middle row (max over its rows and key channels of
+abs(G_t - G_m), G the in-chunk cumsum), and only those take the 16-row block kernels. The gate
+tests check the values either way; this checks the routing itself, which they cannot see (a wrong
+middle row sent every other chunk of a sequence to the slow path and still passed them: H200,
+1bd52d9). Tails and varlen chunks included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tileport.ops.gdn import triton_kernels as tk
+
+SPAN_MAX = 60.0
+
+
+def expected_flags(G: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+    """The flags by definition, in float64: one per chunk and head."""
+    out = []
+    for bos, eos in chunks.view(-1, 2).tolist():
+        n = min(eos - bos, tk.BT)
+        Gc = G[bos:bos + n].double()
+        span = (Gc - Gc[(n - 1) // 2]).abs().amax(dim=(0, 2))  # [H]
+        out.append((span > SPAN_MAX).to(torch.int8))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("cu", [None, [0, 1, 70, 70, 200, 330]], ids=["dense", "varlen"])
+def test_stage3_flags_the_chunks_whose_gates_span_too_far(cu, device, seed):
+    T, H, K, V = 330, 2, 32, 32
+    g = torch.nn.functional.logsigmoid(torch.randn(T, H, K))  # ~0.8 per step: ~26 over half a chunk
+    g[100:140, 0] = -20.0 - 10.0 * torch.rand(40, K)  # head 0: steep in the chunks around them
+    g[260:270, 1, :3] = -3.0  # head 1: three channels steeper, a span near the bound
+    k = torch.nn.functional.normalize(torch.randn(T, H, K), dim=-1).to(torch.bfloat16)
+    v = torch.randn(T, H, V, dtype=torch.bfloat16)
+    beta = torch.sigmoid(torch.randn(T, H)).to(torch.bfloat16)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
+    plan = tk.make_plan(1, T, cu_t, torch.device(device))
+    k, v, g, beta = (x.to(device) for x in (k, v, g, beta))
+    G = tk.chunk_cumsum(g, plan)
+    flags = torch.full((plan.NC, H), 7, dtype=torch.int8, device=device)
+    tk.chunk_solve_wu(k, v, beta, G, plan, compact=True, factored_diagonal=True, keys_normalised=True,
+                      span_flags=flags)
+    want = expected_flags(G.cpu(), plan.chunks.cpu())
+    assert want.any() and not want.all(), "the draw should have chunks of both kinds"
+    assert torch.equal(flags.cpu(), want), f"flags {flags.cpu().tolist()} != {want.tolist()}"
+
+
+def test_span_flags_are_checked():
+    T, H, K = 70, 2, 16
+    plan = tk.make_plan(1, T, None, torch.device("cpu"))
+    k = torch.randn(T, H, K, dtype=torch.bfloat16)
+    G = torch.zeros(T, H, K, dtype=torch.float64)
+    beta = torch.rand(T, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="span_flags must be int8"):
+        tk.chunk_solve_wu(k, k, beta, G, plan, compact=True, span_flags=torch.zeros(plan.NC, H, dtype=torch.int32))
+    with pytest.raises(ValueError, match="span_flags: the per-channel tile form"):
+        tk.chunk_solve_wu(k.float(), k.float(), beta.float(), G, plan, compact=True,
+                          span_flags=torch.zeros(plan.NC, H, dtype=torch.int8))
