@@ -51,7 +51,7 @@ kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS = default_form, default_warps
 if "profile" in SECTIONS and dev == "cuda":
     from torch.profiler import ProfilerActivity, profile
 
-    for form in dict.fromkeys((default_form, "chunk")):
+    for form in ("factored", "chunk"):
         kk.DIAGONAL_FORM = form
         fwd(gates["logsigmoid"])
         torch.cuda.synchronize()

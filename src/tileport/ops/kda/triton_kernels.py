@@ -88,8 +88,9 @@ OUTPUT_CHUNK_WARPS = 8
 # GDN's tile solve (`_solve_wu_tile_kernel`, PER_CHANNEL) instead of the 16x16 chain, and the
 # "factored" blocks elsewhere (the backward as "factored"). H200 at 15abe43 (scripts/kda_ab.py, S1):
 # the forward 13.005 ms exact, 5.945 factored (o within 3.5e-3 normwise; the output kernel 7.3 ms
-# and stage 3 4.6 of the exact form's 13.0); "chunk" not yet run.
-DIAGONAL_FORM = "exact"
+# and stage 3 4.6 of the exact form's 13.0). "chunk" the default from the twelfth session, with its
+# H200 A/B and gate in the same call (docs/perf/kda.md, row 6).
+DIAGONAL_FORM = "chunk"
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
