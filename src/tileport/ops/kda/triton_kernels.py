@@ -77,8 +77,11 @@ __all__ = ["kda_forward_triton", "kda_backward_triton", "chunk_output_kda", "tri
 
 _LAUNCH_OUTPUT = dict(num_warps=4)
 # The output kernel's warps where it takes whole chunks (DIAGONAL_FORM "chunk"): sm_90a at K = V =
-# 128, bf16: 4 warps 255 registers and 204 B of spills per thread, 8 warps 255 and none.
-OUTPUT_CHUNK_WARPS = 8
+# 128, bf16: 4 warps 255 registers and 204 B of spills per thread, 8 warps 255 and none. H200, S1:
+# the whole forward with 4 warps 2.681 ms (kda_ab.py at 7ae6627), with 8 warps 3.032 (the bench in
+# the same call, another process); at e89bd5a (half the chunks on the block path) 4.490 against
+# 5.333 in one run. 4 until a same-run A/B says otherwise.
+OUTPUT_CHUNK_WARPS = 4
 # How stage 3 (GDN's solve kernel, PER_CHANNEL), the output kernel and the backward's block kernels
 # (dv_local and the gated products of 9b and 10b) form each 16-row sub-block's diagonal block:
 # "exact" (pairwise exponents, always) or "factored" (reference-row factors when the sub-block's
