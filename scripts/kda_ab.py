@@ -2,10 +2,12 @@
 dv_local and the gated products) on the H200, at
 S1 (B=8, T=4096, H=16, K=V=128, bf16): "exact" (pairwise exponents in every diagonal sub-block) against
 "factored" (reference-row factors where a sub-block's gates span at most SPAN_MAX) and, forward
-only, "chunk" (whole-chunk factors where a chunk's gates allow; the output kernel on OUTPUT_CHUNK_WARPS
-4 and 8), with logsigmoid(N(0, 1)) gates (the bench's: the factored branch everywhere) and with steep
-gates (every entry at -20..-30: the exact branch everywhere, so the cost of the run-time check);
-then the per-kernel times of one forward in the default form and in "chunk" (torch profiler).
+only, "chunk" (whole-chunk factors where a chunk's gates allow; the output kernel's whole-chunk
+launch on OUTPUT_CHUNK_WARPS 4 and 8, OUTPUT_CHUNK_BV 64 and 128), with logsigmoid(N(0, 1)) gates
+(the bench's: the factored and whole-chunk branches everywhere) and with steep gates (every entry
+at -20..-30: the exact branch everywhere, so the cost of the run-time checks); then the per-kernel
+times of one forward in "factored" and in "chunk" (torch profiler). Compiling the forms takes most
+of a run: give it ~300 s on the H200.
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
     KDA_AB_SECTIONS=forward,profile,backward (default: all)
@@ -28,7 +30,7 @@ beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
 gates = {"logsigmoid": torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev)),
          "steep": -20.0 - 10.0 * torch.rand(B, T, H, K, device=dev)}
 SECTIONS = os.environ.get("KDA_AB_SECTIONS", "forward,profile,backward").split(",")
-default_form, default_warps = kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS
+default_form, default_warps, default_bv = kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV
 
 
 def fwd(g):
@@ -37,16 +39,17 @@ def fwd(g):
 
 for name, g in gates.items() if "forward" in SECTIONS else ():
     base = None
-    for form, warps in (("exact", 4), ("factored", 4), ("chunk", 4), ("chunk", 8)):
-        kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS = form, warps
+    chunk_launches = ((4, 64), (8, 64), (8, 128), (4, 128)) if name == "logsigmoid" else ((4, 64),)
+    for form, warps, bv in (("exact", 4, 64), ("factored", 4, 64), *(("chunk", w, b) for w, b in chunk_launches)):
+        kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = form, warps, bv
         o = fwd(g).float()
         base = o if base is None else base
         err = ((o - base).norm() / base.norm().clamp_min(1e-30)).item()
         ms = (triton.testing.do_bench(lambda: fwd(g), warmup=5, rep=40, return_mode="median") if dev == "cuda"
               else float("nan"))
-        tag = f"{form} {warps}w" if form == "chunk" else form
+        tag = f"{form} {warps}w BV{bv}" if form == "chunk" else form
         print(f"kda forward gates={name:10} diagonal {tag:8}: {ms:.3f} ms, vs exact {err:.2e}", flush=True)
-kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS = default_form, default_warps
+kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = default_form, default_warps, default_bv
 
 if "profile" in SECTIONS and dev == "cuda":
     from torch.profiler import ProfilerActivity, profile

@@ -72,6 +72,7 @@ from tileport.ops.gdn.triton_kernels import (
     make_plan,
     triton_refusal,
 )
+from tileport.shapes import cdiv
 
 __all__ = ["kda_forward_triton", "kda_backward_triton", "chunk_output_kda", "triton_refusal"]
 
@@ -82,6 +83,11 @@ _LAUNCH_OUTPUT = dict(num_warps=4)
 # the same call, another process); at e89bd5a (half the chunks on the block path) 4.490 against
 # 5.333 in one run. 4 until a same-run A/B says otherwise.
 OUTPUT_CHUNK_WARPS = 4
+# ... and its block of value columns: 64 (two programs per chunk and head at V = 128, each forming
+# the chunk's [64, 64] P) or 128 (one, P formed once; a [128, 128] h tile). sm_90a, K = V = 128,
+# bf16, the whole-chunk launch alone: BV 64 4w 255 registers 92 B of spills, 8w 243 and none;
+# BV 128 see docs/perf/kda.md row 7. Not timed yet.
+OUTPUT_CHUNK_BV = 64
 # How stage 3 (GDN's solve kernel, PER_CHANNEL), the output kernel and the backward's block kernels
 # (dv_local and the gated products of 9b and 10b) form each 16-row sub-block's diagonal block:
 # "exact" (pairwise exponents, always) or "factored" (reference-row factors when the sub-block's
@@ -102,7 +108,7 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                        BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                        FACTORED_DIAGONAL: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0,
-                       CHUNK_TILE: tl.constexpr = False, flags_ptr=None):
+                       CHUNKS: tl.constexpr = "all", flags_ptr=None):
     """6: O = scale ((exp(G) * Q) h_c + lower[sum_c q_tc k_sc exp(G_tc - G_sc)] Vn), in o's dtype,
     one 16-row sub-block of the chunk at a time (see the module docstring for the exponents);
     grid (NC * V/BV, H).
@@ -114,12 +120,21 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
     shuffle tree across lanes (5120 shfl per thread, sm_90a PTX) and set the kernel's issue floor
     at 1.47 ms at S1 (docs/perf/kda.md); exp(SPAN_MAX) = 2.4e17 keeps every factor finite in bf16.
 
-    CHUNK_TILE (DIAGONAL_FORM "chunk"): a chunk that stage 3's tile kernel did not flag (its gates
-    span at most 60 about its middle row, `_chunk_gate_span`) is formed whole by
-    `_kda_output_chunk`; a flagged one as above."""
+    CHUNKS (DIAGONAL_FORM "chunk" sets it, reading stage 3's flags at flags_ptr): "all" (every
+    chunk by sub-blocks, as above), "whole" (only the chunks stage 3 did not flag, those whose
+    gates span at most 60 about their middle row (`_chunk_gate_span`), each formed whole by
+    `_kda_output_chunk`; the others return) or "flagged" (only the flagged chunks, by sub-blocks).
+    Two launches rather than one kernel with both paths: the sub-block path needs all 255
+    registers, and one kernel holding both gave the whole-chunk path its register budget too."""
     c = tl.program_id(0) // NV
     j = tl.program_id(0) % NV
     hh = tl.program_id(1)
+    if CHUNKS == "whole":
+        if tl.load(flags_ptr + c * H + hh) != 0:
+            return
+    elif CHUNKS == "flagged":
+        if tl.load(flags_ptr + c * H + hh) == 0:
+            return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     r = tl.arange(0, BT)
@@ -132,10 +147,7 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
     vn = _op(tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
     h = _op(tl.load(h_ptr + (c.to(tl.int64) * H + hh) * (K * V) + kc[:, None] * V + vc[None, :],
                     mask=(kc < K)[:, None] & (vc < V)[None, :], other=0.0), DT, DA)
-    tiled = False
-    if CHUNK_TILE:
-        tiled = tl.load(flags_ptr + c * H + hh) == 0
-    if tiled:
+    if CHUNKS == "whole":
         _kda_output_chunk(q_ptr, k_ptr, G_ptr, h, vn, o_ptr, row, valid, bos, eos, H, hh, vc, scale, K, V, BK, BT,
                           DT, DA)
     else:
@@ -249,11 +261,17 @@ def chunk_output_kda(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype,
     BK, BV, NV = _blocks(K, V)
     o = _out((Ntok, H, V), out_dtype, q.device)
     if plan.NC:
-        _kda_output_kernel[(plan.NC * NV, H)](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
-                                             *_dot_types(q.dtype), _factored_diagonal(),
-                                             CHUNK_TILE=span_flags is not None, flags_ptr=span_flags,
-                                             **(_LAUNCH_OUTPUT if span_flags is None else
-                                                dict(_LAUNCH_OUTPUT, num_warps=OUTPUT_CHUNK_WARPS)))
+        tail = (BT, *_dot_types(q.dtype), _factored_diagonal())
+        head = (q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK)
+        if span_flags is None:
+            _kda_output_kernel[(plan.NC * NV, H)](*head, BV, NV, *tail, **_LAUNCH_OUTPUT)
+        else:  # the whole chunks, then the flagged ones by sub-blocks (their programs return fast)
+            BVW = min(OUTPUT_CHUNK_BV, BV * NV)
+            _kda_output_kernel[(plan.NC * cdiv(V, BVW), H)](*head, BVW, cdiv(V, BVW), *tail, CHUNKS="whole",
+                                                           flags_ptr=span_flags,
+                                                           **dict(_LAUNCH_OUTPUT, num_warps=OUTPUT_CHUNK_WARPS))
+            _kda_output_kernel[(plan.NC * NV, H)](*head, BV, NV, *tail, CHUNKS="flagged", flags_ptr=span_flags,
+                                                 **_LAUNCH_OUTPUT)
     return _done(o, out_dtype)
 
 
