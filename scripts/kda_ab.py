@@ -66,12 +66,13 @@ if "profile" in SECTIONS and dev == "cuda":
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
     kk.DIAGONAL_FORM = default_form
 
-# the backward (Triton since the fifth session) in both forms: its dv_local and gated products take
-# the same DIAGONAL_FORM; same inputs and upstream gradient for both
+# the backward (Triton since the fifth session) in each form: its dv_local and gated products take
+# the same DIAGONAL_FORM ("chunk": "factored" blocks, the recompute's stage 3 in whole-chunk tiles);
+# same inputs and upstream gradient for all
 do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
 for name, g in gates.items() if "backward" in SECTIONS else ():
     base = None
-    for form in ("exact", "factored"):
+    for form in ("exact", "factored", "chunk"):
         kk.DIAGONAL_FORM = form
 
         def bwd():

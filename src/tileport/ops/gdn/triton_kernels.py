@@ -1398,8 +1398,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     backward's fp32 normalised keys), which picks the form, the rounding and the precision.
     kn_out (with l2norm_k): where the kernel also stores the normalised keys, k's shape and dtype.
     g (the tile form, scalar gates): the raw gates [Ntok, H]; G is then an output, the kernel
-    forms the in-chunk sums (stage 2) and stores them there. span_flags (KDA's forward, 16-bit
-    inputs; int8 [NC, H]): the per-channel tile form (`_solve_wu_tile_kernel` with PER_CHANNEL,
+    forms the in-chunk sums (stage 2) and stores them there. span_flags (KDA's forward or its
+    backward's recompute, 16-bit inputs; int8 [NC, H]): the per-channel tile form (`_solve_wu_tile_kernel` with PER_CHANNEL,
     whole-chunk factors) where a chunk's gates allow it, flagged there otherwise, and the block
     kernel for the flagged chunks only; the flags are left for the output kernel."""
     Ntok, H, K = k.shape
@@ -1421,16 +1421,19 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     if g is not None and not (form == "tile" and g.shape == G.shape and G.dtype == torch.float64):
         raise ValueError("g needs the tile form of stage 3 and G as its fp64 [Ntok, H] output")
     if span_flags is not None:
-        if G.dim() != 3 or dtype == torch.float32 or store_T or exact_wu or l2norm_k or g is not None or kn_out is not None:
-            raise ValueError("span_flags: the per-channel tile form is the forward's, for 16-bit inputs")
+        if (G.dim() != 3 or dtype == torch.float32 or store_T != exact_wu or l2norm_k or g is not None
+                or kn_out is not None):
+            raise ValueError("span_flags: the per-channel tile form is for 16-bit inputs, in the forward or the "
+                             "backward's recompute (store_T with exact_wu)")
         if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
             raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised)
-        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, prec,
-                                            False, False, L2NORM_EPS, T_CHAIN=_t_chain(), DIAG_PREC=diag_prec,
-                                            PER_CHANNEL=True, flags_ptr=span_flags)
-        _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True,
-                                       False, False, factored_diagonal, ONLY_FLAGGED=True, flags_ptr=span_flags)
+        Ai_or_w = Ai if store_T else w
+        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA,
+                                            prec, store_T, exact_wu, L2NORM_EPS, T_CHAIN=_t_chain(),
+                                            DIAG_PREC=diag_prec, PER_CHANNEL=True, flags_ptr=span_flags)
+        _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True,
+                                       store_T, exact_wu, factored_diagonal, ONLY_FLAGGED=True, flags_ptr=span_flags)
         return Ai, w, u
     if form == "tile":
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised or l2norm_k)

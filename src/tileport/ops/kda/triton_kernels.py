@@ -802,8 +802,12 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     else:
         qn, kn = qf, kf
     G = chunk_cumsum(gf, plan)
+    # DIAGONAL_FORM "chunk": the recompute's stage 3 in whole-chunk tiles too, as the forward's
+    flags = (torch.empty((plan.NC, H), dtype=torch.int8, device=q.device)
+             if DIAGONAL_FORM == "chunk" and dt != torch.float32 and plan.NC else None)
     Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
-                              factored_diagonal=_factored_diagonal())
+                              factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
+                              span_flags=flags)
     h, vn, _ = chunk_states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
     dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt)
     dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
