@@ -469,6 +469,31 @@ def _gated_cols_diagonal(acc, mbb, y_ptr, ys_ptr, G_ptr, Gb, okb, bos, eos, b: t
     return acc
 
 
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _kda_dv_local_chunk(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, bos, eos, H, hh, vc, scale, K: tl.constexpr,
+                        V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                        DA: tl.constexpr):
+    """7 for a whole chunk whose gates span at most 60 about its middle row m (the recompute left
+    its flag clear): P^T = upper((K * exp(G_m - G)) (Q * exp(G - G_m))^T) [s, t], formed as keys
+    times queries (never tl.trans of a dot result: the miscompile GDN's stage 9 avoids), then
+    dVl = scale P^T dO for this V block; the products at the backward's PREC (`_mm`)."""
+    r = tl.arange(0, BT)
+    kc = tl.arange(0, BK)
+    tok = bos + r
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    mk = valid[:, None] & (kc < K)[None, :]
+    d, _ = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
+    ks = _block_tile(k_ptr, row, mk, kc, K) * tl.exp(-d)
+    xq = _block_tile(q_ptr, row, mk, kc, K) * tl.exp(d)
+    Pt = _mm(ks, tl.trans(xq), PREC, DT, DA)
+    Pt = tl.where((r[:, None] <= r[None, :]) & valid[:, None] & valid[None, :], Pt, 0.0)
+    mv = valid[:, None] & (vc < V)[None, :]
+    do = tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+    tl.store(dvl_ptr + row[:, None] * V + vc[None, :], _mm(Pt, do, PREC, DT, DA) * scale, mask=mv)
+
+
 # lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
 @triton.jit
 def _scores_t(q_ptr, kj, Gj, mkj, rowi, mki, Gi, Gr, r_ok, kc, K: tl.constexpr, PREC: tl.constexpr,
@@ -486,20 +511,34 @@ def _scores_t(q_ptr, kj, Gj, mkj, rowi, mki, Gi, Gr, r_ok, kc, K: tl.constexpr, 
 def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                          BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
-                         FACTORED: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0):
+                         FACTORED: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0,
+                         CHUNKS: tl.constexpr = "all", flags_ptr=None):
     """7 (per-channel gates): dVl = scale P^T dO, P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) (t >= s),
     by 16-row blocks: dVl_j = sum_{i >= j} P_ij^T dO_i; grid (NC * V/BV, H). P_ij^T through block
     i's first row (`_scores_t`) for i > j and, with FACTORED, for a diagonal block whose gates span
-    at most SPAN_MAX (the forward's FACTORED_DIAGONAL); the exact pairwise form otherwise."""
+    at most SPAN_MAX (the forward's FACTORED_DIAGONAL); the exact pairwise form otherwise.
+    CHUNKS as the output kernel's (DIAGONAL_FORM "chunk", the recompute's flags at flags_ptr):
+    "whole" forms the unflagged chunks whole (`_kda_dv_local_chunk`), "flagged" the others by
+    blocks."""
     NB: tl.constexpr = BT // 16
     c = tl.program_id(0) // NV
     jv = tl.program_id(0) % NV
     hh = tl.program_id(1)
+    if CHUNKS == "whole":
+        if tl.load(flags_ptr + c * H + hh) != 0:
+            return
+    elif CHUNKS == "flagged":
+        if tl.load(flags_ptr + c * H + hh) == 0:
+            return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     r16 = tl.arange(0, 16)
     kc = tl.arange(0, BK)
     vc = jv * BV + tl.arange(0, BV)
+    if CHUNKS == "whole":
+        _kda_dv_local_chunk(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, bos, eos, H, hh, vc, scale, K, V, BK, BT, PREC,
+                            DT, DA)
+        return
     for jb in tl.static_range(NB):
         okj, rowj, mkj = _block_rows(bos, eos, jb, H, hh, kc, K)
         Gj, Grj, rj_ok = _block_gates(G_ptr, bos, eos, jb, H, hh, rowj, mkj, kc, K)
@@ -714,19 +753,28 @@ def _kda_da_apply_kernel(da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_p
 # the whole-chunk ones, 9 (three [64, 64] fp32 accumulators and dP: 2204 B of spills at 4 warps,
 # 596 at 8) and 10 (1424 -> 336 B)
 _LAUNCH_BACKWARD = dict(num_warps=4)
+# Stage 7's warps where it takes whole chunks (DIAGONAL_FORM "chunk"; registers in docs/perf/kda.md row 9)
+DV_LOCAL_CHUNK_WARPS = 8
 _LAUNCH_CHUNK = dict(num_warps=8)
 
 
-def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype):
-    """7: dVl [Ntok, H, V] fp32."""
+def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None):
+    """7: dVl [Ntok, H, V] fp32. span_flags: the recompute's per-chunk flags (DIAGONAL_FORM
+    "chunk"): the chunks it left unflagged are formed whole."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
     dvl = new_empty((Ntok, H, V), _F32, q.device)
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
-        _kda_dv_local_kernel[(plan.NC * NV, H)](q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV, BT,
-                                                PREC, DT, DA, _factored_diagonal(), **_LAUNCH_BACKWARD)
+        args = (q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV, BT, PREC, DT, DA, _factored_diagonal())
+        if span_flags is None:
+            _kda_dv_local_kernel[(plan.NC * NV, H)](*args, **_LAUNCH_BACKWARD)
+        else:
+            _kda_dv_local_kernel[(plan.NC * NV, H)](*args, CHUNKS="whole", flags_ptr=span_flags,
+                                                    **dict(_LAUNCH_BACKWARD, num_warps=DV_LOCAL_CHUNK_WARPS))
+            _kda_dv_local_kernel[(plan.NC * NV, H)](*args, CHUNKS="flagged", flags_ptr=span_flags,
+                                                    **_LAUNCH_BACKWARD)
     return dvl
 
 
@@ -809,7 +857,7 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
                               factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
                               span_flags=flags)
     h, vn, _ = chunk_states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
-    dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt)
+    dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags)
     dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
     dq, dkp, dw, dGp, dp = chunk_dqkwg_kda(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt)
     chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt)
