@@ -95,3 +95,76 @@ def test_stage7_each_route_matches_its_definition(route, device, seed):
     # the products are tf32 (truncated to 10 mantissa bits on the CPU, 2^-10 = 9.8e-4 per operand;
     # two chained products): ~1.1e-3 seen by either route, so 4e-3 fails a wrong route, not rounding
     assert err < 4e-3, f"stage 7 by {route}: normwise error {err:.2e}"
+
+
+def gated_pair_reference(M, X, Y, G, chunks):
+    """R(M, X) and C(M, Y) over s < t within each chunk, float64, by definition: R_tc = sum_s M_ts
+    X_sc exp(G_tc - G_sc), C_sc = sum_t M_ts Y_tc exp(G_tc - G_sc); M [Ntok, H, 64] (row t holds
+    M_t by the column s's place in the chunk)."""
+    M, X, Y, G = (x.double() for x in (M, X, Y, G))
+    R, C = torch.zeros_like(X), torch.zeros_like(Y)
+    for bos, eos in chunks.view(-1, 2).tolist():
+        n = min(eos - bos, tk.BT)
+        sl = slice(bos, bos + n)
+        Mc = M[sl, :, :n].permute(1, 0, 2) * torch.tril(torch.ones(n, n, dtype=M.dtype), -1)  # [h, t, s]
+        E = torch.exp(G[sl, None] - G[None, sl]).permute(2, 0, 1, 3)  # [h, t, s, c]
+        R[sl] = torch.einsum("hts,shc,htsc->thc", Mc, X[sl], E)
+        C[sl] = torch.einsum("hts,thc,htsc->shc", Mc, Y[sl], E)
+    return R, C
+
+
+def _pair_inputs(device):
+    T, H, K = 150, 2, 32
+    cu = torch.tensor([0, 100, 150], dtype=torch.int32, device=device)
+    plan = tk.make_plan(1, T, cu, torch.device(device))
+    q, k = (torch.nn.functional.normalize(torch.randn(T, H, K), dim=-1) for _ in range(2))
+    G = tk.chunk_cumsum(torch.nn.functional.logsigmoid(torch.randn(T, H, K)).to(device), plan)
+    M = torch.randn(T, H, tk.BT)
+    return plan, q, k, G, M
+
+
+def _close(got, want, what):
+    # tf32 products (truncated to 10 mantissa bits on the CPU): ~1e-3 normwise either route
+    err = ((got.cpu().double() - want).norm() / want.norm()).item()
+    assert err < 4e-3, f"{what}: normwise error {err:.2e}"
+
+
+@pytest.mark.parametrize("route", ["whole", "blocks"])
+def test_stage9b_each_route_matches_its_definition(route, device, seed):
+    from tileport.ops.kda import triton_kernels as kk
+
+    plan, q, k, G, dP = _pair_inputs(device)
+    H = q.shape[1]
+    parts = [torch.randn_like(q) for _ in range(3)]  # 9's dQ', dK', dG' partials
+    got = [x.clone().to(device) for x in parts]
+    flags = torch.full((plan.NC, H), 0 if route == "whole" else 1, dtype=torch.int8, device=device)
+    kk.chunk_dp_apply_kda(dP.to(device), q.to(device), k.to(device), G, *got, plan, torch.bfloat16, span_flags=flags)
+    R, C = gated_pair_reference(dP, k, q, G.cpu(), plan.chunks.cpu())
+    pos = torch.cat([torch.arange(min(e - b, tk.BT)) for b, e in plan.chunks.view(-1, 2).tolist()])
+    d = dP.double().gather(2, pos[:, None, None].expand(-1, H, 1))  # dP_tt
+    qd, kd = q.double(), k.double()
+    for name, g_, want in zip(("dq", "dk", "dG"), got, (parts[0] + R + d * kd, parts[1] + C + d * qd,
+                                                           parts[2] + qd * R - kd * C)):
+        _close(g_, want, f"9b by {route}: {name}")
+
+
+@pytest.mark.parametrize("route", ["whole", "blocks"])
+def test_stage10b_each_route_matches_its_definition(route, device, seed):
+    from tileport.ops.kda import triton_kernels as kk
+
+    plan, _, k, G, dA = _pair_inputs(device)
+    T, H, K = k.shape
+    beta = torch.rand(T, H)
+    dkp, dGp, dbp = torch.randn(T, H, K), torch.randn(T, H, K), torch.randn(T, H)
+    flags = torch.full((plan.NC, H), 0 if route == "whole" else 1, dtype=torch.int8, device=device)
+    dk, dbeta, dg = kk.chunk_da_apply_kda(*(x.to(device) for x in (dA, k, beta)), G,
+                                          *(x.to(device) for x in (dkp, dGp, dbp)), plan, torch.float32,
+                                          torch.float32, torch.float32, torch.bfloat16, span_flags=flags)
+    kd, bd = k.double(), beta.double()[..., None]
+    R, C = gated_pair_reference(dA, k, bd * kd, G.cpu(), plan.chunks.cpu())
+    dG = dGp.double() + bd * kd * R - kd * C
+    dg_want = torch.cat([dG[b:b + min(e - b, tk.BT)].flip(0).cumsum(0).flip(0)
+                         for b, e in plan.chunks.view(-1, 2).tolist()])
+    _close(dk, dkp.double() + bd * R + C, f"10b by {route}: dk")
+    _close(dbeta, dbp.double() + (kd * R).sum(-1), f"10b by {route}: dbeta")
+    _close(dg, dg_want, f"10b by {route}: dg")

@@ -176,6 +176,42 @@ def test_kda_kernels_compile_for_sm90a(factored):
         assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["forward", "recompute"])
+def test_kda_whole_chunk_forward_compiles_for_sm90a(recompute):
+    """DIAGONAL_FORM "chunk": stage 3 in GDN's tile kernel with PER_CHANNEL (the forward's and the
+    backward's recompute's precisions), the block kernel for the flagged chunks only, and (the
+    forward) the output kernel's two routes, each as launched; the whole-chunk kernels without spills."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    flags = dict(flags_ptr=T([NC, H], torch.int8))
+    precs = dict(PREC=tk.RECOMPUTE_NORMALISED_KEYS_PREC, DIAG_PREC=tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC) if recompute \
+        else dict(PREC=tk.NORMALISED_KEYS_PREC, DIAG_PREC=tk.NORMALISED_KEYS_DIAG_PREC)
+    args = dict(_args(recompute), G_ptr=T([Ntok, H, K], f64), **flags)
+    if recompute:  # the backward's normalised keys are fp32
+        args["k_ptr"] = T([Ntok, H, K], f32)
+    cases = [(CompileCase(f"kda tile solve {'recompute' if recompute else 'forward'}", tk._solve_wu_tile_kernel.fn,
+                          dict(args, PER_CHANNEL=True, **precs), num_warps=8, options={"num_stages": 1}), 0),
+             (CompileCase("kda block solve, flagged chunks", tk._solve_wu_kernel.fn,
+                          dict(args, PER_CHANNEL=True, FACTORED_DIAGONAL=True, ONLY_FLAGGED=True), num_warps=8,
+                          options={"num_stages": 1}), None)]
+    if not recompute:
+        BK, BV, NV = tk._blocks(K, V)
+        BVW = min(kk.OUTPUT_CHUNK_BV, BV * NV)
+        cases += [(CompileCase("kda output, whole chunks", kk._kda_output_kernel,
+                               dict(_kda_output_args(True), BV=BVW, NV=V // BVW, CHUNKS="whole", **flags),
+                               num_warps=kk.OUTPUT_CHUNK_WARPS, options={"num_stages": 1}), None),
+                  (CompileCase("kda output, flagged chunks", kk._kda_output_kernel,
+                               dict(_kda_output_args(True), CHUNKS="flagged", **flags), num_warps=4,
+                               options={"num_stages": 1}), None)]
+    for case, spill_bound in cases:
+        report = compile_case(case)
+        print(f"\n{report.summary()}")
+        assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+        assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
+        if spill_bound is not None:
+            assert report.n_spills is not None and report.n_spills <= spill_bound, report.summary()
+
+
 @pytest.mark.parametrize("l2norm_k", [False, True], ids=["keys-stage-1", "keys-in-kernel"])
 def test_gdn_fused_states_output_compiles_for_sm90a(l2norm_k):
     """The forward's default stages 5+6 (FUSE_OUTPUT), and with keys normalised on load
@@ -282,6 +318,20 @@ def _kda_backward_cases():
             da_ptr=tok(64), k_ptr=tok(K), beta_ptr=T([Ntok, H], bf), G_ptr=Gc, dkp_ptr=tok(K), dGp_ptr=tok(K),
             dbp_ptr=T([Ntok, H], f32), dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K), chunks_ptr=ch, H=H,
             K=K, BK=BK, BT=64, FACTORED=factored, **prec)
+    # DIAGONAL_FORM "chunk": each kernel's two routes on the recompute's flags (the whole chunks on
+    # WHOLE_CHUNK_WARPS; their static returns and whole-chunk helpers must lower)
+    flags = dict(FACTORED=True, flags_ptr=T([NC, H], torch.int8))
+    for route in ("whole", "flagged"):
+        yield f"kda dv_local {route}", kk._kda_dv_local_kernel, dict(
+            q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, do_ptr=tok(V, bf), dvl_ptr=tok(V), chunks_ptr=ch, H=H, scale=0.1,
+            K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64, CHUNKS=route, **flags, **prec)
+        yield f"kda dp apply {route}", kk._kda_dp_apply_kernel, dict(
+            dp_ptr=tok(64), q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, dq_ptr=tok(K), dk_ptr=tok(K), dG_ptr=tok(K),
+            chunks_ptr=ch, H=H, K=K, BK=BK, BT=64, CHUNKS=route, **flags, **prec)
+        yield f"kda da apply {route}", kk._kda_da_apply_kernel, dict(
+            da_ptr=tok(64), k_ptr=tok(K), beta_ptr=T([Ntok, H], bf), G_ptr=Gc, dkp_ptr=tok(K), dGp_ptr=tok(K),
+            dbp_ptr=T([Ntok, H], f32), dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K), chunks_ptr=ch, H=H,
+            K=K, BK=BK, BT=64, CHUNKS=route, **flags, **prec)
     yield "kda dqkwg", kk._kda_dqkwg_kernel, dict(
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
         vn_ptr=tok(V), dvn_ptr=tok(V), do_ptr=tok(V, bf), dq_ptr=tok(K), dk_ptr=tok(K), dw_ptr=tok(K), dG_ptr=tok(K),
@@ -301,7 +351,8 @@ def test_kda_backward_compiles_for_sm90a(case):
     name, fn, args = case
     from tileport.ops.kda import triton_kernels as kk
 
-    warps = (kk._LAUNCH_CHUNK if name in ("kda dqkwg", "kda wy_bwd") else kk._LAUNCH_BACKWARD)["num_warps"]
+    warps = (kk.WHOLE_CHUNK_WARPS if name.endswith(" whole") else
+             (kk._LAUNCH_CHUNK if name in ("kda dqkwg", "kda wy_bwd") else kk._LAUNCH_BACKWARD)["num_warps"])
     report = compile_case(CompileCase(name, fn, args, num_warps=warps, options={"num_stages": 1}))
     print(f"\n{report.summary()}")
     assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line

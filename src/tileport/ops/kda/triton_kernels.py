@@ -53,6 +53,7 @@ from tileport.ops.gdn.triton_kernels import (
     BT,
     _blocks,
     _checked,
+    _chunk_gate_offsets,
     _chunk_gate_span,
     _chunk_program,
     _done,
@@ -640,31 +641,89 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
 @triton.jit
 def _kda_dp_apply_kernel(dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr, chunks_ptr, H,
                          K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                         DA: tl.constexpr, FACTORED: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0):
+                         DA: tl.constexpr, FACTORED: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0,
+                         CHUNKS: tl.constexpr = "all", flags_ptr=None, WHOLE_BK: tl.constexpr = 64):
     """9b: the pair terms of dQ, dK and dG from 9's dP, in place on 9's fp32 partials, one 16-row
     block at a time (grid (NC, H)): with R = R(dP, K) and C = C(dP, Q) over s < t (strict) and
     d = the diagonal of dP,
         dQ' += R + d * K,   dK' += C + d * Q,   dG' += Q * R - K * C.
     The diagonal's terms of dG (q_t k_t dP_tt, once with each sign) are left out rather than
-    cancelled: their rounding noise swamps dg where it is tiny (gates of -20 and below), as in GDN."""
+    cancelled: their rounding noise swamps dg where it is tiny (gates of -20 and below), as in GDN.
+    CHUNKS as the output kernel's (DIAGONAL_FORM "chunk", the recompute's flags at flags_ptr):
+    "whole" takes R and C for the unflagged chunks at once (`_gated_pair_chunk`), "flagged" the
+    others block by block."""
     NB: tl.constexpr = BT // 16
     c = tl.program_id(0)
     hh = tl.program_id(1)
+    if CHUNKS == "whole":
+        if tl.load(flags_ptr + c * H + hh) != 0:
+            return
+    elif CHUNKS == "flagged":
+        if tl.load(flags_ptr + c * H + hh) == 0:
+            return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     kc = tl.arange(0, BK)
-    for b in tl.static_range(NB):
-        okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
-        R = _gated_rows(dp_ptr, k_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, FACTORED, SPAN_MAX)
-        C = _gated_cols(dp_ptr, q_ptr, q_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, False, True,
-                        FACTORED, SPAN_MAX)
-        offs = rowb[:, None] * K + kc[None, :]
-        qb = tl.load(q_ptr + offs, mask=mkb, other=0.0).to(tl.float32)
-        kb = tl.load(k_ptr + offs, mask=mkb, other=0.0).to(tl.float32)
-        d = tl.load(dp_ptr + rowb * BT + b * 16 + tl.arange(0, 16), mask=okb, other=0.0)  # dP_tt
-        tl.store(dq_ptr + offs, tl.load(dq_ptr + offs, mask=mkb, other=0.0) + R + d[:, None] * kb, mask=mkb)
-        tl.store(dk_ptr + offs, tl.load(dk_ptr + offs, mask=mkb, other=0.0) + C + d[:, None] * qb, mask=mkb)
-        tl.store(dG_ptr + offs, tl.load(dG_ptr + offs, mask=mkb, other=0.0) + qb * R - kb * C, mask=mkb)
+    if CHUNKS == "whole":  # by blocks of key channels: every term is per channel but M
+        tok = bos + tl.arange(0, BT)
+        for cb in tl.static_range(0, BK, WHOLE_BK):
+            cc = cb + tl.arange(0, WHOLE_BK)
+            R, C = _gated_pair_chunk(dp_ptr, k_ptr, q_ptr, q_ptr, G_ptr, bos, eos, H, hh, cc, K, BT, PREC, DT, DA,
+                                     False)
+            _dp_apply_rows(dp_ptr, q_ptr, k_ptr, dq_ptr, dk_ptr, dG_ptr, R, C, tok < eos, tok.to(tl.int64) * H + hh,
+                           tl.arange(0, BT), cc, K, BT)
+    else:
+        for b in tl.static_range(NB):
+            okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
+            R = _gated_rows(dp_ptr, k_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, FACTORED,
+                            SPAN_MAX)
+            C = _gated_cols(dp_ptr, q_ptr, q_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, False, True,
+                            FACTORED, SPAN_MAX)
+            _dp_apply_rows(dp_ptr, q_ptr, k_ptr, dq_ptr, dk_ptr, dG_ptr, R, C, okb, rowb, b * 16 + tl.arange(0, 16),
+                           kc, K, BT)
+
+
+# lint: allow-function TP001,TP007 -- [16 or 64, K] row tiles of [T, H, K] tensors updated in place: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _dp_apply_rows(dp_ptr, q_ptr, k_ptr, dq_ptr, dk_ptr, dG_ptr, R, C, ok, rows, cols, kc, K: tl.constexpr,
+                   BT: tl.constexpr):
+    """9b's update of a set of rows (a 16-row block or a whole chunk; `cols` their positions in the
+    chunk) from their R and C: dQ' += R + d K, dK' += C + d Q, dG' += Q R - K C, d = diag(dP)."""
+    mk = ok[:, None] & (kc < K)[None, :]
+    offs = rows[:, None] * K + kc[None, :]
+    qb = tl.load(q_ptr + offs, mask=mk, other=0.0).to(tl.float32)
+    kb = tl.load(k_ptr + offs, mask=mk, other=0.0).to(tl.float32)
+    d = tl.load(dp_ptr + rows * BT + cols, mask=ok, other=0.0)  # dP_tt
+    tl.store(dq_ptr + offs, tl.load(dq_ptr + offs, mask=mk, other=0.0) + R + d[:, None] * kb, mask=mk)
+    tl.store(dk_ptr + offs, tl.load(dk_ptr + offs, mask=mk, other=0.0) + C + d[:, None] * qb, mask=mk)
+    tl.store(dG_ptr + offs, tl.load(dG_ptr + offs, mask=mk, other=0.0) + qb * R - kb * C, mask=mk)
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles and the chunk's [64, 64] M of [T, H, K] / [T, H, 64] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _gated_pair_chunk(m_ptr, x_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, H, hh, kc, K: tl.constexpr,
+                      BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                      YSCALE: tl.constexpr):
+    """(R(M, X), C(M, Y)) over s < t (strict) for a whole chunk whose gates span at most 60 about
+    its middle row m, for the key channels kc: each [BT, len(kc)] fp32 and one product; d = G - G_m,
+        R = e^d * (M (X * e^-d)),   C = e^-d * (M^T (Y * e^d)),
+    M from the chunk's [64, 64] rows at m_ptr (row t holds M_t), strictly lower; YSCALE: Y's rows
+    scaled by ys_ptr's [Ntok, H] values first. The factors are finite; a kept term's two factors
+    multiply back to its exact exponent, so no term is larger than the exact one."""
+    r = tl.arange(0, BT)
+    tok = bos + r
+    valid = tok < eos
+    row = tok.to(tl.int64) * H + hh
+    mk = valid[:, None] & (kc < K)[None, :]
+    d = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
+    keep = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
+    M = tl.load(m_ptr + row[:, None] * BT + r[None, :], mask=keep, other=0.0)
+    R = _mm(M, _block_tile(x_ptr, row, mk, kc, K) * tl.exp(-d), PREC, DT, DA) * tl.exp(d)
+    y = _block_tile(y_ptr, row, mk, kc, K)
+    if YSCALE:
+        y = y * tl.load(ys_ptr + row, mask=valid, other=0.0).to(tl.float32)[:, None]
+    C = _mm(tl.trans(M), y * tl.exp(d), PREC, DT, DA) * tl.exp(-d)
+    return R, C
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
@@ -714,35 +773,69 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
 def _kda_da_apply_kernel(da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_ptr, dk_ptr, dbeta_ptr, dg_ptr,
                          chunks_ptr, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
                          DT: tl.constexpr, DA: tl.constexpr, FACTORED: tl.constexpr = False,
-                         SPAN_MAX: tl.constexpr = 40.0):
+                         SPAN_MAX: tl.constexpr = 40.0, CHUNKS: tl.constexpr = "all", flags_ptr=None,
+                         WHOLE_BK: tl.constexpr = 64):
     """10b: the pair terms through A = strict_lower(diag(beta) Gam(K, K)) and the final dK, dbeta,
     dg, one 16-row block at a time from the chunk's last (grid (NC, H)): with R = R(dA, K) and
     C = C(dA, diag(beta) K),
         dK = dK' + diag(beta) R + C,   dG = dG' + diag(beta) K * R - K * C,   dbeta = dbeta' + rowsum(K * R),
-    and dg = the reverse in-chunk cumulative sum of dG per channel (a carry of the later blocks' sums)."""
+    and dg = the reverse in-chunk cumulative sum of dG per channel (a carry of the later blocks' sums).
+    CHUNKS as 9b's: "whole" takes the unflagged chunks at once (`_gated_pair_chunk`, no carry),
+    "flagged" the others block by block."""
     NB: tl.constexpr = BT // 16
     c = tl.program_id(0)
     hh = tl.program_id(1)
+    if CHUNKS == "whole":
+        if tl.load(flags_ptr + c * H + hh) != 0:
+            return
+    elif CHUNKS == "flagged":
+        if tl.load(flags_ptr + c * H + hh) == 0:
+            return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     kc = tl.arange(0, BK)
     carry = tl.full([BK], 0.0, tl.float32)
-    for b in tl.static_range(NB - 1, -1, -1):
-        okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
-        R = _gated_rows(da_ptr, k_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, FACTORED, SPAN_MAX)
-        C = _gated_cols(da_ptr, k_ptr, beta_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, True,
-                        FACTORED, SPAN_MAX)
-        offs = rowb[:, None] * K + kc[None, :]
-        kb = tl.load(k_ptr + offs, mask=mkb, other=0.0).to(tl.float32)
-        bb_ = tl.load(beta_ptr + rowb, mask=okb, other=0.0).to(tl.float32)
-        dk = tl.load(dkp_ptr + offs, mask=mkb, other=0.0) + bb_[:, None] * R + C
-        dG = tl.load(dGp_ptr + offs, mask=mkb, other=0.0) + bb_[:, None] * kb * R - kb * C
-        dbeta = tl.load(dbp_ptr + rowb, mask=okb, other=0.0) + tl.sum(kb * R, 1)
-        dg = tl.cumsum(dG, 0, reverse=True) + carry[None, :]
-        carry += tl.sum(dG, 0)
-        tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mkb)
-        tl.store(dbeta_ptr + rowb, dbeta.to(dbeta_ptr.dtype.element_ty), mask=okb)
-        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mkb)
+    if CHUNKS == "whole":  # by blocks of key channels, as 9b's; dbeta sums over all of them
+        tok = bos + tl.arange(0, BT)
+        ok = tok < eos
+        rows = tok.to(tl.int64) * H + hh
+        kr = tl.full([BT], 0.0, tl.float32)
+        for cb in tl.static_range(0, BK, WHOLE_BK):
+            cc = cb + tl.arange(0, WHOLE_BK)
+            R, C = _gated_pair_chunk(da_ptr, k_ptr, k_ptr, beta_ptr, G_ptr, bos, eos, H, hh, cc, K, BT, PREC, DT,
+                                     DA, True)
+            kr += _da_apply_rows(k_ptr, beta_ptr, dkp_ptr, dGp_ptr, dk_ptr, dg_ptr, R, C,
+                                 tl.full([WHOLE_BK], 0.0, tl.float32), ok, rows, cc, K)[1]
+        tl.store(dbeta_ptr + rows, (tl.load(dbp_ptr + rows, mask=ok, other=0.0) + kr).to(dbeta_ptr.dtype.element_ty),
+                 mask=ok)
+    else:
+        for b in tl.static_range(NB - 1, -1, -1):
+            okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
+            R = _gated_rows(da_ptr, k_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, FACTORED,
+                            SPAN_MAX)
+            C = _gated_cols(da_ptr, k_ptr, beta_ptr, G_ptr, bos, eos, b, H, hh, K, BK, BT, PREC, DT, DA, True, True,
+                            FACTORED, SPAN_MAX)
+            carry, kr = _da_apply_rows(k_ptr, beta_ptr, dkp_ptr, dGp_ptr, dk_ptr, dg_ptr, R, C, carry, okb, rowb, kc, K)
+            tl.store(dbeta_ptr + rowb,
+                     (tl.load(dbp_ptr + rowb, mask=okb, other=0.0) + kr).to(dbeta_ptr.dtype.element_ty), mask=okb)
+
+
+# lint: allow-function TP001,TP007 -- [16 or 64, K] row tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _da_apply_rows(k_ptr, beta_ptr, dkp_ptr, dGp_ptr, dk_ptr, dg_ptr, R, C, carry, ok, rows, kc, K: tl.constexpr):
+    """10b's final dK and dg for a set of rows (a 16-row block, the chunk's later ones summed in
+    `carry`, or a whole chunk) and key channels kc, from their R and C. Returns the carry for the
+    rows before and rowsum(K * R) over kc, dbeta's pair term (the caller stores dbeta)."""
+    mk = ok[:, None] & (kc < K)[None, :]
+    offs = rows[:, None] * K + kc[None, :]
+    kb = tl.load(k_ptr + offs, mask=mk, other=0.0).to(tl.float32)
+    bb_ = tl.load(beta_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    dk = tl.load(dkp_ptr + offs, mask=mk, other=0.0) + bb_[:, None] * R + C
+    dG = tl.load(dGp_ptr + offs, mask=mk, other=0.0) + bb_[:, None] * kb * R - kb * C
+    dg = tl.cumsum(dG, 0, reverse=True) + carry[None, :]
+    tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mk)
+    tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mk)
+    return carry + tl.sum(dG, 0), tl.sum(kb * R, 1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -753,8 +846,10 @@ def _kda_da_apply_kernel(da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_p
 # the whole-chunk ones, 9 (three [64, 64] fp32 accumulators and dP: 2204 B of spills at 4 warps,
 # 596 at 8) and 10 (1424 -> 336 B)
 _LAUNCH_BACKWARD = dict(num_warps=4)
-# Stage 7's warps where it takes whole chunks (DIAGONAL_FORM "chunk"; registers in docs/perf/kda.md row 9)
-DV_LOCAL_CHUNK_WARPS = 8
+# The warps of 7, 9b and 10b where they take whole chunks (DIAGONAL_FORM "chunk"): sm_90a, K = V = 128,
+# bf16 inputs, 8 warps: 7 160 registers, no spills; 9b 255, 8 B; 10b 252, none (4 warps: 24, 1380 and
+# 832 B of spills; 9b and 10b by blocks of 64 key channels, WHOLE_BK)
+WHOLE_CHUNK_WARPS = 8
 _LAUNCH_CHUNK = dict(num_warps=8)
 
 
@@ -767,15 +862,20 @@ def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype
     dvl = new_empty((Ntok, H, V), _F32, q.device)
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
-        args = (q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV, BT, PREC, DT, DA, _factored_diagonal())
-        if span_flags is None:
-            _kda_dv_local_kernel[(plan.NC * NV, H)](*args, **_LAUNCH_BACKWARD)
-        else:
-            _kda_dv_local_kernel[(plan.NC * NV, H)](*args, CHUNKS="whole", flags_ptr=span_flags,
-                                                    **dict(_LAUNCH_BACKWARD, num_warps=DV_LOCAL_CHUNK_WARPS))
-            _kda_dv_local_kernel[(plan.NC * NV, H)](*args, CHUNKS="flagged", flags_ptr=span_flags,
-                                                    **_LAUNCH_BACKWARD)
+        _by_route(_kda_dv_local_kernel, (plan.NC * NV, H), (q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV,
+                                                          BT, PREC, DT, DA, _factored_diagonal()), span_flags)
     return dvl
+
+
+def _by_route(kernel, grid, args, span_flags):
+    """One of the backward's block kernels (7, 9b, 10b) over every chunk by 16-row blocks (span_flags
+    None), or twice on the recompute's flags (DIAGONAL_FORM "chunk"): the unflagged chunks whole
+    (CHUNKS "whole", on WHOLE_CHUNK_WARPS), then the flagged ones by blocks."""
+    if span_flags is None:
+        kernel[grid](*args, **_LAUNCH_BACKWARD)
+    else:
+        kernel[grid](*args, CHUNKS="whole", flags_ptr=span_flags, **dict(_LAUNCH_BACKWARD, num_warps=WHOLE_CHUNK_WARPS))
+        kernel[grid](*args, CHUNKS="flagged", flags_ptr=span_flags, **_LAUNCH_BACKWARD)
 
 
 def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype):
@@ -793,13 +893,13 @@ def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype
     return dq, dk, dw, dG, dp
 
 
-def chunk_dp_apply_kda(dp, q, k, G, dq, dk, dG, plan, input_dtype: torch.dtype):
-    """9b: adds the pair terms of dP into dq, dk, dG (9's partials), in place."""
+def chunk_dp_apply_kda(dp, q, k, G, dq, dk, dG, plan, input_dtype: torch.dtype, span_flags=None):
+    """9b: adds the pair terms of dP into dq, dk, dG (9's partials), in place; span_flags as 7's."""
     Ntok, H, K = q.shape
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
-        _kda_dp_apply_kernel[(plan.NC, H)](dp, q, k, G, dq, dk, dG, plan.chunks, H, K, _blocks(K, 1)[0], BT,
-                                           PREC, DT, DA, _factored_diagonal(), **_LAUNCH_BACKWARD)
+        _by_route(_kda_dp_apply_kernel, (plan.NC, H), (dp, q, k, G, dq, dk, dG, plan.chunks, H, K, _blocks(K, 1)[0], BT,
+                                                       PREC, DT, DA, _factored_diagonal()), span_flags)
 
 
 def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
@@ -819,17 +919,18 @@ def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: t
 
 
 def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtype, dbeta_dtype: torch.dtype,
-                       dg_dtype: torch.dtype, input_dtype: torch.dtype):
-    """10b: the final dk [Ntok, H, K], dbeta [Ntok, H] and dg [Ntok, H, K], each in the dtype asked for."""
+                       dg_dtype: torch.dtype, input_dtype: torch.dtype, span_flags=None):
+    """10b: the final dk [Ntok, H, K], dbeta [Ntok, H] and dg [Ntok, H, K], each in the dtype asked
+    for; span_flags as 7's."""
     Ntok, H, K = k.shape
     dk = _out((Ntok, H, K), dk_dtype, k.device)
     dbeta = _out((Ntok, H), dbeta_dtype, k.device)
     dg = _out((Ntok, H, K), dg_dtype, k.device)
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
-        _kda_da_apply_kernel[(plan.NC, H)](da, k, beta, G, dkp, dGp, dbp, dk, dbeta, dg, plan.chunks, H, K,
-                                           _blocks(K, 1)[0], BT, PREC, DT, DA, _factored_diagonal(),
-                                           **_LAUNCH_BACKWARD)
+        _by_route(_kda_da_apply_kernel, (plan.NC, H), (da, k, beta, G, dkp, dGp, dbp, dk, dbeta, dg, plan.chunks, H, K,
+                                                       _blocks(K, 1)[0], BT, PREC, DT, DA, _factored_diagonal()),
+                  span_flags)
     return _done(dk, dk_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
 
@@ -860,10 +961,10 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags)
     dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
     dq, dkp, dw, dGp, dp = chunk_dqkwg_kda(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt)
-    chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt)
+    chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt, span_flags=flags)
     da, dbp, dv = chunk_wy_bwd_kda(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan, v.dtype, dt)
     dk, dbeta, dg = chunk_da_apply_kda(da, kn, bf, G, dkp, dGp, dbp, plan, _F32 if l2 else k.dtype, beta.dtype,
-                                       g.dtype, dt)
+                                       g.dtype, dt, span_flags=flags)
     if l2:
         dq = l2norm_bwd(qf, dq, q.dtype)
         dk = l2norm_bwd(kf, dk, k.dtype)
