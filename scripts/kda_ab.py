@@ -67,13 +67,13 @@ if "profile" in SECTIONS and dev == "cuda":
     kk.DIAGONAL_FORM = default_form
 
 # the backward (Triton since the fifth session) in each form: its dv_local and gated products take
-# the same DIAGONAL_FORM ("chunk": "factored" blocks, the recompute's stage 3 in whole-chunk tiles);
-# same inputs and upstream gradient for all
+# the same DIAGONAL_FORM ("chunk": "factored" blocks, or with BACKWARD_WHOLE_CHUNKS the recompute's
+# stage 3, 7, 9b and 10b in whole chunks); same inputs and upstream gradient for all
 do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
 for name, g in gates.items() if "backward" in SECTIONS else ():
     base = None
-    for form in ("exact", "factored", "chunk"):
-        kk.DIAGONAL_FORM = form
+    for form, whole in (("exact", False), ("factored", False), ("chunk", False), ("chunk", True)):
+        kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS = form, whole
 
         def bwd():
             return kk.kda_backward_triton(do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
@@ -83,6 +83,7 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
         err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
                   for a, b in zip(grads[:5], base[:5]))
         ms = triton.testing.do_bench(bwd, warmup=3, rep=20, return_mode="median") if dev == "cuda" else float("nan")
-        print(f"kda backward gates={name:10} diagonal {form:8}: {ms:.3f} ms, worst gradient vs exact {err:.2e}",
+        tag = f"{form}{' whole' if whole else ''}"
+        print(f"kda backward gates={name:10} diagonal {tag:14}: {ms:.3f} ms, worst gradient vs exact {err:.2e}",
               flush=True)
-kk.DIAGONAL_FORM = "exact"
+kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS = default_form, False

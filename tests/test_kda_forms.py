@@ -38,6 +38,16 @@ def test_chunk_diagonal(case_id, device, seed, monkeypatch):
     parity._run_and_check("triton", case_id, device, seed)
 
 
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_chunk_backward_whole(case_id, device, seed, monkeypatch):
+    """DIAGONAL_FORM "chunk" with the backward in whole chunks too (BACKWARD_WHOLE_CHUNKS: the
+    recompute's stage 3, 7, 9b and 10b on the recompute's flags)."""
+    parity._backend_or_skip("triton", device)
+    monkeypatch.setattr(kk, "DIAGONAL_FORM", "chunk")
+    monkeypatch.setattr(kk, "BACKWARD_WHOLE_CHUNKS", True)
+    parity._run_and_check("triton", case_id, device, seed)
+
+
 # KDA's dqkwg takes its block of key columns from GDN's switch (DQKWG_KEY_BLOCK, `_key_split`):
 # the gate's cases with K > 32 in the other block.
 OTHER_DQKWG_KEY_BLOCK = {64: 32, 32: 64}[gdn_kernels.DQKWG_KEY_BLOCK]

@@ -846,6 +846,12 @@ def _da_apply_rows(k_ptr, beta_ptr, dkp_ptr, dGp_ptr, dk_ptr, dg_ptr, R, C, carr
 # the whole-chunk ones, 9 (three [64, 64] fp32 accumulators and dP: 2204 B of spills at 4 warps,
 # 596 at 8) and 10 (1424 -> 336 B)
 _LAUNCH_BACKWARD = dict(num_warps=4)
+# Whether the backward under DIAGONAL_FORM "chunk" takes whole chunks too (the recompute's stage 3,
+# 7, 9b and 10b; docs/perf/kda.md rows 8-10) or the "factored" 16-row blocks throughout (as it ran
+# on the H200 at 7ae6627: 21.1 ms at S1). Written after the twelfth session's device time:
+# CPU-verified (tests/test_kda_forms.py::test_chunk_backward_whole, each route against its
+# definition in tests/test_kda_chunk_flags.py), off until the H200 has gated and timed it.
+BACKWARD_WHOLE_CHUNKS = False
 # The warps of 7, 9b and 10b where they take whole chunks (DIAGONAL_FORM "chunk"): sm_90a, K = V = 128,
 # bf16 inputs, 8 warps: 7 160 registers, no spills; 9b 255, 8 B; 10b 252, none (4 warps: 24, 1380 and
 # 832 B of spills; 9b and 10b by blocks of 64 key channels, WHOLE_BK)
@@ -951,9 +957,10 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     else:
         qn, kn = qf, kf
     G = chunk_cumsum(gf, plan)
-    # DIAGONAL_FORM "chunk": the recompute's stage 3 in whole-chunk tiles too, as the forward's
+    # DIAGONAL_FORM "chunk" with BACKWARD_WHOLE_CHUNKS: the recompute's stage 3 in whole-chunk tiles
+    # too, as the forward's, and its flags route 7, 9b and 10b
     flags = (torch.empty((plan.NC, H), dtype=torch.int8, device=q.device)
-             if DIAGONAL_FORM == "chunk" and dt != torch.float32 and plan.NC else None)
+             if DIAGONAL_FORM == "chunk" and BACKWARD_WHOLE_CHUNKS and dt != torch.float32 and plan.NC else None)
     Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
                               factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
                               span_flags=flags)
