@@ -475,9 +475,8 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
     kernel set, those whose gates span too much for its whole-chunk factors; the others return."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
-    if ONLY_FLAGGED:
-        if tl.load(flags_ptr + c * H + hh) == 0:
-            return
+    if _not_this_route("flagged" if ONLY_FLAGGED else "all", flags_ptr, c, H, hh):
+        return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     NB: tl.constexpr = BT // 16
@@ -633,6 +632,20 @@ def _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K: tl.constexpr, BT: t
     kernel: the output kernel reads the solve's flag, so both must mean the same chunk by it."""
     d = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
     return d, tl.max(tl.max(tl.abs(d), 1), 0)
+
+
+@triton.jit
+def _not_this_route(CHUNKS: tl.constexpr, flags_ptr, c, H, hh):
+    """Whether chunk c of head hh is left to the other launch of a kernel that KDA's whole-chunk
+    form (DIAGONAL_FORM "chunk") launches twice on stage 3's per-chunk flags (int8 [NC, H]): CHUNKS
+    "whole" takes the unflagged chunks, "flagged" the others, "all" (one launch) every chunk."""
+    if CHUNKS == "whole":
+        other = tl.load(flags_ptr + c * H + hh) != 0
+    elif CHUNKS == "flagged":
+        other = tl.load(flags_ptr + c * H + hh) == 0
+    else:
+        other = False
+    return other
 
 
 # lint: allow-function TP001,TP007 -- a [64, K] chunk tile of G [T, H, K] (fp64), as the solve kernels load it: varlen tails would need a descriptor per sequence

@@ -61,6 +61,7 @@ from tileport.ops.gdn.triton_kernels import (
     _key_split,
     _flatten,
     _mm,
+    _not_this_route,
     _op,
     _out,
     _products,
@@ -130,12 +131,8 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
     c = tl.program_id(0) // NV
     j = tl.program_id(0) % NV
     hh = tl.program_id(1)
-    if CHUNKS == "whole":
-        if tl.load(flags_ptr + c * H + hh) != 0:
-            return
-    elif CHUNKS == "flagged":
-        if tl.load(flags_ptr + c * H + hh) == 0:
-            return
+    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
+        return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     r = tl.arange(0, BT)
@@ -525,12 +522,8 @@ def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, sc
     c = tl.program_id(0) // NV
     jv = tl.program_id(0) % NV
     hh = tl.program_id(1)
-    if CHUNKS == "whole":
-        if tl.load(flags_ptr + c * H + hh) != 0:
-            return
-    elif CHUNKS == "flagged":
-        if tl.load(flags_ptr + c * H + hh) == 0:
-            return
+    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
+        return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     r16 = tl.arange(0, 16)
@@ -655,12 +648,8 @@ def _kda_dp_apply_kernel(dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr, ch
     NB: tl.constexpr = BT // 16
     c = tl.program_id(0)
     hh = tl.program_id(1)
-    if CHUNKS == "whole":
-        if tl.load(flags_ptr + c * H + hh) != 0:
-            return
-    elif CHUNKS == "flagged":
-        if tl.load(flags_ptr + c * H + hh) == 0:
-            return
+    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
+        return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     kc = tl.arange(0, BK)
@@ -785,12 +774,8 @@ def _kda_da_apply_kernel(da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_p
     NB: tl.constexpr = BT // 16
     c = tl.program_id(0)
     hh = tl.program_id(1)
-    if CHUNKS == "whole":
-        if tl.load(flags_ptr + c * H + hh) != 0:
-            return
-    elif CHUNKS == "flagged":
-        if tl.load(flags_ptr + c * H + hh) == 0:
-            return
+    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
+        return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     kc = tl.arange(0, BK)
