@@ -70,10 +70,14 @@ if "profile" in SECTIONS and dev == "cuda":
 # the same DIAGONAL_FORM ("chunk": "factored" blocks, or with BACKWARD_WHOLE_CHUNKS the recompute's
 # stage 3, 7, 9b and 10b in whole chunks); same inputs and upstream gradient for all
 do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+launch = kk._LAUNCH_BACKWARD
 for name, g in gates.items() if "backward" in SECTIONS else ():
     base = None
-    for form, whole in (("exact", False), ("factored", False), ("chunk", False), ("chunk", True)):
+    # the block kernels (7, 9b, 10b) on 4 warps (the default: 360 B of spills at K = 128) and on 8 (none)
+    for form, whole, warps in (("exact", False, 4), ("factored", False, 4), ("chunk", False, 4), ("chunk", False, 8),
+                               ("chunk", True, 4)):
         kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS = form, whole
+        kk._LAUNCH_BACKWARD = dict(launch, num_warps=warps)
 
         def bwd():
             return kk.kda_backward_triton(do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
@@ -83,7 +87,7 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
         err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
                   for a, b in zip(grads[:5], base[:5]))
         ms = triton.testing.do_bench(bwd, warmup=3, rep=20, return_mode="median") if dev == "cuda" else float("nan")
-        tag = f"{form}{' whole' if whole else ''}"
-        print(f"kda backward gates={name:10} diagonal {tag:14}: {ms:.3f} ms, worst gradient vs exact {err:.2e}",
+        tag = f"{form}{' whole' if whole else ''}{' blocks 8w' if warps == 8 else ''}"
+        print(f"kda backward gates={name:10} diagonal {tag:24}: {ms:.3f} ms, worst gradient vs exact {err:.2e}",
               flush=True)
-kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS = default_form, False
+kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS, kk._LAUNCH_BACKWARD = default_form, False, launch
