@@ -630,7 +630,7 @@ def _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K: tl.constexpr, BT: t
     its sequence's end, not the chunk's), 0 off the mask; span = max abs(d). Where span <= 60,
     exp(d) and exp(-d) are finite in bf16 and fp32. One definition for the solve and the output
     kernel: the output kernel reads the solve's flag, so both must mean the same chunk by it."""
-    d = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
+    d, _ = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
     return d, tl.max(tl.max(tl.abs(d), 1), 0)
 
 
@@ -651,12 +651,13 @@ def _not_this_route(CHUNKS: tl.constexpr, flags_ptr, c, H, hh):
 # lint: allow-function TP001,TP007 -- a [64, K] chunk tile of G [T, H, K] (fp64), as the solve kernels load it: varlen tails would need a descriptor per sequence
 @triton.jit
 def _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K: tl.constexpr, BT: tl.constexpr):
-    """d = G - G_m in fp32 for the key channels kc (all of them or a block; mk masks rows and
-    channels), m the chunk's middle row as `_chunk_gate_span` takes it."""
+    """(d, G_m): d = G - G_m in fp32 for the key channels kc (all of them or a block; mk masks rows
+    and channels), m the chunk's middle row as `_chunk_gate_span` takes it; G_m fp64 [len(kc)]
+    (G = d + G_m to fp32's rounding, so a kernel need not load G again for exp(G))."""
     m = bos + (tl.minimum(eos - bos, BT) - 1) // 2
     Gm = tl.load(G_ptr + (m.to(tl.int64) * H + hh) * K + kc, mask=kc < K, other=0.0)
     Gt = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
-    return tl.where(mk, (Gt - Gm[None, :]).to(tl.float32), 0.0)
+    return tl.where(mk, (Gt - Gm[None, :]).to(tl.float32), 0.0), Gm
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)

@@ -54,7 +54,6 @@ from tileport.ops.gdn.triton_kernels import (
     _blocks,
     _checked,
     _chunk_gate_offsets,
-    _chunk_gate_span,
     _chunk_program,
     _done,
     _dot_types,
@@ -80,15 +79,16 @@ __all__ = ["kda_forward_triton", "kda_backward_triton", "chunk_output_kda", "tri
 
 _LAUNCH_OUTPUT = dict(num_warps=4)
 # The output kernel's warps where it takes whole chunks (DIAGONAL_FORM "chunk"): sm_90a at K = V =
-# 128, bf16: 4 warps 255 registers and 204 B of spills per thread, 8 warps 255 and none. H200, S1:
+# 128, bf16, when one kernel held both routes: 4 warps 255 registers and 204 B of spills per thread,
+# 8 warps 255 and none (the whole-chunk launch alone now: OUTPUT_CHUNK_BV below). H200, S1:
 # the whole forward with 4 warps 2.681 ms (kda_ab.py at 7ae6627), with 8 warps 3.032 (the bench in
 # the same call, another process); at e89bd5a (half the chunks on the block path) 4.490 against
 # 5.333 in one run. 4 until a same-run A/B says otherwise.
 OUTPUT_CHUNK_WARPS = 4
 # ... and its block of value columns: 64 (two programs per chunk and head at V = 128, each forming
 # the chunk's [64, 64] P) or 128 (one, P formed once; a [128, 128] h tile). sm_90a, K = V = 128,
-# bf16, the whole-chunk launch alone: BV 64 4w 255 registers 92 B of spills, 8w 243 and none;
-# BV 128 see docs/perf/kda.md row 7. Not timed yet.
+# bf16, the whole-chunk launch: BV 64 4w 255 registers, no spills, 8w 173; BV 128 8w 200, none,
+# 4w 32 B (docs/perf/kda.md row 7). Not timed yet.
 OUTPUT_CHUNK_BV = 64
 # How stage 3 (GDN's solve kernel, PER_CHANNEL), the output kernel and the backward's block kernels
 # (dv_local and the gated products of 9b and 10b) form each 16-row sub-block's diagonal block:
@@ -161,14 +161,13 @@ def _kda_output_chunk(q_ptr, k_ptr, G_ptr, h, vn, o_ptr, row, valid, bos, eos, H
     flag clear): P = lower((Q * exp(G - G_m)) (K * exp(G_m - G))^T), one [64, K] x [K, 64]
     product (the factors are finite; the lower triangle's terms are the exact ones up to their
     rounding, the upper one is masked out), then O = scale ((exp(G) * Q) h + P Vn) for this V
-    block."""
+    block. G is read once: exp(G) as exp(d + G_m), d = G - G_m (fp32 rounding of G either way)."""
     kc = tl.arange(0, BK)
     r = tl.arange(0, BT)
     mk = valid[:, None] & (kc < K)[None, :]
     q = tl.load(q_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
-    Gt = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
-    o = tl.dot(_op(q * tl.exp(Gt.to(tl.float32)), DT, DA), h, input_precision="ieee")
-    d, _ = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
+    d, Gm = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
+    o = tl.dot(_op(q * tl.exp(d + Gm.to(tl.float32)[None, :]), DT, DA), h, input_precision="ieee")
     kt = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
     P = tl.dot(_op(q * tl.exp(d), DT, DA), tl.trans(_op(kt * tl.exp(-d), DT, DA)), input_precision="ieee")
     P = tl.where((r[:, None] >= r[None, :]) & valid[:, None] & valid[None, :], P, 0.0)
@@ -482,7 +481,7 @@ def _kda_dv_local_chunk(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, bos, eos, H, hh, v
     valid = tok < eos
     row = tok.to(tl.int64) * H + hh
     mk = valid[:, None] & (kc < K)[None, :]
-    d, _ = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
+    d, _ = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
     ks = _block_tile(k_ptr, row, mk, kc, K) * tl.exp(-d)
     xq = _block_tile(q_ptr, row, mk, kc, K) * tl.exp(d)
     Pt = _mm(ks, tl.trans(xq), PREC, DT, DA)
@@ -704,7 +703,7 @@ def _gated_pair_chunk(m_ptr, x_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, H, hh, kc, K
     valid = tok < eos
     row = tok.to(tl.int64) * H + hh
     mk = valid[:, None] & (kc < K)[None, :]
-    d = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
+    d, _ = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
     keep = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
     M = tl.load(m_ptr + row[:, None] * BT + r[None, :], mask=keep, other=0.0)
     R = _mm(M, _block_tile(x_ptr, row, mk, kc, K) * tl.exp(-d), PREC, DT, DA) * tl.exp(d)
