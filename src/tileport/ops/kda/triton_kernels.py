@@ -272,6 +272,15 @@ def chunk_output_kda(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype,
     return _done(o, out_dtype)
 
 
+def _span_flags(plan, H: int, q: torch.Tensor, wanted: bool):
+    """Stage 3's per-chunk flags (int8 [NC, H], filled by it) where DIAGONAL_FORM "chunk" takes whole
+    chunks (16-bit inputs; fp32 inputs keep the block kernels, as GDN's do) and the caller wants
+    them; None otherwise (every chunk by 16-row blocks)."""
+    if wanted and DIAGONAL_FORM == "chunk" and q.dtype != torch.float32 and plan.NC:
+        return torch.empty((plan.NC, H), dtype=torch.int8, device=q.device)
+    return None
+
+
 def _factored_diagonal() -> bool:
     """Whether the 16-row blocks form their diagonal block from reference-row factors where the
     gates allow it (DIAGONAL_FORM "factored", and "chunk" for the blocks it leaves to them)."""
@@ -289,10 +298,7 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
         qf, kf = l2norm_fwd(qf), l2norm_fwd(kf)
     G = chunk_cumsum(gf, plan)  # [Ntok, H, K] fp64
     factored = _factored_diagonal()
-    # DIAGONAL_FORM "chunk": whole-chunk tiles where the gates allow (16-bit inputs; fp32 inputs keep
-    # the block kernels, as GDN's do), flagged per chunk by stage 3 for the output kernel
-    flags = (torch.empty((plan.NC, H), dtype=torch.int8, device=q.device)
-             if DIAGONAL_FORM == "chunk" and q.dtype != torch.float32 and plan.NC else None)
+    flags = _span_flags(plan, H, q, True)
     _, w, u = chunk_solve_wu(kf, vf, bf, G, plan, compact=True, factored_diagonal=factored,
                              keys_normalised=use_qk_l2norm_in_kernel and flags is not None, span_flags=flags)
     h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
@@ -314,9 +320,10 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
 
 
 @triton.jit
-def _block_rows(bos, eos, b, H, hh, kc, K: tl.constexpr):
-    """The chunk's 16-row block b: rows valid [16], [Ntok, H] row offsets [16] (int64), key mask [16, BK]."""
-    t = bos + b * 16 + tl.arange(0, 16)
+def _block_rows(bos, eos, b, H, hh, kc, K: tl.constexpr, ROWS: tl.constexpr = 16):
+    """The chunk's block b of ROWS rows (16; BT for the whole chunk): rows valid [ROWS], [Ntok, H]
+    row offsets [ROWS] (int64), key mask [ROWS, len(kc)]."""
+    t = bos + b * ROWS + tl.arange(0, ROWS)
     ok = t < eos
     return ok, t.to(tl.int64) * H + hh, ok[:, None] & (kc < K)[None, :]
 
@@ -477,10 +484,7 @@ def _kda_dv_local_chunk(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, bos, eos, H, hh, v
     dVl = scale P^T dO for this V block; the products at the backward's PREC (`_mm`)."""
     r = tl.arange(0, BT)
     kc = tl.arange(0, BK)
-    tok = bos + r
-    valid = tok < eos
-    row = tok.to(tl.int64) * H + hh
-    mk = valid[:, None] & (kc < K)[None, :]
+    valid, row, mk = _block_rows(bos, eos, 0, H, hh, kc, K, BT)
     d, _ = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
     ks = _block_tile(k_ptr, row, mk, kc, K) * tl.exp(-d)
     xq = _block_tile(q_ptr, row, mk, kc, K) * tl.exp(d)
@@ -653,13 +657,12 @@ def _kda_dp_apply_kernel(dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr, ch
     eos = tl.load(chunks_ptr + 2 * c + 1)
     kc = tl.arange(0, BK)
     if CHUNKS == "whole":  # by blocks of key channels: every term is per channel but M
-        tok = bos + tl.arange(0, BT)
+        ok, rows, _ = _block_rows(bos, eos, 0, H, hh, kc, K, BT)
         for cb in tl.static_range(0, BK, WHOLE_BK):
             cc = cb + tl.arange(0, WHOLE_BK)
             R, C = _gated_pair_chunk(dp_ptr, k_ptr, q_ptr, q_ptr, G_ptr, bos, eos, H, hh, cc, K, BT, PREC, DT, DA,
                                      False)
-            _dp_apply_rows(dp_ptr, q_ptr, k_ptr, dq_ptr, dk_ptr, dG_ptr, R, C, tok < eos, tok.to(tl.int64) * H + hh,
-                           tl.arange(0, BT), cc, K, BT)
+            _dp_apply_rows(dp_ptr, q_ptr, k_ptr, dq_ptr, dk_ptr, dG_ptr, R, C, ok, rows, tl.arange(0, BT), cc, K, BT)
     else:
         for b in tl.static_range(NB):
             okb, rowb, mkb = _block_rows(bos, eos, b, H, hh, kc, K)
@@ -699,10 +702,7 @@ def _gated_pair_chunk(m_ptr, x_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, H, hh, kc, K
     scaled by ys_ptr's [Ntok, H] values first. The factors are finite; a kept term's two factors
     multiply back to its exact exponent, so no term is larger than the exact one."""
     r = tl.arange(0, BT)
-    tok = bos + r
-    valid = tok < eos
-    row = tok.to(tl.int64) * H + hh
-    mk = valid[:, None] & (kc < K)[None, :]
+    valid, row, mk = _block_rows(bos, eos, 0, H, hh, kc, K, BT)
     d, _ = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
     keep = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
     M = tl.load(m_ptr + row[:, None] * BT + r[None, :], mask=keep, other=0.0)
@@ -780,9 +780,7 @@ def _kda_da_apply_kernel(da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_p
     kc = tl.arange(0, BK)
     carry = tl.full([BK], 0.0, tl.float32)
     if CHUNKS == "whole":  # by blocks of key channels, as 9b's; dbeta sums over all of them
-        tok = bos + tl.arange(0, BT)
-        ok = tok < eos
-        rows = tok.to(tl.int64) * H + hh
+        ok, rows, _ = _block_rows(bos, eos, 0, H, hh, kc, K, BT)
         kr = tl.full([BT], 0.0, tl.float32)
         for cb in tl.static_range(0, BK, WHOLE_BK):
             cc = cb + tl.arange(0, WHOLE_BK)
@@ -941,10 +939,8 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     else:
         qn, kn = qf, kf
     G = chunk_cumsum(gf, plan)
-    # DIAGONAL_FORM "chunk" with BACKWARD_WHOLE_CHUNKS: the recompute's stage 3 in whole-chunk tiles
-    # too, as the forward's, and its flags route 7, 9b and 10b
-    flags = (torch.empty((plan.NC, H), dtype=torch.int8, device=q.device)
-             if DIAGONAL_FORM == "chunk" and BACKWARD_WHOLE_CHUNKS and dt != torch.float32 and plan.NC else None)
+    # with BACKWARD_WHOLE_CHUNKS the recompute's stage 3 in whole-chunk tiles too, its flags routing 7, 9b, 10b
+    flags = _span_flags(plan, H, q, BACKWARD_WHOLE_CHUNKS)
     Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
                               factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
                               span_flags=flags)
