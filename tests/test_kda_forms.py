@@ -39,12 +39,14 @@ def test_chunk_diagonal(case_id, device, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_chunk_backward_whole(case_id, device, seed, monkeypatch):
-    """DIAGONAL_FORM "chunk" with the backward in whole chunks too (BACKWARD_WHOLE_CHUNKS: the
-    recompute's stage 3, 7, 9b and 10b on the recompute's flags)."""
+@pytest.mark.parametrize("whole", [True, False], ids=["backward-whole", "backward-blocks"])
+def test_chunk_backward_forms(case_id, whole, device, seed, monkeypatch):
+    """DIAGONAL_FORM "chunk" with the backward in whole chunks too (BACKWARD_WHOLE_CHUNKS, the
+    default: the recompute's stage 3, 7, 9b and 10b on the recompute's flags) and without (every
+    chunk of the backward in 16-row blocks), whichever is the default."""
     parity._backend_or_skip("triton", device)
     monkeypatch.setattr(kk, "DIAGONAL_FORM", "chunk")
-    monkeypatch.setattr(kk, "BACKWARD_WHOLE_CHUNKS", True)
+    monkeypatch.setattr(kk, "BACKWARD_WHOLE_CHUNKS", whole)
     parity._run_and_check("triton", case_id, device, seed)
 
 

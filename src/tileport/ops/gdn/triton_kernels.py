@@ -158,6 +158,22 @@ def _blocks(K: int, V: int) -> tuple[int, int, int]:
     return BK, BV, cdiv(V, BV)
 
 
+# The tile solve's smallest key and value block (`_tile_blocks`). K or V of 32 made its W and U
+# products [64, 64] x [64, 32] in bf16 (HGMMA 64x32x16 with the B operand MN-major in 64-byte
+# swizzle): on the H200 (triton 3.6, 7e672c1) that launch read shared memory past its allocation
+# (compute-sanitizer memcheck: 1 KB at the end of the 16 KB block) and the process died with an
+# illegal address; no test had run a 16-bit K = 32 on the GPU. Padded to 64, the masked columns are
+# zeros and the products take K = 64's layouts, which the GPU gate runs.
+TILE_MIN_BLOCK = 64
+
+
+def _tile_blocks(K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BV, NV) for `_solve_wu_tile_kernel`: `_blocks`'s, each at least TILE_MIN_BLOCK."""
+    BK, BV, _ = _blocks(K, V)
+    BK, BV = max(BK, TILE_MIN_BLOCK), max(BV, min(TILE_MIN_BLOCK, 64))
+    return BK, BV, cdiv(V, BV)
+
+
 def _dot_types(dtype: torch.dtype) -> tuple:
     """(DT, DA) for the kernels' matmul operands: rounded to DT, handed to tl.dot as DA.
 
@@ -1451,7 +1467,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
             raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised)
         Ai_or_w = Ai if store_T else w
-        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA,
+        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, *_tile_blocks(K, V), BT, DT, DA,
                                             prec, store_T, exact_wu, L2NORM_EPS, T_CHAIN=_t_chain(),
                                             DIAG_PREC=diag_prec, PER_CHANNEL=True, flags_ptr=span_flags)
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True,
@@ -1462,7 +1478,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):
             # 3a: T alone, in bf16 as W and U's products read it; 3b: W and U in column blocks
             Tb = new_empty((Ntok, H, BT), inter, k.device)
-            _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Tb, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA,
+            _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Tb, w, u, plan.chunks, H, K, V, *_tile_blocks(K, V), BT, DT, DA,
                                                 prec, True, False, L2NORM_EPS, False, False, T_CHAIN=_t_chain(),
                                                 DIAG_PREC=diag_prec)
             for x, out, gated in ((k, w, True), (v, u, False)):
@@ -1471,8 +1487,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
                 _wu_from_t_kernel[(plan.NC * cdiv(D, BC), H)](Tb, x, beta, G, out, plan.chunks, H, D, BC, cdiv(D, BC),
                                                               BT, DT, DA, gated, **WU_FROM_T_LAUNCH)
             return Ai, w, u
-        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV,
-                                            NV, BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k, True,
+        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V,
+                                            *_tile_blocks(K, V), BT, DT, DA, prec, store_T, exact_wu, L2NORM_EPS, l2norm_k, True,
                                             kn_out, kn_out is not None, g, g is not None, _t_chain(), diag_prec)
     else:
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,

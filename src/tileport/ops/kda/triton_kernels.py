@@ -829,11 +829,11 @@ def _da_apply_rows(k_ptr, beta_ptr, dkp_ptr, dGp_ptr, dk_ptr, dg_ptr, R, C, carr
 # 596 at 8) and 10 (1424 -> 336 B)
 _LAUNCH_BACKWARD = dict(num_warps=4)
 # Whether the backward under DIAGONAL_FORM "chunk" takes whole chunks too (the recompute's stage 3,
-# 7, 9b and 10b; docs/perf/kda.md rows 8-10) or the "factored" 16-row blocks throughout (as it ran
-# on the H200 at 7ae6627: 21.1 ms at S1). Written after the twelfth session's device time:
-# CPU-verified (tests/test_kda_forms.py::test_chunk_backward_whole, each route against its
-# definition in tests/test_kda_chunk_flags.py), off until the H200 has gated and timed it.
-BACKWARD_WHOLE_CHUNKS = False
+# 7, 9b and 10b; docs/perf/kda.md rows 8-10) or the "factored" 16-row blocks throughout. On since
+# the H200 A/B at 7e672c1 (scripts/kda_ab.py, S1, one run): 21.097 -> 12.932 ms with logsigmoid
+# gates (gradients as far from the exact form's as the blocks', 2.05e-3), 35.9 -> 37.2 with every
+# gate at -20..-30 (every chunk flagged: the tile kernels' span checks cost ~4% there).
+BACKWARD_WHOLE_CHUNKS = True
 # The warps of 7, 9b and 10b where they take whole chunks (DIAGONAL_FORM "chunk"): sm_90a, K = V = 128,
 # bf16 inputs, 8 warps: 7 160 registers, no spills; 9b 255, 8 B; 10b 252, none (4 warps: 24, 1380 and
 # 832 B of spills; 9b and 10b by blocks of 64 key channels, WHOLE_BK)
