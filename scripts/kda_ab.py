@@ -7,10 +7,11 @@ launch on OUTPUT_CHUNK_WARPS 4 and 8, OUTPUT_CHUNK_BV 64 and 128), with logsigmo
 (the bench's: the factored and whole-chunk branches everywhere) and with steep gates (every entry
 at -20..-30: the exact branch everywhere, so the cost of the run-time checks); then the per-kernel
 times of one forward in "factored" and in "chunk" (torch profiler). Compiling the forms takes most
-of a run: give it ~300 s on the H200.
+of a run: give it ~300 s on the H200. "profile-backward": the per-kernel times of one backward in
+the default forms (torch profiler; never taken before the thirteenth session).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward (default: all)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward (default: the first three)
 """
 
 import os
@@ -31,6 +32,7 @@ gates = {"logsigmoid": torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, de
          "steep": -20.0 - 10.0 * torch.rand(B, T, H, K, device=dev)}
 SECTIONS = os.environ.get("KDA_AB_SECTIONS", "forward,profile,backward").split(",")
 default_form, default_warps, default_bv = kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV
+default_whole = kk.BACKWARD_WHOLE_CHUNKS
 
 
 def fwd(g):
@@ -90,4 +92,22 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
         tag = f"{form}{' whole' if whole else ''}{' blocks 8w' if warps == 8 else ''}"
         print(f"kda backward gates={name:10} diagonal {tag:24}: {ms:.3f} ms, worst gradient vs exact {err:.2e}",
               flush=True)
-kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS, kk._LAUNCH_BACKWARD = default_form, False, launch
+kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS, kk._LAUNCH_BACKWARD = default_form, default_whole, launch
+
+if "profile-backward" in SECTIONS and dev == "cuda":
+    from torch.profiler import ProfilerActivity, profile
+
+    g = gates["logsigmoid"]
+
+    def bwd():
+        return kk.kda_backward_triton(do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
+
+    bwd()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            bwd()
+        torch.cuda.synchronize()
+    print(f"\n== kda backward, defaults (DIAGONAL_FORM {kk.DIAGONAL_FORM}, BACKWARD_WHOLE_CHUNKS "
+          f"{kk.BACKWARD_WHOLE_CHUNKS}): kernels over 3 calls (logsigmoid gates)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)

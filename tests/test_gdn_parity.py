@@ -62,6 +62,10 @@ GPU_CASES = {
                                       "mixed", "binary", None),
     "gpu-B3-T777-fp16-l2-near0": (3, 777, 2, 64, 64, "fp16", None, False, True, "near0", "rand", None),
     "gpu-B2-T500-K128-fp32": (2, 500, 2, 128, 128, "fp32", None, True, False, "verynegative", "rand", None),
+    # K = V = 32 in 16 bits, which no case here had on a GPU: KDA's tile solve faulted at that shape
+    # on the H200 (7e672c1; docs/perf/kda.md row 11), GDN's ran there only in a probe
+    "gpu-varlen-T330-H2-K32-bf16-l2": (1, 330, 2, 32, 32, "bf16", [0, 1, 70, 70, 200, 330], True, True, "mixed",
+                                       "rand", None),
 }
 if on_gpu():
     CASES.update(GPU_CASES)
