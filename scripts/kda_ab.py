@@ -32,7 +32,7 @@ gates = {"logsigmoid": torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, de
          "steep": -20.0 - 10.0 * torch.rand(B, T, H, K, device=dev)}
 SECTIONS = os.environ.get("KDA_AB_SECTIONS", "forward,profile,backward").split(",")
 default_form, default_warps, default_bv = kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV
-default_whole = kk.BACKWARD_WHOLE_CHUNKS
+default_whole, default_cumsum = kk.BACKWARD_WHOLE_CHUNKS, kk.CUMSUM_FORM
 
 
 def fwd(g):
@@ -42,16 +42,22 @@ def fwd(g):
 for name, g in gates.items() if "forward" in SECTIONS else ():
     base = None
     chunk_launches = ((4, 64), (8, 64), (8, 128), (4, 128)) if name == "logsigmoid" else ((4, 64),)
-    for form, warps, bv in (("exact", 4, 64), ("factored", 4, 64), *(("chunk", w, b) for w, b in chunk_launches)):
-        kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = form, warps, bv
+    # "chunk+cumsum3": the default launch with CUMSUM_FORM "stage-3" (kda.md row 12), timed before
+    # the launch variants, whose compiling ran the section out of time at 7e672c1
+    forms = (("exact", 4, 64), ("factored", 4, 64), ("chunk", *chunk_launches[0]), ("chunk+cumsum3", 4, 64),
+             *(("chunk", w, b) for w, b in chunk_launches[1:]))
+    for form, warps, bv in forms:
+        kk.CUMSUM_FORM = "stage-3" if form.endswith("+cumsum3") else default_cumsum
+        kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = form.split("+")[0], warps, bv
         o = fwd(g).float()
         base = o if base is None else base
         err = ((o - base).norm() / base.norm().clamp_min(1e-30)).item()
         ms = (triton.testing.do_bench(lambda: fwd(g), warmup=5, rep=40, return_mode="median") if dev == "cuda"
               else float("nan"))
-        tag = f"{form} {warps}w BV{bv}" if form == "chunk" else form
+        tag = f"{form} {warps}w BV{bv}" if form.startswith("chunk") else form
         print(f"kda forward gates={name:10} diagonal {tag:8}: {ms:.3f} ms, vs exact {err:.2e}", flush=True)
 kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = default_form, default_warps, default_bv
+kk.CUMSUM_FORM = default_cumsum
 
 if "profile" in SECTIONS and dev == "cuda":
     from torch.profiler import ProfilerActivity, profile
@@ -77,8 +83,9 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
     base = None
     # the block kernels (7, 9b, 10b) on 4 warps (the default: 360 B of spills at K = 128) and on 8 (none)
     for form, whole, warps in (("exact", False, 4), ("factored", False, 4), ("chunk", False, 4), ("chunk", False, 8),
-                               ("chunk", True, 4)):
-        kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS = form, whole
+                               ("chunk", True, 4), ("chunk+cumsum3", True, 4)):
+        kk.CUMSUM_FORM = "stage-3" if form.endswith("+cumsum3") else default_cumsum
+        kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS = form.split("+")[0], whole
         kk._LAUNCH_BACKWARD = dict(launch, num_warps=warps)
 
         def bwd():
@@ -93,6 +100,7 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
         print(f"kda backward gates={name:10} diagonal {tag:24}: {ms:.3f} ms, worst gradient vs exact {err:.2e}",
               flush=True)
 kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS, kk._LAUNCH_BACKWARD = default_form, default_whole, launch
+kk.CUMSUM_FORM = default_cumsum
 
 if "profile-backward" in SECTIONS and dev == "cuda":
     from torch.profiler import ProfilerActivity, profile

@@ -27,8 +27,9 @@ def expected_flags(G: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("g_in_stage3", [False, True], ids=["G-from-stage2", "G-formed-in-stage3"])
 @pytest.mark.parametrize("cu", [None, [0, 1, 70, 70, 200, 330]], ids=["dense", "varlen"])
-def test_stage3_flags_the_chunks_whose_gates_span_too_far(cu, device, seed):
+def test_stage3_flags_the_chunks_whose_gates_span_too_far(cu, g_in_stage3, device, seed):
     T, H, K, V = 330, 2, 32, 32
     g = torch.nn.functional.logsigmoid(torch.randn(T, H, K))  # ~0.8 per step: ~26 over half a chunk
     g[100:140, 0] = -20.0 - 10.0 * torch.rand(40, K)  # head 0: steep in the chunks around them
@@ -41,8 +42,11 @@ def test_stage3_flags_the_chunks_whose_gates_span_too_far(cu, device, seed):
     k, v, g, beta = (x.to(device) for x in (k, v, g, beta))
     G = tk.chunk_cumsum(g, plan)
     flags = torch.full((plan.NC, H), 7, dtype=torch.int8, device=device)
-    tk.chunk_solve_wu(k, v, beta, G, plan, compact=True, factored_diagonal=True, keys_normalised=True,
-                      span_flags=flags)
+    G3 = torch.full_like(G, float("nan")) if g_in_stage3 else G  # stage 3 forms G from g (KDA's CUMSUM_FORM "stage-3")
+    tk.chunk_solve_wu(k, v, beta, G3, plan, compact=True, factored_diagonal=True, keys_normalised=True,
+                      g=g if g_in_stage3 else None, span_flags=flags)
+    if g_in_stage3:  # every chunk's sums stored, flagged or not (the same fp64 sums up to their order)
+        torch.testing.assert_close(G3, G, rtol=1e-12, atol=1e-9)
     want = expected_flags(G.cpu(), plan.chunks.cpu())
     assert want.any() and not want.all(), "the draw should have chunks of both kinds"
     assert torch.equal(flags.cpu(), want), f"flags {flags.cpu().tolist()} != {want.tolist()}"

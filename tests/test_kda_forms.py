@@ -50,6 +50,16 @@ def test_chunk_backward_forms(case_id, whole, device, seed, monkeypatch):
     parity._run_and_check("triton", case_id, device, seed)
 
 
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_chunk_cumsum_in_stage3(case_id, device, seed, monkeypatch):
+    """DIAGONAL_FORM "chunk" with the gate sums G formed by stage 3's tile kernel from g
+    (CUMSUM_FORM "stage-3"), in the forward and the backward's recompute."""
+    parity._backend_or_skip("triton", device)
+    monkeypatch.setattr(kk, "DIAGONAL_FORM", "chunk")
+    monkeypatch.setattr(kk, "CUMSUM_FORM", "stage-3")
+    parity._run_and_check("triton", case_id, device, seed)
+
+
 # KDA's dqkwg takes its block of key columns from GDN's switch (DQKWG_KEY_BLOCK, `_key_split`):
 # the gate's cases with K > 32 in the other block.
 OTHER_DQKWG_KEY_BLOCK = {64: 32, 32: 64}[gdn_kernels.DQKWG_KEY_BLOCK]

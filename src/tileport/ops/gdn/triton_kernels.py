@@ -716,7 +716,7 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     `_cumsum_kernel` forms it and stored to G_ptr for the states kernel. WITH_WU = False (WU_FORM
     "split"): T alone, stored (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U.
 
-    PER_CHANNEL (KDA's DIAGONAL_FORM "chunk", the forward only): G is [Ntok, H, K] and
+    PER_CHANNEL (KDA's DIAGONAL_FORM "chunk": the forward and the backward's recompute): G is [Ntok, H, K] and
     A_ts = beta_t sum_c k_tc k_sc exp(G_tc - G_sc) is one product of factors taken through the
     chunk's middle row m: (k_t exp(G_t - G_m)) . (k_s exp(G_m - G_s)). Where a chunk's gates span
     at most SPAN_MAX about m (max abs(G_t - G_m) over its rows and channels, checked here) every
@@ -724,22 +724,35 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     exact ones up to the factors' rounding (no term is ever larger than abs(k_t k_s)); the upper
     triangle may overflow and is masked out. A steeper chunk is left alone (the program returns):
     its flag (int8, one per chunk and head, at flags_ptr) is set and `_solve_wu_kernel`
-    (ONLY_FLAGGED) forms it in 16-row blocks. W = T diag(beta) (exp(G) * K)."""
+    (ONLY_FLAGGED) forms it in 16-row blocks. W = T diag(beta) (exp(G) * K). With CUMSUM_G the
+    per-channel G is formed here from g [Ntok, H, K] and stored for every chunk, flagged or not,
+    before anything reads it."""
     c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT, tl.program_id(0))
     NB: tl.constexpr = BT // 16
     tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
     if PER_CHANNEL:
-        tl.static_assert(not (CUMSUM_G or L2NORM_K or STORE_KN), "per-channel gates: G and the keys come formed")
+        tl.static_assert(not (L2NORM_K or STORE_KN), "per-channel gates: the keys come formed")
+        if CUMSUM_G:
+            # stage 2 here too (KDA's CUMSUM_FORM "stage-3"), in 32-channel blocks: the whole [64, 128]
+            # fp64 scan in registers spilled 1.4 KB per thread at 4 warps (sm_90a). G is read back
+            # below, from L2 (this program's own stores) rather than from HBM as stage 2's output
+            for cb in tl.static_range(0, BK, 32):
+                cc = cb + tl.arange(0, 32)
+                gk = row[:, None] * K + cc[None, :]
+                mkc = valid[:, None] & (cc < K)[None, :]
+                tl.store(G_ptr + gk, tl.cumsum(tl.load(g_ptr + gk, mask=mkc, other=0.0).to(tl.float64), 0), mask=mkc)
+            tl.debug_barrier()  # the sums stored by every thread before any reads them back
         d, span = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
         tl.store(flags_ptr + c * H + hh, tl.where(span <= SPAN_MAX, 0, 1).to(tl.int8))
         if span > SPAN_MAX:  # left to the block kernel
             return
     b = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
-    if CUMSUM_G:  # `_cumsum_kernel`'s sum (fp64, the same order), zero past the chunk's end as loaded
+    # scalar gates (per-channel ones were read, or formed, above as d)
+    if CUMSUM_G and not PER_CHANNEL:  # `_cumsum_kernel`'s sum (fp64, the same order), zero past the chunk's end as loaded
         g = tl.cumsum(tl.load(g_ptr + row, mask=valid, other=0.0).to(tl.float64), 0)
         tl.store(G_ptr + row, g, mask=valid)
         g = tl.where(valid, g, 0.0)
-    elif not PER_CHANNEL:  # (per-channel gates: `_chunk_gate_span` read them)
+    elif not PER_CHANNEL:
         g = tl.load(G_ptr + row, mask=valid, other=0.0)
     kd = _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA)
     if STORE_KN:  # the values stage 1 stores (`_load_keys` rounds as it does): exact in kn's dtype
@@ -1435,8 +1448,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     the kernel's FACTORED_DIAGONAL. input_dtype: the op's input dtype where k is not in it (the
     backward's fp32 normalised keys), which picks the form, the rounding and the precision.
     kn_out (with l2norm_k): where the kernel also stores the normalised keys, k's shape and dtype.
-    g (the tile form, scalar gates): the raw gates [Ntok, H]; G is then an output, the kernel
-    forms the in-chunk sums (stage 2) and stores them there. span_flags (KDA's forward or its
+    g (the tile form): the raw gates, [Ntok, H] (scalar) or [Ntok, H, K] (with span_flags); G is
+    then an output, the kernel forms the in-chunk sums (stage 2) and stores them there. span_flags (KDA's forward or its
     backward's recompute, 16-bit inputs; int8 [NC, H]): the per-channel tile form (`_solve_wu_tile_kernel` with PER_CHANNEL,
     whole-chunk factors) where a chunk's gates allow it, flagged there otherwise, and the block
     kernel for the flagged chunks only; the flags are left for the output kernel."""
@@ -1456,11 +1469,11 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         raise ValueError("l2norm_k needs the tile form of stage 3 (16-bit inputs, SOLVE_FORM = 'tile')")
     if kn_out is not None and not (l2norm_k and kn_out.shape == k.shape and kn_out.dtype == k.dtype):
         raise ValueError("kn_out needs l2norm_k and k's shape and dtype")
-    if g is not None and not (form == "tile" and g.shape == G.shape and G.dtype == torch.float64):
-        raise ValueError("g needs the tile form of stage 3 and G as its fp64 [Ntok, H] output")
+    if g is not None and not ((form == "tile" or span_flags is not None) and g.shape == G.shape
+                              and G.dtype == torch.float64):
+        raise ValueError("g needs the tile form of stage 3 (or span_flags) and G as its fp64 output, g's shape")
     if span_flags is not None:
-        if (G.dim() != 3 or dtype == torch.float32 or store_T != exact_wu or l2norm_k or g is not None
-                or kn_out is not None):
+        if G.dim() != 3 or dtype == torch.float32 or store_T != exact_wu or l2norm_k or kn_out is not None:
             raise ValueError("span_flags: the per-channel tile form is for 16-bit inputs, in the forward or the "
                              "backward's recompute (store_T with exact_wu)")
         if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
@@ -1468,8 +1481,9 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised)
         Ai_or_w = Ai if store_T else w
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, *_tile_blocks(K, V), BT, DT, DA,
-                                            prec, store_T, exact_wu, L2NORM_EPS, T_CHAIN=_t_chain(),
-                                            DIAG_PREC=diag_prec, PER_CHANNEL=True, flags_ptr=span_flags)
+                                            prec, store_T, exact_wu, L2NORM_EPS, g_ptr=g, CUMSUM_G=g is not None,
+                                            T_CHAIN=_t_chain(), DIAG_PREC=diag_prec, PER_CHANNEL=True,
+                                            flags_ptr=span_flags)
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True,
                                        store_T, exact_wu, factored_diagonal, ONLY_FLAGGED=True, flags_ptr=span_flags)
         return Ai, w, u

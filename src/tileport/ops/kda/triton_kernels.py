@@ -281,6 +281,23 @@ def _span_flags(plan, H: int, q: torch.Tensor, wanted: bool):
     return None
 
 
+# Where KDA's in-chunk gate sums G (stage 2, fp64 [Ntok, H, K]) are formed when stage 3 takes whole
+# chunks (DIAGONAL_FORM "chunk", 16-bit inputs): "stage-2" (`_cumsum_kernel`, then stage 3 reads G)
+# or "stage-3" (`_solve_wu_tile_kernel` with CUMSUM_G reads g, forms G in 32-channel blocks, stores
+# it and reads it back from L2 for the span and A: stage 2's launch and one HBM read of G, 537 MB
+# at S1, saved in the forward and again in the backward's recompute). Written after the thirteenth
+# session's device time; the prediction is docs/perf/kda.md row 12. Off until timed.
+CUMSUM_FORM = "stage-2"
+
+
+def _gate_sums(gf: torch.Tensor, plan, flags):
+    """(G, g for stage 3): stage 2 here (G formed, g None), or, with CUMSUM_FORM "stage-3" and
+    stage 3 in whole chunks (flags), G allocated for stage 3 to form from g."""
+    if _checked("CUMSUM_FORM", CUMSUM_FORM, ("stage-2", "stage-3")) == "stage-3" and flags is not None:
+        return new_empty(tuple(gf.shape), torch.float64, gf.device), gf
+    return chunk_cumsum(gf, plan), None
+
+
 def _factored_diagonal() -> bool:
     """Whether the 16-row blocks form their diagonal block from reference-row factors where the
     gates allow it (DIAGONAL_FORM "factored", and "chunk" for the blocks it leaves to them)."""
@@ -296,11 +313,12 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     h0 = initial_state.contiguous() if initial_state is not None else None
     if use_qk_l2norm_in_kernel:
         qf, kf = l2norm_fwd(qf), l2norm_fwd(kf)
-    G = chunk_cumsum(gf, plan)  # [Ntok, H, K] fp64
     factored = _factored_diagonal()
     flags = _span_flags(plan, H, q, True)
+    G, g_in_3 = _gate_sums(gf, plan, flags)  # G [Ntok, H, K] fp64, formed by stage 2 or by stage 3 from g
     _, w, u = chunk_solve_wu(kf, vf, bf, G, plan, compact=True, factored_diagonal=factored,
-                             keys_normalised=use_qk_l2norm_in_kernel and flags is not None, span_flags=flags)
+                             keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
+                             span_flags=flags)
     h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
     o = chunk_output_kda(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
     return o.view(B, T, H, V), ht
@@ -938,12 +956,12 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
         qn, kn = l2norm_fwd(qf, kept), l2norm_fwd(kf, kept)
     else:
         qn, kn = qf, kf
-    G = chunk_cumsum(gf, plan)
     # with BACKWARD_WHOLE_CHUNKS the recompute's stage 3 in whole-chunk tiles too, its flags routing 7, 9b, 10b
     flags = _span_flags(plan, H, q, BACKWARD_WHOLE_CHUNKS)
+    G, g_in_3 = _gate_sums(gf, plan, flags)
     Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
                               factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
-                              span_flags=flags)
+                              g=g_in_3, span_flags=flags)
     h, vn, _ = chunk_states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
     dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags)
     dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
