@@ -32,7 +32,16 @@ gates = {"logsigmoid": torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, de
          "steep": -20.0 - 10.0 * torch.rand(B, T, H, K, device=dev)}
 SECTIONS = os.environ.get("KDA_AB_SECTIONS", "forward,profile,backward").split(",")
 default_form, default_warps, default_bv = kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV
-default_whole, default_cumsum = kk.BACKWARD_WHOLE_CHUNKS, kk.CUMSUM_FORM
+default_whole, default_cumsum, default_sums = kk.BACKWARD_WHOLE_CHUNKS, kk.CUMSUM_FORM, kk.GATE_SUMS_16BIT
+
+
+def set_extras(form: str) -> str:
+    """The switches a form's "+" suffixes name ("cumsum3": CUMSUM_FORM "stage-3", kda.md row 12;
+    "g32": GATE_SUMS_16BIT "fp32", row 13), the others at their defaults; returns the diagonal form."""
+    extras = form.split("+")[1:]
+    kk.CUMSUM_FORM = "stage-3" if "cumsum3" in extras else default_cumsum
+    kk.GATE_SUMS_16BIT = "fp32" if "g32" in extras else default_sums
+    return form.split("+")[0]
 
 
 def fwd(g):
@@ -42,13 +51,12 @@ def fwd(g):
 for name, g in gates.items() if "forward" in SECTIONS else ():
     base = None
     chunk_launches = ((4, 64), (8, 64), (8, 128), (4, 128)) if name == "logsigmoid" else ((4, 64),)
-    # "chunk+cumsum3": the default launch with CUMSUM_FORM "stage-3" (kda.md row 12), timed before
-    # the launch variants, whose compiling ran the section out of time at 7e672c1
+    # the default launch with kda.md rows 12 and 13 ("+cumsum3", "+g32"), timed before the launch
+    # variants, whose compiling ran the section out of time at 7e672c1
     forms = (("exact", 4, 64), ("factored", 4, 64), ("chunk", *chunk_launches[0]), ("chunk+cumsum3", 4, 64),
-             *(("chunk", w, b) for w, b in chunk_launches[1:]))
+             ("chunk+g32", 4, 64), ("chunk+cumsum3+g32", 4, 64), *(("chunk", w, b) for w, b in chunk_launches[1:]))
     for form, warps, bv in forms:
-        kk.CUMSUM_FORM = "stage-3" if form.endswith("+cumsum3") else default_cumsum
-        kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = form.split("+")[0], warps, bv
+        kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = set_extras(form), warps, bv
         o = fwd(g).float()
         base = o if base is None else base
         err = ((o - base).norm() / base.norm().clamp_min(1e-30)).item()
@@ -57,7 +65,7 @@ for name, g in gates.items() if "forward" in SECTIONS else ():
         tag = f"{form} {warps}w BV{bv}" if form.startswith("chunk") else form
         print(f"kda forward gates={name:10} diagonal {tag:8}: {ms:.3f} ms, vs exact {err:.2e}", flush=True)
 kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = default_form, default_warps, default_bv
-kk.CUMSUM_FORM = default_cumsum
+set_extras("")
 
 if "profile" in SECTIONS and dev == "cuda":
     from torch.profiler import ProfilerActivity, profile
@@ -83,9 +91,9 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
     base = None
     # the block kernels (7, 9b, 10b) on 4 warps (the default: 360 B of spills at K = 128) and on 8 (none)
     for form, whole, warps in (("exact", False, 4), ("factored", False, 4), ("chunk", False, 4), ("chunk", False, 8),
-                               ("chunk", True, 4), ("chunk+cumsum3", True, 4)):
-        kk.CUMSUM_FORM = "stage-3" if form.endswith("+cumsum3") else default_cumsum
-        kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS = form.split("+")[0], whole
+                               ("chunk", True, 4), ("chunk+cumsum3", True, 4), ("chunk+g32", True, 4),
+                               ("chunk+cumsum3+g32", True, 4)):
+        kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS = set_extras(form), whole
         kk._LAUNCH_BACKWARD = dict(launch, num_warps=warps)
 
         def bwd():
@@ -100,7 +108,7 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
         print(f"kda backward gates={name:10} diagonal {tag:24}: {ms:.3f} ms, worst gradient vs exact {err:.2e}",
               flush=True)
 kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS, kk._LAUNCH_BACKWARD = default_form, default_whole, launch
-kk.CUMSUM_FORM = default_cumsum
+set_extras("")
 
 if "profile-backward" in SECTIONS and dev == "cuda":
     from torch.profiler import ProfilerActivity, profile

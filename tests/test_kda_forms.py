@@ -60,6 +60,15 @@ def test_chunk_cumsum_in_stage3(case_id, device, seed, monkeypatch):
     parity._run_and_check("triton", case_id, device, seed)
 
 
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_gate_sums_in_fp32(case_id, device, seed, monkeypatch):
+    """The gate sums G stored in fp32 for 16-bit inputs (GATE_SUMS_16BIT "fp32"; fp32 inputs keep
+    fp64), in the default forms otherwise, forward and backward, at the gate's tolerances."""
+    parity._backend_or_skip("triton", device)
+    monkeypatch.setattr(kk, "GATE_SUMS_16BIT", "fp32")
+    parity._run_and_check("triton", case_id, device, seed)
+
+
 # KDA's dqkwg takes its block of key columns from GDN's switch (DQKWG_KEY_BLOCK, `_key_split`):
 # the gate's cases with K > 32 in the other block.
 OTHER_DQKWG_KEY_BLOCK = {64: 32, 32: 64}[gdn_kernels.DQKWG_KEY_BLOCK]

@@ -176,21 +176,27 @@ def test_kda_kernels_compile_for_sm90a(factored):
         assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
 
 
+@pytest.mark.parametrize("gate_sums", [f64, f32], ids=["G-fp64", "G-fp32"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["forward", "recompute"])
-def test_kda_whole_chunk_forward_compiles_for_sm90a(recompute):
+def test_kda_whole_chunk_forward_compiles_for_sm90a(recompute, gate_sums):
     """DIAGONAL_FORM "chunk": stage 3 in GDN's tile kernel with PER_CHANNEL (the forward's and the
-    backward's recompute's precisions), the block kernel for the flagged chunks only, and (the
-    forward) the output kernel's two routes, each as launched; the whole-chunk kernels without spills."""
+    backward's recompute's precisions), also forming G itself (CUMSUM_FORM "stage-3"), the block
+    kernel for the flagged chunks only, and (the forward) the output kernel's two routes, each as
+    launched, with G in fp64 or (GATE_SUMS_16BIT "fp32") fp32; the whole-chunk kernels without spills."""
     from tileport.ops.kda import triton_kernels as kk
 
     flags = dict(flags_ptr=T([NC, H], torch.int8))
     precs = dict(PREC=tk.RECOMPUTE_NORMALISED_KEYS_PREC, DIAG_PREC=tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC) if recompute \
         else dict(PREC=tk.NORMALISED_KEYS_PREC, DIAG_PREC=tk.NORMALISED_KEYS_DIAG_PREC)
-    args = dict(_args(recompute), G_ptr=T([Ntok, H, K], f64), **flags)
+    args = dict(_args(recompute), G_ptr=T([Ntok, H, K], gate_sums), **flags)
     if recompute:  # the backward's normalised keys are fp32
         args["k_ptr"] = T([Ntok, H, K], f32)
     cases = [(CompileCase(f"kda tile solve {'recompute' if recompute else 'forward'}", tk._solve_wu_tile_kernel.fn,
                           dict(args, PER_CHANNEL=True, **precs), num_warps=8, options={"num_stages": 1}), 0),
+             (CompileCase(f"kda tile solve {'recompute' if recompute else 'forward'}, G formed in it",
+                          tk._solve_wu_tile_kernel.fn,
+                          dict(args, PER_CHANNEL=True, g_ptr=T([Ntok, H, K], f32), CUMSUM_G=True, **precs),
+                          num_warps=8, options={"num_stages": 1}), 0),
              (CompileCase("kda block solve, flagged chunks", tk._solve_wu_kernel.fn,
                           dict(args, PER_CHANNEL=True, FACTORED_DIAGONAL=True, ONLY_FLAGGED=True), num_warps=8,
                           options={"num_stages": 1}), None)]
@@ -198,10 +204,11 @@ def test_kda_whole_chunk_forward_compiles_for_sm90a(recompute):
         BK, BV, NV = tk._blocks(K, V)
         BVW = min(kk.OUTPUT_CHUNK_BV, BV * NV)
         cases += [(CompileCase("kda output, whole chunks", kk._kda_output_kernel,
-                               dict(_kda_output_args(True), BV=BVW, NV=V // BVW, CHUNKS="whole", **flags),
+                               dict(_kda_output_args(True), BV=BVW, NV=V // BVW, CHUNKS="whole", G_ptr=args["G_ptr"],
+                                    **flags),
                                num_warps=kk.OUTPUT_CHUNK_WARPS, options={"num_stages": 1}), None),
                   (CompileCase("kda output, flagged chunks", kk._kda_output_kernel,
-                               dict(_kda_output_args(True), CHUNKS="flagged", **flags), num_warps=4,
+                               dict(_kda_output_args(True), CHUNKS="flagged", G_ptr=args["G_ptr"], **flags), num_warps=4,
                                options={"num_stages": 1}), None)]
     for case, spill_bound in cases:
         report = compile_case(case)

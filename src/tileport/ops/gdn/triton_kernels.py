@@ -1417,12 +1417,16 @@ def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) -> tor
     return _done(dx, out_dtype)
 
 
-def chunk_cumsum(g: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-    """2: G [Ntok, H] fp64 (GDN), or [Ntok, H, K] for per-channel gates g [Ntok, H, K] (KDA)."""
+def chunk_cumsum(g: torch.Tensor, plan: ChunkPlan, out_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """2: G [Ntok, H] fp64 (GDN), or [Ntok, H, K] for per-channel gates g [Ntok, H, K] (KDA). The sums
+    are fp64 in the kernel either way; out_dtype fp32 (KDA's GATE_SUMS for 16-bit inputs) rounds
+    each once as it is stored."""
     per_channel = g.dim() == 3
     Ntok, H = g.shape[:2]
     K = g.shape[2] if per_channel else 1
-    G = new_empty(tuple(g.shape), torch.float64, g.device)
+    if out_dtype not in (torch.float64, torch.float32) or (out_dtype == torch.float32 and not per_channel):
+        raise ValueError(f"chunk_cumsum: G in float64, or float32 for per-channel gates; got {out_dtype}")
+    G = new_empty(tuple(g.shape), out_dtype, g.device)
     if plan.NC:
         _cumsum_kernel[(plan.NC, H)](g, G, plan.chunks, H, BT, per_channel, K, _blocks(K, 1)[0])
     return G
@@ -1470,8 +1474,9 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     if kn_out is not None and not (l2norm_k and kn_out.shape == k.shape and kn_out.dtype == k.dtype):
         raise ValueError("kn_out needs l2norm_k and k's shape and dtype")
     if g is not None and not ((form == "tile" or span_flags is not None) and g.shape == G.shape
-                              and G.dtype == torch.float64):
-        raise ValueError("g needs the tile form of stage 3 (or span_flags) and G as its fp64 output, g's shape")
+                              and (G.dtype == torch.float64 or (span_flags is not None and G.dtype == torch.float32))):
+        raise ValueError("g needs the tile form of stage 3 (or span_flags) and G as its output (fp64; fp32 with "
+                         "span_flags), g's shape")
     if span_flags is not None:
         if G.dim() != 3 or dtype == torch.float32 or store_T != exact_wu or l2norm_k or kn_out is not None:
             raise ValueError("span_flags: the per-channel tile form is for 16-bit inputs, in the forward or the "

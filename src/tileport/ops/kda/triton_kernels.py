@@ -20,7 +20,8 @@ block i: (x_t exp(G_t - G_r)) . (k_s exp(G_r - G_s)), a tensor-core dot whose fa
 scaled by exp(<= 0); the diagonal 16 x 16 block is formed from the exact pairwise differences as
 a [16, 16, BK] fp32 product. For g <= 0 no exponent is positive, for any gate magnitude (-20,
 -1000, ...): a factor can only underflow to 0, where the exact term is below fp32's range anyway.
-G stays fp64 and every exponent is an fp64 difference rounded to fp32 (see GDN's docstring).
+G stays fp64 and every exponent is an fp64 difference rounded to fp32 (see GDN's docstring); with
+GATE_SUMS_16BIT "fp32" (off) G is stored in fp32 for 16-bit inputs and the differences are fp32.
 
 Backward (`kda_backward_triton`): the forward's stages 1-5 recomputed (T stored, fp32
 intermediates), then
@@ -290,12 +291,28 @@ def _span_flags(plan, H: int, q: torch.Tensor, wanted: bool):
 CUMSUM_FORM = "stage-2"
 
 
-def _gate_sums(gf: torch.Tensor, plan, flags):
+# The dtype G is stored in for 16-bit inputs: "fp64" (every input dtype; the sums and every exponent
+# difference exact to fp64, as GDN's docstring says why for fp32 inputs) or "fp32" (each sum formed
+# in fp64 and rounded once as stored: half the bytes of every read of G, ~10 per forward and
+# backward, 268 MB each at S1; an exponent difference then carries ~|G| 6e-8 of rounding, 1e-3
+# at |G| = 16000, against bf16's 4e-3 on every operand). fp32 inputs keep fp64. Written after the
+# thirteenth session's device time (kda.md row 13); off until gated and timed on the H200.
+GATE_SUMS_16BIT = "fp64"
+
+
+def _gate_sums_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    form = _checked("GATE_SUMS_16BIT", GATE_SUMS_16BIT, ("fp64", "fp32"))
+    return torch.float32 if form == "fp32" and input_dtype != torch.float32 else torch.float64
+
+
+def _gate_sums(gf: torch.Tensor, plan, flags, input_dtype: torch.dtype):
     """(G, g for stage 3): stage 2 here (G formed, g None), or, with CUMSUM_FORM "stage-3" and
-    stage 3 in whole chunks (flags), G allocated for stage 3 to form from g."""
+    stage 3 in whole chunks (flags), G allocated for stage 3 to form from g. G in
+    `_gate_sums_dtype(input_dtype)`."""
+    dtype = _gate_sums_dtype(input_dtype)
     if _checked("CUMSUM_FORM", CUMSUM_FORM, ("stage-2", "stage-3")) == "stage-3" and flags is not None:
-        return new_empty(tuple(gf.shape), torch.float64, gf.device), gf
-    return chunk_cumsum(gf, plan), None
+        return new_empty(tuple(gf.shape), dtype, gf.device), gf
+    return chunk_cumsum(gf, plan, dtype), None
 
 
 def _factored_diagonal() -> bool:
@@ -315,7 +332,7 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
         qf, kf = l2norm_fwd(qf), l2norm_fwd(kf)
     factored = _factored_diagonal()
     flags = _span_flags(plan, H, q, True)
-    G, g_in_3 = _gate_sums(gf, plan, flags)  # G [Ntok, H, K] fp64, formed by stage 2 or by stage 3 from g
+    G, g_in_3 = _gate_sums(gf, plan, flags, q.dtype)  # G [Ntok, H, K], formed by stage 2 or by stage 3 from g
     _, w, u = chunk_solve_wu(kf, vf, bf, G, plan, compact=True, factored_diagonal=factored,
                              keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
                              span_flags=flags)
@@ -958,7 +975,7 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
         qn, kn = qf, kf
     # with BACKWARD_WHOLE_CHUNKS the recompute's stage 3 in whole-chunk tiles too, its flags routing 7, 9b, 10b
     flags = _span_flags(plan, H, q, BACKWARD_WHOLE_CHUNKS)
-    G, g_in_3 = _gate_sums(gf, plan, flags)
+    G, g_in_3 = _gate_sums(gf, plan, flags, dt)
     Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
                               factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
                               g=g_in_3, span_flags=flags)
