@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tileport.testing import test_device
+from tileport.testing import pytest_runtest_logfinish, pytest_runtest_makereport  # noqa: F401 (hooks: a CUDA fault ends its worker)
 
 
 def pytest_report_header(config):

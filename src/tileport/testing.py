@@ -122,3 +122,48 @@ __all__ = [
     "OUTPUT", "GATE", "bound", "rel_error", "check", "ParityError", "poisoned", "use_backend",
     "backend_skip_reason", "test_device", "on_gpu", "interpreter_enabled",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# A kernel fault ends its pytest worker (tests/conftest.py takes these hooks)
+# --------------------------------------------------------------------------------------------
+# A kernel that faults on the GPU (an illegal address, a misaligned access, an unspecified launch
+# failure) leaves its process's CUDA context unusable: every later CUDA call there fails. Under
+# pytest-xdist every later test of that worker then errored: in the KDA gate at 7e672c1 one
+# faulting test took 131 others with it, and the report named 133 failures for one fault. So a test
+# that hits one ends its worker (xdist reports the test as crashed and starts a fresh worker for the
+# rest); outside xdist the run stops there, saying why.
+STICKY_CUDA_ERRORS = ("illegal memory access", "illegal address", "misaligned address", "illegal instruction",
+                      "unspecified launch failure", "hardware stack error")
+_fault = {"nodeid": None, "text": ""}
+
+
+def is_sticky_cuda_error(text: str) -> bool:
+    """Whether an exception's text names a CUDA error that leaves the context unusable."""
+    return any(s in text for s in STICKY_CUDA_ERRORS)
+
+
+def pytest_runtest_makereport(item, call):
+    """Notes a test (any phase) that failed with a sticky CUDA error: a RuntimeError (torch's
+    AcceleratorError and Triton's launch errors are), not an assertion quoting one."""
+    if call.excinfo is not None and _fault["nodeid"] is None and isinstance(call.excinfo.value, RuntimeError):
+        text = f"{call.excinfo.typename}: {call.excinfo.value}"
+        if is_sticky_cuda_error(text):
+            _fault["nodeid"], _fault["text"] = item.nodeid, text.splitlines()[0][:300]
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """After the faulting test's reports: end this xdist worker, or stop a run without xdist."""
+    if _fault["nodeid"] is None:
+        return
+    import pytest
+
+    message = (f"{_fault['nodeid']} left this process's CUDA context unusable ({_fault['text']}); "
+               "its later tests would all fail")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import sys
+
+        sys.stderr.write(f"\ntileport: ending worker {os.environ['PYTEST_XDIST_WORKER']}: {message}\n")
+        sys.stderr.flush()
+        os._exit(3)
+    pytest.exit(message, returncode=3)
