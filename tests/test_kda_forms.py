@@ -8,10 +8,11 @@ tensor-core dot); steeper ones keep the exact form. The gate's cases cover both:
 "near0" gates take the factored form, "split" and "verynegative" ones the exact form, "mixed"
 ones both within one sequence.
 
-DIAGONAL_FORM = "chunk" (the forward of 16-bit inputs): stage 3 and the output kernel take a chunk
+DIAGONAL_FORM = "chunk" (16-bit inputs, the default): stage 3 and the output kernel take a chunk
 whose gates span at most 60 about its middle row as one whole-chunk product of factors (GDN's tile
-solve with PER_CHANNEL), the others as "factored"; the backward as "factored". The same cases cover
-both kinds of chunk: "normal" and "near0" whole, "split" and "verynegative" by blocks, "mixed" both.
+solve with PER_CHANNEL), the others as "factored"; the backward likewise (BACKWARD_WHOLE_CHUNKS) or
+by "factored" blocks throughout. The same cases cover both kinds of chunk: "normal" and "near0"
+whole, "split" and "verynegative" by blocks, "mixed" both.
 """
 
 from __future__ import annotations
@@ -24,48 +25,27 @@ from tileport.ops.gdn import triton_kernels as gdn_kernels
 from tileport.ops.kda import triton_kernels as kk
 
 
+# Each form as the module switches that make it (the rest at their defaults): the default forms
+# run in tests/test_kda_parity.py; these are the alternatives kept beside them and the written
+# ones not yet made the default.
+FORMS = {
+    "factored": dict(DIAGONAL_FORM="factored"),
+    "chunk": dict(DIAGONAL_FORM="chunk"),
+    # the chunk forward with every chunk of the backward in 16-row blocks (BACKWARD_WHOLE_CHUNKS off)
+    "chunk-backward-blocks": dict(DIAGONAL_FORM="chunk", BACKWARD_WHOLE_CHUNKS=False),
+    # stage 2 formed by stage 3's tile kernel from g, in the forward and the backward's recompute
+    "chunk-cumsum-in-stage3": dict(DIAGONAL_FORM="chunk", CUMSUM_FORM="stage-3"),
+    # G stored in fp32 for 16-bit inputs (fp32 inputs keep fp64)
+    "gate-sums-fp32": dict(GATE_SUMS_16BIT="fp32"),
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_factored_diagonal(case_id, device, seed, monkeypatch):
+def test_form(case_id, form, device, seed, monkeypatch):
     parity._backend_or_skip("triton", device)
-    monkeypatch.setattr(kk, "DIAGONAL_FORM", "factored")
-    parity._run_and_check("triton", case_id, device, seed)
-
-
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_chunk_diagonal(case_id, device, seed, monkeypatch):
-    parity._backend_or_skip("triton", device)
-    monkeypatch.setattr(kk, "DIAGONAL_FORM", "chunk")
-    parity._run_and_check("triton", case_id, device, seed)
-
-
-@pytest.mark.parametrize("case_id", list(CASES))
-@pytest.mark.parametrize("whole", [True, False], ids=["backward-whole", "backward-blocks"])
-def test_chunk_backward_forms(case_id, whole, device, seed, monkeypatch):
-    """DIAGONAL_FORM "chunk" with the backward in whole chunks too (BACKWARD_WHOLE_CHUNKS, the
-    default: the recompute's stage 3, 7, 9b and 10b on the recompute's flags) and without (every
-    chunk of the backward in 16-row blocks), whichever is the default."""
-    parity._backend_or_skip("triton", device)
-    monkeypatch.setattr(kk, "DIAGONAL_FORM", "chunk")
-    monkeypatch.setattr(kk, "BACKWARD_WHOLE_CHUNKS", whole)
-    parity._run_and_check("triton", case_id, device, seed)
-
-
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_chunk_cumsum_in_stage3(case_id, device, seed, monkeypatch):
-    """DIAGONAL_FORM "chunk" with the gate sums G formed by stage 3's tile kernel from g
-    (CUMSUM_FORM "stage-3"), in the forward and the backward's recompute."""
-    parity._backend_or_skip("triton", device)
-    monkeypatch.setattr(kk, "DIAGONAL_FORM", "chunk")
-    monkeypatch.setattr(kk, "CUMSUM_FORM", "stage-3")
-    parity._run_and_check("triton", case_id, device, seed)
-
-
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_gate_sums_in_fp32(case_id, device, seed, monkeypatch):
-    """The gate sums G stored in fp32 for 16-bit inputs (GATE_SUMS_16BIT "fp32"; fp32 inputs keep
-    fp64), in the default forms otherwise, forward and backward, at the gate's tolerances."""
-    parity._backend_or_skip("triton", device)
-    monkeypatch.setattr(kk, "GATE_SUMS_16BIT", "fp32")
+    for name, value in FORMS[form].items():
+        monkeypatch.setattr(kk, name, value)
     parity._run_and_check("triton", case_id, device, seed)
 
 

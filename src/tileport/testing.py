@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 
 import torch
 
@@ -161,8 +162,6 @@ def pytest_runtest_logfinish(nodeid, location):
     message = (f"{_fault['nodeid']} left this process's CUDA context unusable ({_fault['text']}); "
                "its later tests would all fail")
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        import sys
-
         sys.stderr.write(f"\ntileport: ending worker {os.environ['PYTEST_XDIST_WORKER']}: {message}\n")
         sys.stderr.flush()
         os._exit(3)
