@@ -12,6 +12,7 @@ the default forms (torch profiler; never taken before the thirteenth session).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
     KDA_AB_SECTIONS=forward,profile,backward,profile-backward (default: the first three)
+    KDA_AB_ONLY="chunk 4w BV64,chunk+g32 4w BV64,chunk whole,chunk+g32 whole" (only these and exact)
 """
 
 import os
@@ -31,6 +32,13 @@ beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
 gates = {"logsigmoid": torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev)),
          "steep": -20.0 - 10.0 * torch.rand(B, T, H, K, device=dev)}
 SECTIONS = os.environ.get("KDA_AB_SECTIONS", "forward,profile,backward").split(",")
+# KDA_AB_ONLY=chunk+cumsum3,chunk+g32,...: time only these forms (tags as printed, "whole" included),
+# besides "exact", the error reference; compiling the forms already timed costs most of a call
+ONLY = [f for f in os.environ.get("KDA_AB_ONLY", "").split(",") if f]
+
+
+def wanted(tag: str) -> bool:
+    return not ONLY or tag == "exact" or tag.strip() in ONLY
 default_form, default_warps, default_bv = kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV
 default_whole, default_cumsum, default_sums = kk.BACKWARD_WHOLE_CHUNKS, kk.CUMSUM_FORM, kk.GATE_SUMS_16BIT
 
@@ -56,13 +64,15 @@ for name, g in gates.items() if "forward" in SECTIONS else ():
     forms = (("exact", 4, 64), ("factored", 4, 64), ("chunk", *chunk_launches[0]), ("chunk+cumsum3", 4, 64),
              ("chunk+g32", 4, 64), ("chunk+cumsum3+g32", 4, 64), *(("chunk", w, b) for w, b in chunk_launches[1:]))
     for form, warps, bv in forms:
+        tag = f"{form} {warps}w BV{bv}" if form.startswith("chunk") else form
+        if not wanted(tag):
+            continue
         kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = set_extras(form), warps, bv
         o = fwd(g).float()
         base = o if base is None else base
         err = ((o - base).norm() / base.norm().clamp_min(1e-30)).item()
         ms = (triton.testing.do_bench(lambda: fwd(g), warmup=5, rep=40, return_mode="median") if dev == "cuda"
               else float("nan"))
-        tag = f"{form} {warps}w BV{bv}" if form.startswith("chunk") else form
         print(f"kda forward gates={name:10} diagonal {tag:8}: {ms:.3f} ms, vs exact {err:.2e}", flush=True)
 kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = default_form, default_warps, default_bv
 set_extras("")
@@ -93,6 +103,9 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
     for form, whole, warps in (("exact", False, 4), ("factored", False, 4), ("chunk", False, 4), ("chunk", False, 8),
                                ("chunk", True, 4), ("chunk+cumsum3", True, 4), ("chunk+g32", True, 4),
                                ("chunk+cumsum3+g32", True, 4)):
+        tag = f"{form}{' whole' if whole else ''}{' blocks 8w' if warps == 8 else ''}"
+        if not wanted(tag):
+            continue
         kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS = set_extras(form), whole
         kk._LAUNCH_BACKWARD = dict(launch, num_warps=warps)
 
@@ -104,7 +117,6 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
         err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
                   for a, b in zip(grads[:5], base[:5]))
         ms = triton.testing.do_bench(bwd, warmup=3, rep=20, return_mode="median") if dev == "cuda" else float("nan")
-        tag = f"{form}{' whole' if whole else ''}{' blocks 8w' if warps == 8 else ''}"
         print(f"kda backward gates={name:10} diagonal {tag:24}: {ms:.3f} ms, worst gradient vs exact {err:.2e}",
               flush=True)
 kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS, kk._LAUNCH_BACKWARD = default_form, default_whole, launch
