@@ -12,7 +12,7 @@ the default forms (torch profiler; never taken before the thirteenth session).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
     KDA_AB_SECTIONS=forward,profile,backward,profile-backward (default: the first three)
-    KDA_AB_ONLY="chunk 4w BV64,chunk+g32 4w BV64,chunk whole,chunk+g32 whole" (only these and exact)
+    KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
 import os
@@ -32,7 +32,7 @@ beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(torch.bfloat16)
 gates = {"logsigmoid": torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev)),
          "steep": -20.0 - 10.0 * torch.rand(B, T, H, K, device=dev)}
 SECTIONS = os.environ.get("KDA_AB_SECTIONS", "forward,profile,backward").split(",")
-# KDA_AB_ONLY=chunk+cumsum3,chunk+g32,...: time only these forms (tags as printed, "whole" included),
+# KDA_AB_ONLY="chunk 4w BV64,chunk whole",...: time only these forms (tags as printed, "whole" included),
 # besides "exact", the error reference; compiling the forms already timed costs most of a call
 ONLY = [f for f in os.environ.get("KDA_AB_ONLY", "").split(",") if f]
 
@@ -44,11 +44,12 @@ default_whole, default_cumsum, default_sums = kk.BACKWARD_WHOLE_CHUNKS, kk.CUMSU
 
 
 def set_extras(form: str) -> str:
-    """The switches a form's "+" suffixes name ("cumsum3": CUMSUM_FORM "stage-3", kda.md row 12;
-    "g32": GATE_SUMS_16BIT "fp32", row 13), the others at their defaults; returns the diagonal form."""
+    """The switches a form's "+" suffixes name ("cumsum2"/"cumsum3": CUMSUM_FORM "stage-2"/"stage-3",
+    kda.md row 12; "g64"/"g32": GATE_SUMS_16BIT "fp64"/"fp32", row 13), the others at their defaults
+    (since the fourteenth session stage 3 and fp32); returns the diagonal form."""
     extras = form.split("+")[1:]
-    kk.CUMSUM_FORM = "stage-3" if "cumsum3" in extras else default_cumsum
-    kk.GATE_SUMS_16BIT = "fp32" if "g32" in extras else default_sums
+    kk.CUMSUM_FORM = ("stage-3" if "cumsum3" in extras else "stage-2" if "cumsum2" in extras else default_cumsum)
+    kk.GATE_SUMS_16BIT = "fp32" if "g32" in extras else "fp64" if "g64" in extras else default_sums
     return form.split("+")[0]
 
 
@@ -59,10 +60,10 @@ def fwd(g):
 for name, g in gates.items() if "forward" in SECTIONS else ():
     base = None
     chunk_launches = ((4, 64), (8, 64), (8, 128), (4, 128)) if name == "logsigmoid" else ((4, 64),)
-    # the default launch with kda.md rows 12 and 13 ("+cumsum3", "+g32"), timed before the launch
-    # variants, whose compiling ran the section out of time at 7e672c1
-    forms = (("exact", 4, 64), ("factored", 4, 64), ("chunk", *chunk_launches[0]), ("chunk+cumsum3", 4, 64),
-             ("chunk+g32", 4, 64), ("chunk+cumsum3+g32", 4, 64), *(("chunk", w, b) for w, b in chunk_launches[1:]))
+    # the default launch and the one before kda.md rows 12 and 13 ("+cumsum2+g64"), timed before the
+    # launch variants, whose compiling ran the section out of time at 7e672c1
+    forms = (("exact", 4, 64), ("factored", 4, 64), ("chunk", *chunk_launches[0]), ("chunk+cumsum2+g64", 4, 64),
+             *(("chunk", w, b) for w, b in chunk_launches[1:]))
     for form, warps, bv in forms:
         tag = f"{form} {warps}w BV{bv}" if form.startswith("chunk") else form
         if not wanted(tag):
@@ -101,8 +102,7 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
     base = None
     # the block kernels (7, 9b, 10b) on 4 warps (the default: 360 B of spills at K = 128) and on 8 (none)
     for form, whole, warps in (("exact", False, 4), ("factored", False, 4), ("chunk", False, 4), ("chunk", False, 8),
-                               ("chunk", True, 4), ("chunk+cumsum3", True, 4), ("chunk+g32", True, 4),
-                               ("chunk+cumsum3+g32", True, 4)):
+                               ("chunk", True, 4), ("chunk+cumsum2+g64", True, 4)):
         tag = f"{form}{' whole' if whole else ''}{' blocks 8w' if warps == 8 else ''}"
         if not wanted(tag):
             continue

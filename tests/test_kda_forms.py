@@ -26,17 +26,16 @@ from tileport.ops.kda import triton_kernels as kk
 
 
 # Each form as the module switches that make it (the rest at their defaults): the default forms
-# run in tests/test_kda_parity.py; these are the alternatives kept beside them and the written
-# ones not yet made the default.
+# (DIAGONAL_FORM "chunk", whole-chunk backward, G formed in stage 3 and stored in fp32 for 16-bit
+# inputs) run in tests/test_kda_parity.py; these are the alternatives kept beside them.
 FORMS = {
     "factored": dict(DIAGONAL_FORM="factored"),
-    "chunk": dict(DIAGONAL_FORM="chunk"),
     # the chunk forward with every chunk of the backward in 16-row blocks (BACKWARD_WHOLE_CHUNKS off)
-    "chunk-backward-blocks": dict(DIAGONAL_FORM="chunk", BACKWARD_WHOLE_CHUNKS=False),
-    # stage 2 formed by stage 3's tile kernel from g, in the forward and the backward's recompute
-    "chunk-cumsum-in-stage3": dict(DIAGONAL_FORM="chunk", CUMSUM_FORM="stage-3"),
-    # G stored in fp32 for 16-bit inputs (fp32 inputs keep fp64)
-    "gate-sums-fp32": dict(GATE_SUMS_16BIT="fp32"),
+    "chunk-backward-blocks": dict(BACKWARD_WHOLE_CHUNKS=False),
+    # stage 2 formed by its own kernel (before the fourteenth session's default, stage 3's tile)
+    "cumsum-in-stage2": dict(CUMSUM_FORM="stage-2"),
+    # G stored in fp64 for 16-bit inputs too (the default before the fourteenth session)
+    "gate-sums-fp64": dict(GATE_SUMS_16BIT="fp64"),
 }
 
 
