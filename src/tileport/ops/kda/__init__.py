@@ -12,6 +12,9 @@ then runs through the torch.library custom ops `tileport::kda_forward` / `tilepo
     triton     the chunked WY / UT-transform algorithm, chunks of 64, forward and backward,
                sharing GDN's kernels through their PER_CHANNEL switch where the algebra is the
                same (kda/triton_kernels.py says which); also the CPU path under TRITON_INTERPRET=1
+    gluon      (Hopper, bf16, K = V of 64 or 128) Triton's stages with the output of every chunk
+               stage 3 did not flag on a Gluon TMA + WGMMA kernel (kda/gluon_kernels.py); the
+               backward is Triton's
     reference  float64 PyTorch (reference.py): the step-by-step recurrence forward, and its
                closed-form reverse sweep backward
 
@@ -32,7 +35,7 @@ import torch
 
 from tileport.devices import capability
 from tileport.delta_rule_ops import make_delta_rule_op, state_dtype
-from tileport.dispatch import Backend, OpDispatcher, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.dispatch import Backend, OpDispatcher, gluon_available, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_copy
 from tileport.ops.gdn import validate_gdn_args
 from tileport.ops.kda.reference import chunked_reference, kda_reference, recurrent_backward
@@ -88,13 +91,27 @@ def _triton_refusal(call: KDACall) -> str | None:
     return triton_refusal(call.K, call.V, call.dtype)
 
 
+def _gluon_refusal(call: KDACall) -> str | None:
+    from tileport.ops.kda.gluon_kernels import gluon_refusal
+
+    if call.capability != (9, 0):
+        return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
+    # every stage but the output is Triton's: what Triton refuses, this backend refuses too
+    return _triton_refusal(call) or gluon_refusal(call.K, call.V, call.dtype)
+
+
 _triton_impl = lazy_stages("tileport.ops.kda.triton_kernels", "kda_forward_triton", "kda_backward_triton")
 
+# Preference: triton, then gluon (Triton's stages with the output's whole chunks on a Gluon TMA +
+# WGMMA kernel; written in the fourteenth session, first after Triton until the H200 has timed it),
+# then the float64 reference.
 DISPATCHER = register(
     OpDispatcher(
         "kda",
         [
             Backend("triton", triton_available("tileport.ops.kda.triton_kernels"), _triton_refusal, _triton_impl),
+            Backend("gluon", gluon_available("tileport.ops.kda.gluon_kernels"), _gluon_refusal,
+                    lazy_stages("tileport.ops.kda.gluon_kernels", "kda_forward_gluon", "kda_backward_gluon")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

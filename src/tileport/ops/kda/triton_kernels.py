@@ -252,25 +252,39 @@ def _kda_output_blocks(q_ptr, k_ptr, G_ptr, h, vn, vn_ptr, o_ptr, row, valid, bo
         tl.store(o_ptr + rowi[:, None] * V + vc[None, :], (oi * scale).to(o_ptr.dtype.element_ty), mask=mvi)
 
 
+def _output_launch(q, k, G, h, vn, o, scale: float, plan, chunks: str, span_flags=None, block_v: int | None = None,
+                   num_warps: int | None = None):
+    """One launch of `_kda_output_kernel` over the chunks that `chunks` names ("all", "whole" or
+    "flagged": see its docstring) into o, block_v value columns per program."""
+    H, K = q.shape[1:]
+    V = vn.shape[-1]
+    BK, BV, _ = _blocks(K, V)
+    BV = min(block_v or BV, BV * cdiv(V, BV))
+    launch = dict(_LAUNCH_OUTPUT, num_warps=num_warps or _LAUNCH_OUTPUT["num_warps"])
+    _kda_output_kernel[(plan.NC * cdiv(V, BV), H)](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, cdiv(V, BV),
+                                                  BT, *_dot_types(q.dtype), _factored_diagonal(), CHUNKS=chunks,
+                                                  flags_ptr=span_flags, **launch)
+
+
+def output_flagged_chunks(q, k, G, h, vn, o, scale: float, plan, span_flags) -> None:
+    """6 for the chunks stage 3 flagged (gates spanning more than 60 about the middle row), by
+    16-row sub-blocks, into o: the part of stage 6 the Gluon backend leaves to Triton."""
+    if plan.NC:
+        _output_launch(q, k, G, h, vn, o, scale, plan, "flagged", span_flags)
+
+
 def chunk_output_kda(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, span_flags=None):
-    """6: o [Ntok, H, V] in out_dtype; G [Ntok, H, K] fp64. span_flags: stage 3's per-chunk flags
-    (DIAGONAL_FORM "chunk"): the chunks it left unflagged are formed whole."""
+    """6: o [Ntok, H, V] in out_dtype; G [Ntok, H, K] (`_gate_sums_dtype`). span_flags: stage 3's
+    per-chunk flags (DIAGONAL_FORM "chunk"): the chunks it left unflagged are formed whole."""
     Ntok, H, K = q.shape
     V = vn.shape[-1]
-    BK, BV, NV = _blocks(K, V)
     o = _out((Ntok, H, V), out_dtype, q.device)
     if plan.NC:
-        tail = (BT, *_dot_types(q.dtype), _factored_diagonal())
-        head = (q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK)
         if span_flags is None:
-            _kda_output_kernel[(plan.NC * NV, H)](*head, BV, NV, *tail, **_LAUNCH_OUTPUT)
+            _output_launch(q, k, G, h, vn, o, scale, plan, "all")
         else:  # the whole chunks, then the flagged ones by sub-blocks (their programs return fast)
-            BVW = min(OUTPUT_CHUNK_BV, BV * NV)
-            _kda_output_kernel[(plan.NC * cdiv(V, BVW), H)](*head, BVW, cdiv(V, BVW), *tail, CHUNKS="whole",
-                                                           flags_ptr=span_flags,
-                                                           **dict(_LAUNCH_OUTPUT, num_warps=OUTPUT_CHUNK_WARPS))
-            _kda_output_kernel[(plan.NC * NV, H)](*head, BV, NV, *tail, CHUNKS="flagged", flags_ptr=span_flags,
-                                                 **_LAUNCH_OUTPUT)
+            _output_launch(q, k, G, h, vn, o, scale, plan, "whole", span_flags, OUTPUT_CHUNK_BV, OUTPUT_CHUNK_WARPS)
+            output_flagged_chunks(q, k, G, h, vn, o, scale, plan, span_flags)
     return _done(o, out_dtype)
 
 
@@ -287,9 +301,10 @@ def _span_flags(plan, H: int, q: torch.Tensor, wanted: bool):
 # chunks (DIAGONAL_FORM "chunk", 16-bit inputs): "stage-2" (`_cumsum_kernel`, then stage 3 reads G)
 # or "stage-3" (`_solve_wu_tile_kernel` with CUMSUM_G reads g, forms G in 32-channel blocks, stores
 # it and reads it back from L2 for the span and A: stage 2's launch and one HBM read of G, 537 MB
-# at S1, saved in the forward and again in the backward's recompute). Written after the thirteenth
-# session's device time; the prediction is docs/perf/kda.md row 12. Off until timed.
-CUMSUM_FORM = "stage-2"
+# at S1, saved in the forward and again in the backward's recompute). kda.md row 12: on the H200
+# (217fafc, S1) forward 2.617 -> 2.596 ms and backward 12.937 -> 12.773, and with fp32 G (row 13)
+# 2.007 -> 1.993 and 11.732 -> 11.682; the default since the fourteenth session.
+CUMSUM_FORM = "stage-3"
 
 
 # The dtype G is stored in for 16-bit inputs: "fp64" (every input dtype; the sums and every exponent
@@ -323,8 +338,10 @@ def _factored_diagonal() -> bool:
     return _checked("DIAGONAL_FORM", DIAGONAL_FORM, ("exact", "factored", "chunk")) != "exact"
 
 
-def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    """(o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None)."""
+def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                       output=None):
+    """(o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None). output: the function
+    that runs stage 6 (`chunk_output_kda`'s contract; the Gluon backend passes its own)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     plan = make_plan(B, T, cu_seqlens, q.device)
@@ -339,7 +356,7 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
                              keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
                              span_flags=flags)
     h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
-    o = chunk_output_kda(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
+    o = (output or chunk_output_kda)(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
     return o.view(B, T, H, V), ht
 
 
