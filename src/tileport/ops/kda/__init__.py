@@ -18,12 +18,12 @@ then runs through the torch.library custom ops `tileport::kda_forward` / `tilepo
     reference  float64 PyTorch (reference.py): the step-by-step recurrence forward, and its
                closed-form reverse sweep backward
 
-Status and TODO:
-- The Triton backward (written 2026-11-29, fifth session) passes the parity gate under the CPU
-  interpreter and compiles for sm_90a; it has not run on the H200. A backend whose impl has no
-  backward (backward=None) would have its gradients computed by the "reference" backend
-  (`_backward_backend`).
-- The Triton forward passed the gate on the H200 (6ec45b2); it is 7x slower than FLA's.
+Status (fourteenth session, docs/perf/kda.md):
+- Triton forward and backward pass the parity gate on the CPU (interpreter) and on the H200 (loop 3
+  at 38ae388: 158 passed); the gluon backend's cases passed there at 151d1b4 (67 passed with the
+  parity and chunk-flag files).
+- S1 on the H200: forward 1.559 ms (gluon) / 1.998 (triton) against FLA's 1.892; backward 11.77
+  (Triton's, in both backends) against FLA's 7.79. Issue 6's goals (0.90 and 5.0 fwd+bwd) not met.
 - Head dims above 128 are refused by the Triton backend and fall back to the reference.
 """
 
@@ -102,16 +102,17 @@ def _gluon_refusal(call: KDACall) -> str | None:
 
 _triton_impl = lazy_stages("tileport.ops.kda.triton_kernels", "kda_forward_triton", "kda_backward_triton")
 
-# Preference: triton, then gluon (Triton's stages with the output's whole chunks on a Gluon TMA +
-# WGMMA kernel; written in the fourteenth session, first after Triton until the H200 has timed it),
-# then the float64 reference.
+# Preference: gluon (Hopper, bf16, K = V of 64 or 128: Triton's stages with the output's whole
+# chunks on a Gluon TMA + WGMMA kernel; H200 at 151d1b4, scripts/kda_ab.py "gluon", S1: forward
+# 1.559 ms against Triton's 1.998, o equal to Triton's there; the backward is Triton's), then
+# triton, then the float64 reference.
 DISPATCHER = register(
     OpDispatcher(
         "kda",
         [
-            Backend("triton", triton_available("tileport.ops.kda.triton_kernels"), _triton_refusal, _triton_impl),
             Backend("gluon", gluon_available("tileport.ops.kda.gluon_kernels"), _gluon_refusal,
                     lazy_stages("tileport.ops.kda.gluon_kernels", "kda_forward_gluon", "kda_backward_gluon")),
+            Backend("triton", triton_available("tileport.ops.kda.triton_kernels"), _triton_refusal, _triton_impl),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
