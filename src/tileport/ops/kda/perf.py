@@ -62,4 +62,4 @@ def systems(torch):
         return o
 
     baselines = gdn_perf.systems(torch)
-    return {"triton": ours("triton"), "fla": fla, "torch": baselines["torch"]}
+    return {"gluon": ours("gluon"), "triton": ours("triton"), "fla": fla, "torch": baselines["torch"]}
