@@ -10,6 +10,8 @@ autograd.Function in eager mode), whose bodies ask the dispatcher for a backend:
     triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
     cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
                the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
+    gluon      (Hopper; rows of a power-of-two D up to 8192) the forward as a persistent TMA ring
+               over row tiles (tileport/gluon_rows.py), the backward Triton's; gluon_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -23,7 +25,7 @@ from tileport.autograd_ops import carries_forced_backends, register_autograd
 from tileport.devices import capability
 from tileport.validation import check_eps, check_float_tensor
 from tileport.cutile_support import cutile_available
-from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.dispatch import Backend, OpDispatcher, capability_refusal, gluon_available, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
 from tileport.ops.rms_norm.reference import rms_norm_reference
 
@@ -107,6 +109,17 @@ def _cutile_refusal(call: RMSNormCall) -> str | None:
     return cutile_refusal(call.D)
 
 
+def _gluon_refusal(call: RMSNormCall) -> str | None:
+    from tileport.ops.rms_norm.gluon_kernels import gluon_refusal
+
+    if call.capability != (9, 0):
+        return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
+    # the backward (and the forward of rows TMA cannot read) is Triton's
+    return _triton_refusal(call) or gluon_refusal(call.D, call.dtype, call.weight_dtype)
+
+
+# Preference: triton, cutile, then gluon (written in the fourteenth session, after the H200's last
+# call: last until timed), then the float64 reference.
 DISPATCHER = register(
     OpDispatcher(
         "rms_norm",
@@ -115,6 +128,8 @@ DISPATCHER = register(
                     lazy_stages("tileport.ops.rms_norm.triton_kernels", "rms_norm_forward_triton", "rms_norm_backward_triton")),
             Backend("cutile", cutile_available("tileport.ops.rms_norm.cutile_kernels"), _cutile_refusal,
                     lazy_stages("tileport.ops.rms_norm.cutile_kernels", "rms_norm_forward_cutile", "rms_norm_backward_cutile")),
+            Backend("gluon", gluon_available("tileport.ops.rms_norm.gluon_kernels"), _gluon_refusal,
+                    lazy_stages("tileport.ops.rms_norm.gluon_kernels", "rms_norm_forward_gluon", "rms_norm_backward_gluon")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

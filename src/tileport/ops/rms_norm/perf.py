@@ -56,4 +56,5 @@ def systems(torch):
 
     torch_compiled = compiled_system(
         torch, lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, EPS), lambda inp: (inp["x"], inp["weight"]))
-    return {"triton": ours("triton"), "cutile": ours("cutile"), "reference": ours("reference"), "torch": torch_eager, "torch_compile": torch_compiled}
+    return {"gluon": ours("gluon"), "triton": ours("triton"), "cutile": ours("cutile"), "reference": ours("reference"),
+            "torch": torch_eager, "torch_compile": torch_compiled}

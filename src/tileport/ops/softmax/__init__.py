@@ -11,6 +11,8 @@ autograd.Function in eager mode), whose bodies ask the dispatcher for a backend:
     triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
     cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
                the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
+    gluon      (Hopper; rows of a power-of-two D up to 8192) the forward as a persistent TMA ring
+               over row tiles (tileport/gluon_rows.py), the backward Triton's; gluon_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -23,7 +25,7 @@ import torch
 from tileport.autograd_ops import carries_forced_backends, register_autograd
 from tileport.devices import capability
 from tileport.cutile_support import cutile_available
-from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.dispatch import Backend, OpDispatcher, capability_refusal, gluon_available, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
 from tileport.validation import check_float_tensor
 from tileport.ops.softmax.reference import softmax_reference
@@ -83,6 +85,17 @@ def _cutile_refusal(call: SoftmaxCall) -> str | None:
     return capability_refusal(call.device_type, call.capability, (9, 0)) or triton_refusal(call.D, call.dtype)
 
 
+def _gluon_refusal(call: SoftmaxCall) -> str | None:
+    from tileport.ops.softmax.gluon_kernels import gluon_refusal
+
+    if call.capability != (9, 0):
+        return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
+    # the backward (and the forward of rows TMA cannot read) is Triton's
+    return _triton_refusal(call) or gluon_refusal(call.D, call.dtype)
+
+
+# Preference: triton, cutile, then gluon (written in the fourteenth session, after the H200's last
+# call: last until timed), then the float64 reference.
 DISPATCHER = register(
     OpDispatcher(
         "softmax",
@@ -91,6 +104,8 @@ DISPATCHER = register(
                     lazy_stages("tileport.ops.softmax.triton_kernels", "softmax_forward_triton", "softmax_backward_triton")),
             Backend("cutile", cutile_available("tileport.ops.softmax.cutile_kernels"), _cutile_refusal,
                     lazy_stages("tileport.ops.softmax.cutile_kernels", "softmax_forward_cutile", "softmax_backward_cutile")),
+            Backend("gluon", gluon_available("tileport.ops.softmax.gluon_kernels"), _gluon_refusal,
+                    lazy_stages("tileport.ops.softmax.gluon_kernels", "softmax_forward_gluon", "softmax_backward_gluon")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

@@ -47,5 +47,5 @@ def systems(torch):
         return run
 
     torch_compiled = compiled_system(torch, lambda x: torch.softmax(x, dim=-1), lambda inp: (inp["x"],))
-    return {"triton": ours("triton"), "cutile": ours("cutile"), "reference": ours("reference"),
+    return {"gluon": ours("gluon"), "triton": ours("triton"), "cutile": ours("cutile"), "reference": ours("reference"),
             "torch": lambda inp: torch.softmax(inp["x"], dim=-1), "torch_compile": torch_compiled}
