@@ -11,6 +11,8 @@ torch.compile (an autograd.Function in eager mode); backends:
     triton     one grouped launch per direction (tensor descriptors on sm_90), triton_kernels.py
     cutile     cuda.tile kernels (16-bit inputs), one launch per direction over slices of the
                stacked operands; compiled for sm_90 in CI, run on the H200, cutile_kernels.py
+    gluon      (Hopper, 16-bit) the forward on a persistent pipelined TMA + WGMMA kernel, the
+               backward Triton's; gluon_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -24,7 +26,7 @@ import torch
 from tileport.autograd_ops import carries_forced_backends, register_autograd
 from tileport.devices import capability
 from tileport.cutile_support import cutile_available
-from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
+from tileport.dispatch import Backend, OpDispatcher, capability_refusal, gluon_available, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_empty, new_copy
 from tileport.ops.grouped_gemm.reference import grouped_gemm_reference
 from tileport.validation import check_float_tensor
@@ -118,6 +120,17 @@ def _cutile_refusal(call: GroupedGemmCall) -> str | None:
     return capability_refusal(call.device_type, call.capability, (9, 0)) or cutile_refusal(call.dtype, call.b_dtype)
 
 
+def _gluon_refusal(call: GroupedGemmCall) -> str | None:
+    from tileport.ops.grouped_gemm.gluon_kernels import gluon_refusal
+
+    if call.capability != (9, 0):
+        return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
+    # the backward (and the forward of operands TMA cannot read) is Triton's
+    return _triton_refusal(call) or gluon_refusal(call.dtype, call.b_dtype)
+
+
+# Preference: triton, cutile, then gluon (written in the fourteenth session, after the H200's last
+# call: last until timed), then the float64 reference.
 DISPATCHER = register(
     OpDispatcher(
         "grouped_gemm",
@@ -128,6 +141,9 @@ DISPATCHER = register(
             Backend("cutile", cutile_available("tileport.ops.grouped_gemm.cutile_kernels"), _cutile_refusal,
                     lazy_stages("tileport.ops.grouped_gemm.cutile_kernels", "grouped_gemm_forward_cutile",
                                 "grouped_gemm_backward_cutile")),
+            Backend("gluon", gluon_available("tileport.ops.grouped_gemm.gluon_kernels"), _gluon_refusal,
+                    lazy_stages("tileport.ops.grouped_gemm.gluon_kernels", "grouped_gemm_forward_gluon",
+                                "grouped_gemm_backward_gluon")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

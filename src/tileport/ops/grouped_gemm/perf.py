@@ -83,6 +83,6 @@ def systems(torch):
         return torch._grouped_mm(torch.cat(a), torch.stack(b), offs=ends)
 
     torch_compiled = compiled_system(torch, loop, lambda inp: (inp["a"], inp["b"]))
-    return {"triton": ours("triton"), "cutile": ours("cutile"), "reference": ours("reference"),
+    return {"gluon": ours("gluon"), "triton": ours("triton"), "cutile": ours("cutile"), "reference": ours("reference"),
             "torch": lambda inp: loop(inp["a"], inp["b"]), "torch_grouped_mm": grouped_mm,
             "torch_compile": torch_compiled}
