@@ -9,14 +9,13 @@ at -20..-30: the exact branch everywhere, so the cost of the run-time checks); t
 times of one forward in "factored" and in "chunk" (torch profiler). Compiling the forms takes most
 of a run: give it ~300 s on the H200. "profile-backward": the per-kernel times of one backward in
 the default forms (torch profiler; never taken before the thirteenth session). "gluon": the
-forward on the gluon backend in each OUTPUT_FORM against Triton's, and its per-kernel times.
+forward on the gluon backend against Triton's, and its per-kernel times.
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
     KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
-import functools
 import os
 
 import torch
@@ -143,33 +142,27 @@ if "profile-backward" in SECTIONS and dev == "cuda":
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
 
 # "gluon": the forward on the gluon backend (Triton's stages, the output's whole chunks on the
-# Gluon kernel of each OUTPUT_FORM) against Triton's, same inputs, and the per-kernel times of one
+# Gluon kernel) against Triton's, same inputs, and the per-kernel times of one
 if "gluon" in SECTIONS and dev == "cuda":
     from torch.profiler import ProfilerActivity, profile
 
     from tileport.ops.kda import gluon_kernels as kg
 
-    def gluon_fwd(g, form):
-        kg.OUTPUT_FORM = form
+    def gluon_fwd(g):
         return kg.kda_forward_gluon(q, k, v, g, beta, K ** -0.5, None, False, True, None)[0]
 
     for name, g in gates.items():
         base = fwd(g).float()
-        rows = [("triton", fwd)] + [(f"gluon {form}", functools.partial(gluon_fwd, form=form)) for form in kg.OUTPUT_FORMS]
-        for tag, f in rows:
+        for tag, f in (("triton", fwd), ("gluon", gluon_fwd)):
             o = f(g).float()
             err = ((o - base).norm() / base.norm().clamp_min(1e-30)).item()
             ms = triton.testing.do_bench(lambda: f(g), warmup=5, rep=40, return_mode="median")
             print(f"kda forward gates={name:10} {tag:18}: {ms:.3f} ms, vs triton {err:.2e}", flush=True)
-    kg.OUTPUT_FORM = "one-shot"
-    for form in kg.OUTPUT_FORMS:
-        kg.OUTPUT_FORM = form
-        gluon_fwd(gates["logsigmoid"], form)
+    gluon_fwd(gates["logsigmoid"])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            gluon_fwd(gates["logsigmoid"])
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                gluon_fwd(gates["logsigmoid"], form)
-            torch.cuda.synchronize()
-        print(f"\n== kda forward, gluon {form}: kernels over 5 calls (logsigmoid gates)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8), flush=True)
-    kg.OUTPUT_FORM = "one-shot"
+    print("\n== kda forward, gluon: kernels over 5 calls (logsigmoid gates)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8), flush=True)

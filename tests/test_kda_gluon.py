@@ -1,7 +1,6 @@
 """The KDA "gluon" backend (Triton's stages with the output's whole chunks on a Gluon TMA + WGMMA
 kernel) through the frozen parity gate's cases, forward and backward, on the shapes it accepts
-(bf16, K = V of 64 or 128), in each of its output forms (a program per chunk, and the persistent
-kernel with two TMA buffer sets). The gate's gate kinds give both routes: "normal" and "near0"
+(bf16, K = V of 64 or 128). The gate's gate kinds give both routes: "normal" and "near0"
 gates leave every chunk to the Gluon kernel, "split" and "mixed" ones flag chunks for Triton's
 block kernel. GPU only: on the CPU tests/test_gluon_compile.py compile-checks the kernels for
 sm_90a instead.
@@ -19,13 +18,9 @@ from tileport.ops.kda import DISPATCHER, explain_call
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)]
 
 
-@pytest.mark.parametrize("form", ["one-shot", "persistent"])
 @pytest.mark.parametrize("case_id", ACCEPTED)
-def test_forward_backward(case_id, form, device, seed, monkeypatch):
+def test_forward_backward(case_id, device, seed):
     parity._backend_or_skip("gluon", device)
-    from tileport.ops.kda import gluon_kernels
-
-    monkeypatch.setattr(gluon_kernels, "OUTPUT_FORM", form)
     parity._run_and_check("gluon", case_id, device, seed)
 
 
@@ -42,13 +37,3 @@ def test_explain_says_why_gluon_refuses():
     assert "K == V" in refusal(explain_call("1,64,1,64,128", torch.bfloat16, "cuda", (9, 0)))
     assert "Hopper" in refusal(explain_call("1,64,1,64,64", torch.bfloat16, "cuda", (8, 0)))
     assert refusal(explain_call("8,4096,16,128,128", torch.bfloat16, "cuda", (9, 0))) is None
-
-
-def test_output_form_refused_by_name(monkeypatch):
-    """An unknown OUTPUT_FORM is refused by name before anything launches (CPU)."""
-    from tileport.ops.kda import gluon_kernels
-
-    monkeypatch.setattr(gluon_kernels, "OUTPUT_FORM", "ping-pong")
-    x = torch.zeros(64, 1, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="OUTPUT_FORM"):
-        gluon_kernels.chunk_output_kda_gluon(x, x, x.float(), x, x, 1.0, None, torch.bfloat16, None)

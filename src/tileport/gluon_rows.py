@@ -1,7 +1,7 @@
 """Row streaming for the row-wise ops' Gluon kernels (rms_norm, softmax): a persistent program walks
 its row tiles through a ring of TMA buffers, so that several tiles' loads are in flight on each SM
 while it works on one. Shared machinery, never an op's math: each op's gluon_kernels.py writes its
-kernel around these helpers (`ring_start`, `ring_take`, `ring_stop`, `row_tile_offsets`,
+kernel around these helpers (`ring_open`, `ring_take`, `ring_stop`, `row_tile_offsets`,
 `row_vector`) and launches it through `row_stream_plan`.
 
 A row tile is BM whole rows of x [M, D], seen as [M, NCB, CB] (D = NCB * CB, CB <= 256, both
@@ -120,15 +120,21 @@ if _GLUON_ERROR is None:
         tma.async_copy_global_to_shared(desc, [tile * BM, 0, 0], bar, buf, pred=pred)
 
     @gluon.jit
-    def ring_start(desc, bufs, bars, pid, P, my_n):
-        """Initialise the ring's barriers and issue the loads of this program's first STAGES tiles
-        (program pid of P takes tiles pid, pid + P, ...; my_n of them)."""
-        STAGES: gl.constexpr = bufs.shape[0]
+    def ring_open(desc, n_tiles, STAGES: gl.constexpr):
+        """The ring of this program (pid of P, taking tiles pid, pid + P, ...: my_n of them):
+        STAGES shared buffers of desc's block and their barriers, initialised, and the loads of
+        its first STAGES tiles issued. Returns (bufs, bars, pid, P, my_n)."""
+        bufs = gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        my_n = (n_tiles - pid + P - 1) // P
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
         fence_async_shared()
         for s in gl.static_range(STAGES):
             _issue_row_tile(desc, pid + s * P, bars.index(s), bufs.index(s), s < my_n)
+        return bufs, bars, pid, P, my_n
 
     @gluon.jit
     def ring_take(desc, bufs, bars, i, pid, P, my_n, layout: gl.constexpr):

@@ -5,8 +5,11 @@ The backend "gluon" is the Triton backend (tileport.ops.kda.triton_kernels) with
 whole-chunk launch replaced by a Gluon kernel. Stage 3 flags each chunk whose per-channel gates
 span more than 60 about its middle row (DIAGONAL_FORM "chunk"); those chunks keep Triton's
 16-row sub-block kernel (`triton_kernels.output_flagged_chunks`), every other chunk is one program
-of `_kda_output_wgmma_kernel` here (OUTPUT_FORM "one-shot") or an item of `_kda_output_wgmma_persistent_kernel`
-("persistent"). The backward is Triton's (`kda_backward_triton`) until its recurrences get the
+of `_kda_output_wgmma_kernel` here (two per SM: 96 KB of shared memory at K = V = 128). H200 at
+151d1b4 (scripts/kda_ab.py "gluon", S1, logsigmoid gates): the whole forward 1.559 ms against
+Triton's 1.998, the kernel ~0.34 ms per forward against ~0.78 for Triton's whole-chunk launch
+(torch profiler); a persistent form with two TMA buffer sets, one program per SM, took ~0.47 (1.699
+ms forward) and was removed (docs/perf/kda.md row 14). The backward is Triton's (`kda_backward_triton`) until its recurrences get the
 per-channel switch of GDN's `_tf32_recurrence_kernel` (docs/perf/kda.md, "A Gluon backend").
 
 Per chunk, with d = G - G_m (m the chunk's middle row, fp32) and factors that are finite where the
@@ -38,7 +41,7 @@ if _GLUON_ERROR is None:
 BT = 64  # the chunk: M of every WGMMA here, one warpgroup of 4 warps
 HEAD_DIMS = (64, 128)
 
-__all__ = ["gluon_refusal", "kda_forward_gluon", "kda_backward_gluon", "compile_cases", "OUTPUT_FORM"]
+__all__ = ["gluon_refusal", "kda_forward_gluon", "kda_backward_gluon", "compile_cases"]
 
 
 def gluon_refusal(K: int, V: int, dtype: torch.dtype) -> str | None:
@@ -80,7 +83,6 @@ if _GLUON_ERROR is None:
         Gt = gl.load(G_ptr + ((bos + r).to(gl.int64) * H + hh)[:, None] * K + kc[None, :], mask=valid, other=0.0)
         d = gl.where(valid, (Gt - Gm[None, :]).to(gl.float32), 0.0)
 
-        gl.thread_barrier()  # (persistent) every warp's last product that read kd_b is done
         kd_b.store((k_b.load(ROWS_L).to(gl.float32) * gl.exp(-d)).to(kd_b.dtype))
         fence_async_shared()  # generic-proxy writes, then the async proxy (WGMMA) reads
         gl.thread_barrier()
@@ -133,65 +135,11 @@ if _GLUON_ERROR is None:
             _kda_chunk_output(q_s, k_s, vn_s, h_s, kd_s, G_ptr, o_ptr, chunks_ptr, item, H, scale, K, V)
             mbarrier.invalidate(bar)
 
-    @gluon.jit
-    def _kda_output_wgmma_persistent_kernel(q_desc, k_desc, vn_desc, h_desc, G_ptr, o_ptr, chunks_ptr, flags_ptr, H,
-                                      n_items, scale, K: gl.constexpr, V: gl.constexpr):
-        """6, persistent: program p takes work items p, p + P, ... (item = c * H + hh, P programs,
-        as many as fit on the card), with two sets of tile buffers so that the next item's TMA
-        loads are in flight under this one's products; a flagged item's tiles arrive and are left
-        (Triton's block kernel takes it). Grid (P,), 4 warps; 176 KB of shared memory at K = V =
-        128. Explicit here (Triton would choose): as `_kda_output_wgmma_kernel`, and the ring of depth
-        two with its phases ((i // 2) & 1) and the thread barrier that keeps each refill behind
-        every warp's last read of that buffer set."""
-        BT: gl.constexpr = q_desc.block_type.shape[0]
-        q_s = gl.allocate_shared_memory(q_desc.dtype, [2, BT, K], q_desc.layout)
-        k_s = gl.allocate_shared_memory(k_desc.dtype, [2, BT, K], k_desc.layout)
-        kd_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
-        vn_s = gl.allocate_shared_memory(vn_desc.dtype, [2, BT, V], vn_desc.layout)
-        h_s = gl.allocate_shared_memory(h_desc.dtype, [2, K, V], h_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(2):
-            mbarrier.init(bars.index(b), count=1)
-        fence_async_shared()
-        pid = gl.program_id(0)
-        P = gl.num_programs(0)
-        my_n = (n_items - pid + P - 1) // P
-        if my_n > 0:
-            _issue_chunk_tiles(q_desc, k_desc, vn_desc, h_desc, chunks_ptr, pid, H, q_s.index(0), k_s.index(0),
-                               vn_s.index(0), h_s.index(0), bars.index(0), K, V)
-        for i in range(my_n):
-            buf = i % 2
-            if i + 1 < my_n:
-                nxt = (i + 1) % 2
-                gl.thread_barrier()  # every warp is done with buffer set nxt (item i - 1) before its refill
-                _issue_chunk_tiles(q_desc, k_desc, vn_desc, h_desc, chunks_ptr, pid + (i + 1) * P, H, q_s.index(nxt),
-                                   k_s.index(nxt), vn_s.index(nxt), h_s.index(nxt), bars.index(nxt), K, V)
-            mbarrier.wait(bars.index(buf), (i // 2) & 1)
-            item = pid + i * P
-            if gl.load(flags_ptr + item) == 0:  # flags [NC, H]: item c * H + hh is its entry
-                _kda_chunk_output(q_s.index(buf), k_s.index(buf), vn_s.index(buf), h_s.index(buf), kd_s, G_ptr,
-                                  o_ptr, chunks_ptr, item, H, scale, K, V)
-        for b in gl.static_range(2):
-            mbarrier.invalidate(bars.index(b))
-
-
-# Which Gluon kernel takes the whole chunks: "one-shot" (`_kda_output_wgmma_kernel`, a program per chunk
-# and head, 96 KB of shared memory at K = V = 128: two per SM) or "persistent"
-# (`_kda_output_wgmma_persistent_kernel`, one per SM). Read at each call, so scripts/kda_ab.py can
-# time both. H200 at 151d1b4 (kda_ab.py "gluon", S1, logsigmoid gates): the whole forward 1.559 ms
-# one-shot, 1.699 persistent, 1.998 Triton's; the kernel alone ~0.34 ms one-shot, ~0.47 persistent,
-# against ~0.78 for Triton's whole-chunk launch (torch profiler).
-OUTPUT_FORMS = ("one-shot", "persistent")
-OUTPUT_FORM = "one-shot"
-
 
 def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, span_flags=None):
-    """6 (`triton_kernels.chunk_output_kda`'s contract): the unflagged chunks on the Gluon kernel
-    of OUTPUT_FORM, the flagged ones on Triton's block kernel; Triton's stage 6 whole where stage
-    3 made no flags (DIAGONAL_FORM other than "chunk") or the tiles are not all bf16."""
-    from tileport.ops.gdn.triton_kernels import _checked, _sm_count
-
-    form = _checked("OUTPUT_FORM", OUTPUT_FORM, OUTPUT_FORMS)
+    """6 (`triton_kernels.chunk_output_kda`'s contract): the unflagged chunks on the Gluon kernel,
+    the flagged ones on Triton's block kernel; Triton's stage 6 whole where stage 3 made no flags
+    (DIAGONAL_FORM other than "chunk") or the tiles are not all bf16."""
     if span_flags is None or any(x.dtype != torch.bfloat16 for x in (q, k, h, vn)):
         return kk.chunk_output_kda(q, k, G, h, vn, scale, plan, out_dtype, span_flags)
     Ntok, H, K = q.shape
@@ -200,14 +148,8 @@ def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.
     if plan.NC:
         descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
                  _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(h.view(plan.NC * H * K, V), [K, V]))
-        if form == "persistent":
-            n_items = plan.NC * H
-            programs = min(n_items, _sm_count(q.device))  # 176 KB of shared memory at K = V = 128: one per SM
-            _kda_output_wgmma_persistent_kernel[(programs,)](*descs, G, o, plan.chunks, span_flags, H, n_items,
-                                                       float(scale), K, V, num_warps=4)
-        else:
-            _kda_output_wgmma_kernel[(plan.NC, H)](*descs, G, o, plan.chunks, span_flags, H, float(scale), K, V,
-                                             num_warps=4)
+        _kda_output_wgmma_kernel[(plan.NC, H)](*descs, G, o, plan.chunks, span_flags, H, float(scale), K, V,
+                                               num_warps=4)
         kk.output_flagged_chunks(q, k, G, h, vn, o, scale, plan, span_flags)
     return o
 
@@ -226,7 +168,7 @@ kda_backward_gluon = kk.kda_backward_triton
 # CPU compile checks (tileport.compile_check)
 # --------------------------------------------------------------------------------------------
 def compile_cases():
-    """Both output kernels at K = V = 128 and 64, with G in fp32 (16-bit inputs' GATE_SUMS_16BIT
+    """The output kernel at K = V = 128 and 64, with G in fp32 (16-bit inputs' GATE_SUMS_16BIT
     default) and, at 128, fp64."""
     if _GLUON_ERROR is not None:
         return []
@@ -250,7 +192,4 @@ def compile_cases():
         tag = f"K{K}_V{V}_G{'fp32' if g_dtype == torch.float32 else 'fp64'}"
         cases.append(CompileCase(name=f"kda_output_{tag}", kernel=_kda_output_wgmma_kernel, args=args, num_warps=4,
                                  expect_ptx=expect, expect_max_spills=0, expect_max_shared=SMEM_PER_SM // 2))
-        cases.append(CompileCase(name=f"kda_output_persistent_{tag}", kernel=_kda_output_wgmma_persistent_kernel,
-                                 args=dict(args, n_items=NC * H), num_warps=4, expect_ptx=expect, expect_max_spills=0,
-                                 expect_max_shared=SMEM_PER_SM))
     return cases

@@ -19,9 +19,8 @@ from tileport.ops.rms_norm import triton_kernels
 if _GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from tileport.gluon_rows import ring_start, ring_stop, ring_take, row_sums, row_tile_offsets, row_vector
+    from tileport.gluon_rows import ring_open, ring_stop, ring_take, row_sums, row_tile_offsets, row_vector
 
 __all__ = ["gluon_refusal", "rms_norm_forward_gluon", "rms_norm_backward_gluon", "compile_cases"]
 
@@ -45,12 +44,7 @@ if _GLUON_ERROR is None:
         NCB: gl.constexpr = x_desc.block_type.shape[1]
         CB: gl.constexpr = x_desc.block_type.shape[2]
         D: gl.constexpr = NCB * CB
-        bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, NCB, CB], x_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        pid = gl.program_id(0)
-        P = gl.num_programs(0)
-        my_n = (n_tiles - pid + P - 1) // P
-        ring_start(x_desc, bufs, bars, pid, P, my_n)
+        bufs, bars, pid, P, my_n = ring_open(x_desc, n_tiles, STAGES)
         if HAS_WEIGHT:
             w = row_vector(w_ptr, NCB, CB, L)
         for i in range(my_n):

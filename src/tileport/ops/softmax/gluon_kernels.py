@@ -21,9 +21,8 @@ from tileport.ops.softmax import triton_kernels
 if _GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from tileport.gluon_rows import ring_start, ring_stop, ring_take, row_tile_offsets
+    from tileport.gluon_rows import ring_open, ring_stop, ring_take, row_tile_offsets
 
 __all__ = ["gluon_refusal", "softmax_forward_gluon", "softmax_backward_gluon", "compile_cases"]
 
@@ -46,12 +45,7 @@ if _GLUON_ERROR is None:
         BM: gl.constexpr = x_desc.block_type.shape[0]
         NCB: gl.constexpr = x_desc.block_type.shape[1]
         CB: gl.constexpr = x_desc.block_type.shape[2]
-        bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, NCB, CB], x_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        pid = gl.program_id(0)
-        P = gl.num_programs(0)
-        my_n = (n_tiles - pid + P - 1) // P
-        ring_start(x_desc, bufs, bars, pid, P, my_n)
+        bufs, bars, pid, P, my_n = ring_open(x_desc, n_tiles, STAGES)
         r = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
         for i in range(my_n):
             x = ring_take(x_desc, bufs, bars, i, pid, P, my_n, L)
