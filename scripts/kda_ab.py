@@ -54,6 +54,20 @@ def set_extras(form: str) -> str:
     return form.split("+")[0]
 
 
+def kernel_table(fn, title: str, calls: int = 5, rows: int = 12) -> None:
+    """The torch profiler's per-kernel CUDA times of `calls` calls of fn (after one untimed call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n== {title}: kernels over {calls} calls")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows), flush=True)
+
+
 def fwd(g):
     return kk.kda_forward_triton(q, k, v, g, beta, K ** -0.5, None, False, True, None)[0]
 
@@ -80,18 +94,9 @@ kk.DIAGONAL_FORM, kk.OUTPUT_CHUNK_WARPS, kk.OUTPUT_CHUNK_BV = default_form, defa
 set_extras("")
 
 if "profile" in SECTIONS and dev == "cuda":
-    from torch.profiler import ProfilerActivity, profile
-
     for form in ("factored", "chunk"):
         kk.DIAGONAL_FORM = form
-        fwd(gates["logsigmoid"])
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fwd(gates["logsigmoid"])
-            torch.cuda.synchronize()
-        print(f"\n== kda forward, DIAGONAL_FORM {form}: kernels over 5 calls (logsigmoid gates)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+        kernel_table(lambda: fwd(gates["logsigmoid"]), f"kda forward, DIAGONAL_FORM {form} (logsigmoid gates)")
     kk.DIAGONAL_FORM = default_form
 
 # the backward (Triton since the fifth session) in each form: its dv_local and gated products take
@@ -124,28 +129,14 @@ kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS, kk._LAUNCH_BACKWARD = default_form, 
 set_extras("")
 
 if "profile-backward" in SECTIONS and dev == "cuda":
-    from torch.profiler import ProfilerActivity, profile
-
     g = gates["logsigmoid"]
-
-    def bwd():
-        return kk.kda_backward_triton(do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
-
-    bwd()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            bwd()
-        torch.cuda.synchronize()
-    print(f"\n== kda backward, defaults (DIAGONAL_FORM {kk.DIAGONAL_FORM}, BACKWARD_WHOLE_CHUNKS "
-          f"{kk.BACKWARD_WHOLE_CHUNKS}): kernels over 3 calls (logsigmoid gates)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
+    kernel_table(lambda: kk.kda_backward_triton(do, None, q, k, v, g, beta, K ** -0.5, None, True, None),
+                 f"kda backward, defaults (DIAGONAL_FORM {kk.DIAGONAL_FORM}, BACKWARD_WHOLE_CHUNKS "
+                 f"{kk.BACKWARD_WHOLE_CHUNKS}; logsigmoid gates)", calls=3, rows=20)
 
 # "gluon": the forward on the gluon backend (Triton's stages, the output's whole chunks on the
 # Gluon kernel) against Triton's, same inputs, and the per-kernel times of one
 if "gluon" in SECTIONS and dev == "cuda":
-    from torch.profiler import ProfilerActivity, profile
-
     from tileport.ops.kda import gluon_kernels as kg
 
     def gluon_fwd(g):
@@ -158,11 +149,4 @@ if "gluon" in SECTIONS and dev == "cuda":
             err = ((o - base).norm() / base.norm().clamp_min(1e-30)).item()
             ms = triton.testing.do_bench(lambda: f(g), warmup=5, rep=40, return_mode="median")
             print(f"kda forward gates={name:10} {tag:18}: {ms:.3f} ms, vs triton {err:.2e}", flush=True)
-    gluon_fwd(gates["logsigmoid"])
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            gluon_fwd(gates["logsigmoid"])
-        torch.cuda.synchronize()
-    print("\n== kda forward, gluon: kernels over 5 calls (logsigmoid gates)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8), flush=True)
+    kernel_table(lambda: gluon_fwd(gates["logsigmoid"]), "kda forward, gluon (logsigmoid gates)", rows=8)

@@ -1218,6 +1218,16 @@ OUTPUT_FORM = "one-shot"
 SMEM_PER_SM = 227 * 1024  # Hopper: shared memory a CTA may use, per SM
 
 
+def chunk_tile_descriptors(q, k, vn, h, plan) -> tuple:
+    """The TMA descriptors of stage 6's four chunk tiles (`_issue_chunk_tiles`): q, k [Ntok, H, K]
+    and Vn [Ntok, H, V] as [Ntok, H * D] with [64, D] blocks, h [NC, H, K, V] as [NC * H * K, V]
+    with [K, V] blocks (all bf16). GDN's and KDA's output kernels take them."""
+    Ntok, H, K = q.shape
+    V = vn.shape[-1]
+    return (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
+            _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(h.view(plan.NC * H * K, V), [K, V]))
+
+
 def chunk_output_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, l2norm_q: bool):
     """6 on a Gluon kernel: o [Ntok, H, V] from q, k [Ntok, H, K] (q raw when l2norm_q), h [NC, H,
     K, V] and Vn [Ntok, H, V] in bf16."""
@@ -1227,8 +1237,7 @@ def chunk_output_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtyp
     V = vn.shape[-1]
     o = new_empty((Ntok, H, V), out_dtype, q.device)
     if plan.NC:
-        descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
-                 _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(h.view(plan.NC * H * K, V), [K, V]))
+        descs = chunk_tile_descriptors(q, k, vn, h, plan)
         if _checked("OUTPUT_FORM", OUTPUT_FORM, ("one-shot", "persistent")) == "persistent":
             n_items = plan.NC * H
             smem = 2 * 2 * (2 * BT * K + BT * V + K * V)  # two buffer sets of bf16 tiles

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from tileport.memory import new_empty
-from tileport.ops.gdn.gluon_kernels import SMEM_PER_SM, _GLUON_ERROR, _descriptor, _smem_layout
+from tileport.ops.gdn.gluon_kernels import SMEM_PER_SM, _GLUON_ERROR, _smem_layout, chunk_tile_descriptors
 from tileport.ops.kda import triton_kernels as kk
 
 if _GLUON_ERROR is None:
@@ -146,9 +146,7 @@ def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.
     V = vn.shape[-1]
     o = new_empty((Ntok, H, V), out_dtype, q.device)
     if plan.NC:
-        descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
-                 _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(h.view(plan.NC * H * K, V), [K, V]))
-        _kda_output_wgmma_kernel[(plan.NC, H)](*descs, G, o, plan.chunks, span_flags, H, float(scale), K, V,
+        _kda_output_wgmma_kernel[(plan.NC, H)](*chunk_tile_descriptors(q, k, vn, h, plan), G, o, plan.chunks, span_flags, H, float(scale), K, V,
                                                num_warps=4)
         kk.output_flagged_chunks(q, k, G, h, vn, o, scale, plan, span_flags)
     return o
