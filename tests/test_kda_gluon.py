@@ -24,10 +24,19 @@ def test_forward_backward(case_id, device, seed):
     parity._run_and_check("gluon", case_id, device, seed)
 
 
-def test_cases_cover_both_routes():
-    """Among the accepted cases, some gates leave every chunk whole and some flag chunks."""
-    kinds = {parity.CASES[cid][9] for cid in ACCEPTED}
-    assert kinds & {"normal", "near0"} and kinds & {"split", "mixed", "verynegative"}, kinds
+@pytest.mark.parametrize("case_id,flagged", [("T200-bf16-split-binarybeta", True), ("T65-bf16-l2-near0", False)])
+def test_cases_take_both_routes(case_id, flagged, device, seed, monkeypatch):
+    """A "split" case sends chunks to Triton's block kernel (stage 3 flags them), a "near0" one
+    leaves every chunk to the Gluon kernel: both routes of the backend run in this file's cases."""
+    parity._backend_or_skip("gluon", device)
+    from tileport.ops.kda import triton_kernels
+
+    seen = []
+    real = triton_kernels.output_flagged_chunks
+    monkeypatch.setattr(triton_kernels, "output_flagged_chunks",
+                        lambda *args: seen.append(bool(args[-1].any())) or real(*args))
+    parity._run_and_check("gluon", case_id, device, seed)
+    assert seen and any(seen) == flagged, (case_id, seen)
 
 
 def test_explain_says_why_gluon_refuses():

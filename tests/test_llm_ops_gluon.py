@@ -25,7 +25,7 @@ from tileport.ops.softmax.reference import softmax_reference
 OPS = ("rms_norm", "softmax")
 MAKERS = {"rms_norm": parity._rms_case, "softmax": parity._softmax_case}
 # the gate's shapes these kernels accept, and the ring's corners
-SHAPES = [(130, 64), (1, 128), (7, 256), (4097, 4096), (333, 8192), (2, 300, 1024), (20000, 512)]
+SHAPES = [(130, 64), (5, 16), (1, 128), (7, 256), (4097, 4096), (333, 8192), (2, 300, 1024), (20000, 512)]
 
 
 def _accepted(op: str, shape, dtype) -> bool:
@@ -44,19 +44,44 @@ def test_forward_backward(op, shape, dt, device, seed):
     parity.run_and_check(op, "gluon", MAKERS[op](shape, dtype, device), dtype, seed)
 
 
-@pytest.mark.parametrize("op", OPS)
-def test_unaligned_rows_run_triton(op, device, seed):
-    """A row stride TMA cannot read (D = 64 bf16 rows in a buffer 65 wide): the same results, by
-    Triton's forward."""
-    parity._skip_unless_runs(op, "gluon", device)
-    base = torch.randn(33, 65, device=device).to(torch.bfloat16)
-    x = base[:, :64]
+@pytest.mark.parametrize("weight", [None, "fp32"])
+@pytest.mark.parametrize("dt", ["bf16", "fp32"])
+def test_rms_norm_weight_variants(weight, dt, device, seed):
+    """No weight (the kernel's HAS_WEIGHT off), and an fp32 weight beside 16-bit or fp32 rows."""
+    parity._skip_unless_runs("rms_norm", "gluon", device)
+    dtype = parity.DTYPES[dt]
+    parity.run_and_check("rms_norm", "gluon", parity._rms_case((300, 1024), dtype, device, weight=weight), dtype, seed)
+
+
+def _rows_case(op, x, device):
     if op == "rms_norm":
-        w = (0.5 + torch.rand(64, device=device)).to(torch.bfloat16)
-        make = (lambda: tileport.rms_norm(x, w)), [x, w], (lambda: rms_norm_reference(x, w))
-    else:
-        make = (lambda: tileport.softmax(x)), [x], (lambda: softmax_reference(x))
-    parity.run_and_check(op, "gluon", make, torch.bfloat16, seed)
+        w = (0.5 + torch.rand(x.shape[-1], device=device)).to(x.dtype)
+        return (lambda: tileport.rms_norm(x, w)), [x, w], (lambda: rms_norm_reference(x, w))
+    return (lambda: tileport.softmax(x)), [x], (lambda: softmax_reference(x))
+
+
+# (buffer width, columns taken, whether TMA can read the rows): rows 512 B apart (aligned, the
+# descriptor's row stride is not D), and rows 130 B apart (unaligned: Triton's forward)
+STRIDED = {"aligned-stride": (256, slice(64, 128), True), "unaligned-stride": (65, slice(0, 64), False)}
+
+
+@pytest.mark.parametrize("layout", list(STRIDED))
+@pytest.mark.parametrize("op", OPS)
+def test_strided_rows(op, layout, device, seed, monkeypatch):
+    """Strided rows: aligned ones through the ring (its descriptor takes the row stride), unaligned
+    ones through Triton's forward, which a spy sees called or not."""
+    parity._skip_unless_runs(op, "gluon", device)
+    import importlib
+
+    width, cols, aligned = STRIDED[layout]
+    x = torch.randn(33, width, device=device).to(torch.bfloat16)[:, cols]
+    triton_kernels = importlib.import_module(f"tileport.ops.{op}.triton_kernels")
+    name = f"{op}_forward_triton"
+    calls = []
+    real = getattr(triton_kernels, name)
+    monkeypatch.setattr(triton_kernels, name, lambda *args: calls.append(1) or real(*args))
+    parity.run_and_check(op, "gluon", _rows_case(op, x, device), torch.bfloat16, seed)
+    assert bool(calls) != aligned, f"{layout}: Triton's forward {'ran' if calls else 'did not run'}"
 
 
 GG_SHAPES = parity.CASES["grouped_gemm"][1] + parity.GPU_EXTRA["grouped_gemm"] + [((4096,) * 8, 1024, 2048)]

@@ -16,6 +16,7 @@ and descriptors built on the host are the explicit control Triton does not give.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -54,8 +55,10 @@ def rows_refusal(D: int, dtype: torch.dtype, what: str = "x") -> str | None:
 
 
 def rows_aligned(t2: torch.Tensor) -> bool:
-    """Whether [M, D] rows can be TMA'd: 16-byte aligned base and row stride, unit last stride."""
-    return (t2.stride(-1) == 1 and t2.data_ptr() % 16 == 0 and (t2.stride(0) * t2.element_size()) % 16 == 0)
+    """Whether [M, D] rows can be TMA'd: 16-byte aligned base and row stride, unit last stride, rows
+    apart (an expanded view's row stride 0 makes no tensor map)."""
+    return (t2.stride(-1) == 1 and t2.data_ptr() % 16 == 0 and (t2.stride(0) * t2.element_size()) % 16 == 0
+            and t2.stride(0) >= t2.shape[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +72,19 @@ class RowStreamPlan:
     programs: int
 
 
+def _check_ring_switches() -> None:
+    if STAGES < 1 or STAGES * TILE_BYTES > 200 * 1024:
+        raise ValueError(f"gluon_rows: STAGES {STAGES} x TILE_BYTES {TILE_BYTES} must be 1 to 200 KB of shared memory "
+                         f"(227 KB a CTA on sm_90, with the compiler's scratch)")
+
+
 def _tile_shape(M: int, D: int, itemsize: int) -> tuple[int, int, int]:
     CB = min(D, 256)
     BM = max(1, min(256, TILE_BYTES // (D * itemsize), next_pow2(M)))
     return BM, D // CB, CB
 
 
+@functools.lru_cache(maxsize=None)
 def _tile_layout(BM: int, NCB: int, CB: int, itemsize: int, num_warps: int):
     """[BM, NCB, CB] over the warps: 16-byte vectors along CB, a warp's lanes along CB first, the
     warps along NCB first (so a row's reduction crosses warps only when D > 256)."""
@@ -86,13 +96,16 @@ def _tile_layout(BM: int, NCB: int, CB: int, itemsize: int, num_warps: int):
     return gl.BlockedLayout([1, 1, vec], [tm, tj, tc], [num_warps // wj, wj, 1], [2, 1, 0])
 
 
+@functools.lru_cache(maxsize=None)
 def _smem_layout(dtype: torch.dtype):
     # unswizzled: the tile goes to registers in 16-byte vectors along rows, which hit distinct banks
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * dtype.itemsize, rank=3)
 
 
 def row_stream_plan(x2: torch.Tensor) -> RowStreamPlan:
-    """The plan for x2 [M, D] (`rows_refusal` and `rows_aligned` passed)."""
+    """The plan for x2 [M, D] (`rows_refusal` and `rows_aligned` passed). Layouts are built once
+    per shape class (building one costs ~15 us of host time: gdn/gluon_kernels.py, `_smem_layout`)."""
+    _check_ring_switches()
     M, D = x2.shape
     BM, NCB, CB = _tile_shape(M, D, x2.element_size())
     desc = TensorDescriptor(x2, [M, NCB, CB], [x2.stride(0), CB, 1], [BM, NCB, CB], _smem_layout(x2.dtype))

@@ -9,8 +9,9 @@ of `_kda_output_wgmma_kernel` here (two per SM: 96 KB of shared memory at K = V 
 151d1b4 (scripts/kda_ab.py "gluon", S1, logsigmoid gates): the whole forward 1.559 ms against
 Triton's 1.998, the kernel ~0.34 ms per forward against ~0.78 for Triton's whole-chunk launch
 (torch profiler); a persistent form with two TMA buffer sets, one program per SM, took ~0.47 (1.699
-ms forward) and was removed (docs/perf/kda.md row 14). The backward is Triton's (`kda_backward_triton`) until its recurrences get the
-per-channel switch of GDN's `_tf32_recurrence_kernel` (docs/perf/kda.md, "A Gluon backend").
+ms forward) and was removed (docs/perf/kda.md row 14). The backward is Triton's
+(`kda_backward_triton`) until its recurrences get the per-channel switch of GDN's
+`_tf32_recurrence_kernel` (docs/perf/kda.md, "A Gluon backend").
 
 Per chunk, with d = G - G_m (m the chunk's middle row, fp32) and factors that are finite where the
 chunk is not flagged (|d| <= 60):
@@ -109,7 +110,7 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _kda_output_wgmma_kernel(q_desc, k_desc, vn_desc, h_desc, G_ptr, o_ptr, chunks_ptr, flags_ptr, H, scale,
                            K: gl.constexpr, V: gl.constexpr):
-        """6 for one chunk and head whose flag (stage 3's, int8 [NC, H]) is clear, in o's dtype;
+        """Stage 6 for one chunk and head whose flag (stage 3's, int8 [NC, H]) is clear, in o's dtype;
         grid (NC, H), 4 warps; a flagged chunk's program returns (Triton's block kernel takes it).
         q, k [Ntok, H*K], Vn [Ntok, H*V] and h [NC*H*K, V] (bf16) come in through TMA on one
         mbarrier, G [Ntok, H, K] (fp32 or fp64) by loads into registers.
@@ -137,7 +138,7 @@ if _GLUON_ERROR is None:
 
 
 def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, span_flags=None):
-    """6 (`triton_kernels.chunk_output_kda`'s contract): the unflagged chunks on the Gluon kernel,
+    """Stage 6 (`triton_kernels.chunk_output_kda`'s contract): the unflagged chunks on the Gluon kernel,
     the flagged ones on Triton's block kernel; Triton's stage 6 whole where stage 3 made no flags
     (DIAGONAL_FORM other than "chunk") or the tiles are not all bf16."""
     if span_flags is None or any(x.dtype != torch.bfloat16 for x in (q, k, h, vn)):
@@ -146,8 +147,8 @@ def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.
     V = vn.shape[-1]
     o = new_empty((Ntok, H, V), out_dtype, q.device)
     if plan.NC:
-        _kda_output_wgmma_kernel[(plan.NC, H)](*chunk_tile_descriptors(q, k, vn, h, plan), G, o, plan.chunks, span_flags, H, float(scale), K, V,
-                                               num_warps=4)
+        _kda_output_wgmma_kernel[(plan.NC, H)](*chunk_tile_descriptors(q, k, vn, h, plan), G, o, plan.chunks,
+                                               span_flags, H, float(scale), K, V, num_warps=4)
         kk.output_flagged_chunks(q, k, G, h, vn, o, scale, plan, span_flags)
     return o
 
