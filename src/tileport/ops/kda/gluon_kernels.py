@@ -109,7 +109,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _kda_output_wgmma_kernel(q_desc, k_desc, vn_desc, h_desc, G_ptr, o_ptr, chunks_ptr, flags_ptr, H, scale,
-                           K: gl.constexpr, V: gl.constexpr):
+                                 K: gl.constexpr, V: gl.constexpr):
         """Stage 6 for one chunk and head whose flag (stage 3's, int8 [NC, H]) is clear, in o's dtype;
         grid (NC, H), 4 warps; a flagged chunk's program returns (Triton's block kernel takes it).
         q, k [Ntok, H*K], Vn [Ntok, H*V] and h [NC*H*K, V] (bf16) come in through TMA on one
