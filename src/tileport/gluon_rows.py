@@ -41,12 +41,12 @@ STAGES = 4  # ring depth: 128 KB of shared memory, one program per SM
 NUM_WARPS = 8
 
 
-def rows_refusal(D: int, dtype: torch.dtype, what: str = "x") -> str | None:
+def rows_refusal(D: int, dtype: torch.dtype) -> str | None:
     """Why the row-streaming Gluon kernels can't take rows of D elements of `dtype` (None if they can)."""
     if _GLUON_ERROR is not None:
         return _GLUON_ERROR
     if dtype not in _DTYPES:
-        return f"{what} dtype {dtype} is not one of float32, float16, bfloat16"
+        return f"x dtype {dtype} is not one of float32, float16, bfloat16"
     smallest = 32 // dtype.itemsize
     if D != next_pow2(D) or not smallest <= D <= MAX_D:
         return (f"D={D}: the Gluon row kernels take powers of two from {smallest} to {MAX_D} (one TMA box "

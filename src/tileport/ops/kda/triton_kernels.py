@@ -339,7 +339,7 @@ def _factored_diagonal() -> bool:
 
 
 def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                       output=None):
+                       output=chunk_output_kda):
     """(o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None). output: the function
     that runs stage 6 (`chunk_output_kda`'s contract; the Gluon backend passes its own)."""
     B, T, H, K = q.shape
@@ -356,7 +356,7 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
                              keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
                              span_flags=flags)
     h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
-    o = (output or chunk_output_kda)(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
+    o = output(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
     return o.view(B, T, H, V), ht
 
 
