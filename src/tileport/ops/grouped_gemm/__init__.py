@@ -6,13 +6,13 @@
 Gradients for every a_i and b_i (the same grouped kernel, operands transposed by strides).
 Accumulation in fp32 (fp32 inputs multiply in full fp32, no tf32). Runs through the torch.library
 custom ops `tileport::grouped_gemm_forward` / `tileport::grouped_gemm_backward` under
-torch.compile (an autograd.Function in eager mode); backends:
+torch.compile (an autograd.Function in eager mode); backends, in this order:
 
+    gluon      (Hopper, 16-bit) the forward on a persistent pipelined TMA + WGMMA kernel, the
+               backward Triton's; gluon_kernels.py
     triton     one grouped launch per direction (tensor descriptors on sm_90), triton_kernels.py
     cutile     cuda.tile kernels (16-bit inputs), one launch per direction over slices of the
                stacked operands; compiled for sm_90 in CI, run on the H200, cutile_kernels.py
-    gluon      (Hopper, 16-bit) the forward on a persistent pipelined TMA + WGMMA kernel, the
-               backward Triton's; gluon_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -129,21 +129,22 @@ def _gluon_refusal(call: GroupedGemmCall) -> str | None:
     return _triton_refusal(call) or gluon_refusal(call.dtype, call.b_dtype)
 
 
-# Preference: triton, cutile, then gluon (written in the fourteenth session, after the H200's last
-# call: last until timed), then the float64 reference.
+# Preference: gluon (16-bit forward; the backward is Triton's), triton, cutile, then the float64
+# reference. H200, bench at 26c97d1 (one run, G=8, M=2048, K=N=4096 bf16): forward 0.973 ms against
+# Triton's 1.049 and cuTile's 1.268 (14963d1); docs/perf/llm_ops.md row 4.
 DISPATCHER = register(
     OpDispatcher(
         "grouped_gemm",
         [
+            Backend("gluon", gluon_available("tileport.ops.grouped_gemm.gluon_kernels"), _gluon_refusal,
+                    lazy_stages("tileport.ops.grouped_gemm.gluon_kernels", "grouped_gemm_forward_gluon",
+                                "grouped_gemm_backward_gluon")),
             Backend("triton", triton_available("tileport.ops.grouped_gemm.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.grouped_gemm.triton_kernels", "grouped_gemm_forward_triton",
                           "grouped_gemm_backward_triton")),
             Backend("cutile", cutile_available("tileport.ops.grouped_gemm.cutile_kernels"), _cutile_refusal,
                     lazy_stages("tileport.ops.grouped_gemm.cutile_kernels", "grouped_gemm_forward_cutile",
                                 "grouped_gemm_backward_cutile")),
-            Backend("gluon", gluon_available("tileport.ops.grouped_gemm.gluon_kernels"), _gluon_refusal,
-                    lazy_stages("tileport.ops.grouped_gemm.gluon_kernels", "grouped_gemm_forward_gluon",
-                                "grouped_gemm_backward_gluon")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

@@ -5,13 +5,13 @@
 Gradients for x and weight. Math in fp32 (float64 on the reference); y in x's dtype, d weight in
 weight's dtype. The call is validated here, then runs through the torch.library custom ops
 `tileport::rms_norm_forward` / `tileport::rms_norm_backward` under torch.compile (an
-autograd.Function in eager mode), whose bodies ask the dispatcher for a backend:
+autograd.Function in eager mode), whose bodies ask the dispatcher for a backend, in this order:
 
+    gluon      (Hopper; rows of a power-of-two D up to 8192) the forward as a persistent TMA ring
+               over row tiles (tileport/gluon_rows.py), the backward Triton's; gluon_kernels.py
     triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
     cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
                the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
-    gluon      (Hopper; rows of a power-of-two D up to 8192) the forward as a persistent TMA ring
-               over row tiles (tileport/gluon_rows.py), the backward Triton's; gluon_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -118,18 +118,19 @@ def _gluon_refusal(call: RMSNormCall) -> str | None:
     return _triton_refusal(call) or gluon_refusal(call.D, call.dtype, call.weight_dtype)
 
 
-# Preference: triton, cutile, then gluon (written in the fourteenth session, after the H200's last
-# call: last until timed), then the float64 reference.
+# Preference: gluon (its forward; the backward is Triton's), triton, cutile, then the float64
+# reference. H200, bench at 26c97d1 (one run, 8192 x 4096 bf16): forward 0.071 ms eager, 0.037 as a
+# CUDA graph, against Triton's 0.121 / 0.050 and cuTile's 0.080 / 0.075 (14963d1); docs/perf/llm_ops.md row 3.
 DISPATCHER = register(
     OpDispatcher(
         "rms_norm",
         [
+            Backend("gluon", gluon_available("tileport.ops.rms_norm.gluon_kernels"), _gluon_refusal,
+                    lazy_stages("tileport.ops.rms_norm.gluon_kernels", "rms_norm_forward_gluon", "rms_norm_backward_gluon")),
             Backend("triton", triton_available("tileport.ops.rms_norm.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.rms_norm.triton_kernels", "rms_norm_forward_triton", "rms_norm_backward_triton")),
             Backend("cutile", cutile_available("tileport.ops.rms_norm.cutile_kernels"), _cutile_refusal,
                     lazy_stages("tileport.ops.rms_norm.cutile_kernels", "rms_norm_forward_cutile", "rms_norm_backward_cutile")),
-            Backend("gluon", gluon_available("tileport.ops.rms_norm.gluon_kernels"), _gluon_refusal,
-                    lazy_stages("tileport.ops.rms_norm.gluon_kernels", "rms_norm_forward_gluon", "rms_norm_backward_gluon")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,

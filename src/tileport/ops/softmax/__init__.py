@@ -6,13 +6,13 @@ Gradient for x: dx = y * (dy - sum(y * dy)), with y recomputed in fp32 from the 
 the forward's row statistics (max, 1/sum) (torch uses its rounded output instead, which costs bf16
 gradients their precision on peaked rows). Math in fp32 (float64 on the reference); y in x's dtype. Runs through the torch.library custom ops
 `tileport::softmax_forward` / `tileport::softmax_backward` under torch.compile (an
-autograd.Function in eager mode), whose bodies ask the dispatcher for a backend:
+autograd.Function in eager mode), whose bodies ask the dispatcher for a backend, in this order:
 
     triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
-    cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
-               the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
     gluon      (Hopper; rows of a power-of-two D up to 8192) the forward as a persistent TMA ring
                over row tiles (tileport/gluon_rows.py), the backward Triton's; gluon_kernels.py
+    cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
+               the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
     reference  float64 PyTorch, the contract, reference.py
 """
 
@@ -94,18 +94,20 @@ def _gluon_refusal(call: SoftmaxCall) -> str | None:
     return _triton_refusal(call) or gluon_refusal(call.D, call.dtype)
 
 
-# Preference: triton, cutile, then gluon (written in the fourteenth session, after the H200's last
-# call: last until timed), then the float64 reference.
+# Preference: triton, gluon, cutile, then the float64 reference. H200, bench at 26c97d1 (one run,
+# 8192 x 4096 bf16): the Gluon forward kernel is faster as a CUDA graph (0.047 ms against Triton's
+# 0.053) but its eager median was not (0.128, p20-p80 0.065-0.150, against 0.058): Triton stays
+# first until an eager run says otherwise (docs/perf/llm_ops.md row 3). cuTile's forward: 0.198 (14963d1).
 DISPATCHER = register(
     OpDispatcher(
         "softmax",
         [
             Backend("triton", triton_available("tileport.ops.softmax.triton_kernels"), _triton_refusal,
                     lazy_stages("tileport.ops.softmax.triton_kernels", "softmax_forward_triton", "softmax_backward_triton")),
-            Backend("cutile", cutile_available("tileport.ops.softmax.cutile_kernels"), _cutile_refusal,
-                    lazy_stages("tileport.ops.softmax.cutile_kernels", "softmax_forward_cutile", "softmax_backward_cutile")),
             Backend("gluon", gluon_available("tileport.ops.softmax.gluon_kernels"), _gluon_refusal,
                     lazy_stages("tileport.ops.softmax.gluon_kernels", "softmax_forward_gluon", "softmax_backward_gluon")),
+            Backend("cutile", cutile_available("tileport.ops.softmax.cutile_kernels"), _cutile_refusal,
+                    lazy_stages("tileport.ops.softmax.cutile_kernels", "softmax_forward_cutile", "softmax_backward_cutile")),
             reference_backend(_reference_forward, _reference_backward),
         ],
         signature=lambda call: call,
