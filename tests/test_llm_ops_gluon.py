@@ -7,7 +7,9 @@ frozen gate's checker (tests/test_llm_ops_parity.py, `run_and_check`), on the sh
   rows TMA cannot read (an unaligned row stride) run Triton's forward: checked too;
 - grouped GEMM (the forward on a persistent pipelined TMA + WGMMA kernel; the backward Triton's),
   16-bit: the gate's cases (groups of 0 and 1 rows, K and N not multiples of the tiles; those with
-  rows TMA cannot read run Triton's forward) and one where the items outnumber the programs.
+  rows TMA cannot read run Triton's forward), ones where the items outnumber the programs (the
+  prefetch across items, K of 1 to 3 steps, groups changing from item to item, half-empty last
+  column tiles), and the masked-store form kept for an A/B.
 GPU only: on the CPU tests/test_gluon_compile.py compile-checks the kernels for sm_90a instead, and
 the refusals are checked here.
 """
@@ -84,7 +86,16 @@ def test_strided_rows(op, layout, device, seed, monkeypatch):
     assert bool(calls) != aligned, f"{layout}: Triton's forward {'ran' if calls else 'did not run'}"
 
 
-GG_SHAPES = parity.CASES["grouped_gemm"][1] + parity.GPU_EXTRA["grouped_gemm"] + [((4096,) * 8, 1024, 2048)]
+# Items outnumbering the programs (540 on 132 SMs), so each program's K steps run on from item to
+# item: the loads of an item's first steps go out during the one before (with K of 1, 2 or 3 steps
+# of 64 every prefetch of an item is the next one's), the descriptor ring turns over groups that
+# change from item to item (empty, 1-row, 5-row and 77-row groups, rows ending mid-tile), the C
+# descriptor clips rows past M_g, and N leaves the last column tile half or partly empty (2944 =
+# 11.5 tiles: its second half wholly past N; 3000: partly); K = 160 and 1000 end in a partial step.
+GG_RAGGED = (1, 200, 0, 77, 1000, 129, 5) * 3
+GG_MANY_ITEMS = [(GG_RAGGED, 64, 2944), (GG_RAGGED, 96, 2944), (GG_RAGGED, 160, 3000), (GG_RAGGED, 1000, 3000)]
+GG_SHAPES = (parity.CASES["grouped_gemm"][1] + parity.GPU_EXTRA["grouped_gemm"] + [((4096,) * 8, 1024, 2048)]
+             + GG_MANY_ITEMS)
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
@@ -93,6 +104,19 @@ def test_grouped_gemm(shape, dt, device, seed):
     parity._skip_unless_runs("grouped_gemm", "gluon", device)
     dtype = parity.DTYPES[dt]
     parity.run_and_check("grouped_gemm", "gluon", parity._gg_case(shape, dtype, device), dtype, seed)
+
+
+@pytest.mark.parametrize("shape", [parity.CASES["grouped_gemm"][1][0], GG_MANY_ITEMS[0], GG_MANY_ITEMS[3]],
+                         ids=parity._shape_id)
+def test_grouped_gemm_masked_store(shape, device, seed, monkeypatch):
+    """The A/B form (TMA_STORE off: the accumulator stored from registers with masks, llm_ops.md
+    row 5) on the cases its epilogue differs in: tiny groups, many items per program."""
+    parity._skip_unless_runs("grouped_gemm", "gluon", device)
+    from tileport.ops.grouped_gemm import gluon_kernels
+
+    monkeypatch.setattr(gluon_kernels, "TMA_STORE", False)
+    parity.run_and_check("grouped_gemm", "gluon", parity._gg_case(shape, torch.bfloat16, device), torch.bfloat16,
+                         seed)
 
 
 def test_refusals_name_the_reason():

@@ -6,8 +6,9 @@ the stacked c [sum M_i, N]. Why Gluon here (docs/perf/llm_ops.md): Triton's kern
 the card's matmul rate (1.067 ms at G = 8, M_i = 2048, K = N = 4096 against torch's loop of
 matmuls at 0.844); what it leaves to the compiler is the pipeline (how many K steps are in flight
 and when a buffer may be refilled) and the grid (one program per output tile). Here one program
-per SM walks the output tiles in Triton's banded order, each tile's K steps through a ring of
-STAGES (A, B) buffers with one asynchronous WGMMA in flight behind the loads.
+per SM walks the output tiles in Triton's banded order, its K steps (tile after tile, the loads
+running ahead across tiles) through a ring of STAGES (A, B) buffers with one asynchronous WGMMA
+in flight behind the loads, and stores each tile by TMA through a half-tile staging buffer.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ __all__ = ["gluon_refusal", "grouped_gemm_forward_gluon", "grouped_gemm_backward
 # The tile and the pipeline (read at each launch): BM = 128 rows on two warpgroups, BN = 256
 # columns (the widest WGMMA), BK = 64; STAGES (A, B) buffers of 48 KB each; BAND row tiles per
 # band (Triton's order: a band's A tiles stay in L2 while its group's B is read once per band).
+# DESC_RING: slots per operand for the descriptors made on the device (3: a slot is rewritten
+# three items after it was written, when every load through it has landed and its C stores have
+# been read out; see the kernel). TMA_STORE: the epilogue through a 32 KB staging buffer and TMA
+# (on), or row 4's masked register stores (off: the A/B of llm_ops.md row 5).
 BM, BN, BK, STAGES, BAND, NUM_WARPS = 128, 256, 64, 4, 8, 8
+DESC_RING, TMA_STORE = 3, True
 
 
 def gluon_refusal(dtype: torch.dtype, b_dtype: torch.dtype) -> str | None:
@@ -51,81 +57,176 @@ def gluon_refusal(dtype: torch.dtype, b_dtype: torch.dtype) -> str | None:
 if _GLUON_ERROR is None:
 
     @gluon.jit
-    def _issue_k_step(a_desc, b_desc, m0, n0, kk, j, a_s, b_s, bars, pred):
+    def _tile_of(t, tiles_ptr, n_row_tiles, n_col, BM: gl.constexpr, BN: gl.constexpr, BAND: gl.constexpr):
+        """(group, first row within the group, first column) of item t in Triton's banded order:
+        BAND row tiles of the tile table at a time, every column tile of a band before the next."""
+        per_band = BAND * n_col
+        first = (t // per_band) * BAND
+        rows_here = gl.minimum(n_row_tiles - first, BAND)
+        r = first + (t % per_band) % rows_here
+        n0 = ((t % per_band) // rows_here) * BN
+        return gl.load(tiles_ptr + 2 * r), gl.load(tiles_ptr + 2 * r + 1) * BM, n0
+
+    @gluon.jit
+    def _group_descs(table_ptr, g, c_ptr, N, K, A_SL: gl.constexpr, B_SL: gl.constexpr, C_SL: gl.constexpr,
+                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+        """Group g's TMA descriptors, made on the device from its table row (a, b addresses, first
+        row in c, M_g): A [M_g, K], B [K, N] and its rows of C [M_g, N] (TMA zero-fills reads and
+        clips writes past M_g, K and N: a tile's rows past M_g belong to the next group)."""
+        dtype: gl.constexpr = c_ptr.dtype.element_ty
+        a_ptr = gl.load(table_ptr + 4 * g).to(gl.pointer_type(dtype))
+        b_ptr = gl.load(table_ptr + 4 * g + 1).to(gl.pointer_type(dtype))
+        c_row0 = gl.load(table_ptr + 4 * g + 2)
+        Mg = gl.load(table_ptr + 4 * g + 3).to(gl.int32)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [Mg, K], [K, 1], [BM, BK], A_SL)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BK, BN], B_SL)
+        c_desc = tma.make_tensor_descriptor(c_ptr + c_row0 * N, [Mg, N], [N, 1], [BM, BN // 2], C_SL)
+        return a_desc, b_desc, c_desc
+
+    @gluon.jit
+    def _issue_k_step(a_desc, b_desc, m0, n0, kk, j, a_s, b_s, bars):
         """TMA K step kk of a tile (A [BM, BK] at (m0, kk BK), B [BK, BN] at (kk BK, n0)) into ring
-        slot j % STAGES, on that slot's barrier; nothing when not pred."""
+        slot j % STAGES, on that slot's barrier."""
         STAGES: gl.constexpr = a_s.shape[0]
         BK: gl.constexpr = a_s.shape[2]
         slot = j % STAGES
         bar = bars.index(slot)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(a_desc, [m0, kk * BK], bar, a_s.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(b_desc, [kk * BK, n0], bar, b_s.index(slot), pred=pred)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [m0, kk * BK], bar, a_s.index(slot))
+        tma.async_copy_global_to_shared(b_desc, [kk * BK, n0], bar, b_s.index(slot))
+
+    @gluon.jit
+    def _prefetch(p, j, nk, has_next, a_d, b_d, m0, n0, a_n, b_n, m0n, n0n, a_s, b_s, bars):
+        """K step p of the current tile into ring slot j % STAGES; p >= nk is the next tile's step
+        p - nk (the loads run min(STAGES - 1, nk) steps ahead, so never past the next tile)."""
+        if p < nk:
+            _issue_k_step(a_d, b_d, m0, n0, p, j, a_s, b_s, bars)
+        elif has_next:
+            _issue_k_step(a_n, b_n, m0n, n0n, p - nk, j, a_s, b_s, bars)
+
+    @gluon.jit
+    def _mma_k_step(acc, j, a_s, b_s, bars, use_acc):
+        """Wait for ring step j's loads, start its product asynchronously and retire the one before:
+        after the CTA barrier, both warpgroups are done with step j - 1's slot, which may refill."""
+        STAGES: gl.constexpr = a_s.shape[0]
+        slot = j % STAGES
+        mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
+        acc = warpgroup_mma(a_s.index(slot), b_s.index(slot), acc, use_acc=use_acc, is_async=True)
+        acc, _a, _b = warpgroup_mma_wait(1, deps=[acc, a_s.index(slot), b_s.index(slot)])
+        gl.thread_barrier()  # the WGMMA race (TRITON-3.6-NOTES.md): the other warpgroup may still read the slot
+        return acc
+
+    @gluon.jit
+    def _store_tile_tma(acc, c_desc, m0, n0, c_s):
+        """The tile's [BM, BN] accumulator into C at (m0, n0) of its group's rows in two column
+        halves through the [BM, BN / 2] staging buffer c_s; the second half's store is left in
+        flight (the next use of c_s waits for it)."""
+        BM: gl.constexpr = acc.shape[0]
+        BN: gl.constexpr = acc.shape[1]
+        # the halves are register subsets of the WGMMA layout (column bit 7 is a register bit): no data moves
+        lo, hi = gl.split(gl.permute(gl.reshape(acc.to(c_desc.dtype), [BM, 2, BN // 2]), (0, 2, 1)))
+        tma.store_wait(0)  # the last store has read c_s out: its issuing threads wait here, the barrier holds the rest
+        gl.thread_barrier()
+        c_s.store(lo)
+        fence_async_shared()  # these shared stores before the TMA (async proxy) reads them
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(c_desc, [m0, n0], c_s)
+        tma.store_wait(0)
+        gl.thread_barrier()
+        c_s.store(hi)
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(c_desc, [m0, n0 + BN // 2], c_s)
+
+    @gluon.jit
+    def _store_tile_masked(acc, c_ptr, table_ptr, g, m0, n0, N):
+        """The tile's accumulator stored from the WGMMA layout with a row and a column mask (4-byte
+        stores; rows past M_g belong to the next group): row 4's epilogue, kept for an A/B."""
+        ACC_L: gl.constexpr = acc.type.layout
+        c_row0 = gl.load(table_ptr + 4 * g + 2)
+        Mg = gl.load(table_ptr + 4 * g + 3).to(gl.int32)
+        rr = m0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, ACC_L))
+        cc = n0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, ACC_L))
+        offs = (c_row0 + rr).to(gl.int64)[:, None] * N + cc[None, :]
+        # lint: allow TP001 -- row 4's masked epilogue, selectable beside the TMA store for an A/B (TMA_STORE)
+        gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=(rr < Mg)[:, None] & (cc < N)[None, :])
 
     @gluon.jit
     def _grouped_gemm_fwd_kernel(table_ptr, tiles_ptr, c_ptr, N, K, n_row_tiles, n_items,
                                  BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                                 BAND: gl.constexpr):
+                                 BAND: gl.constexpr, DESC_RING: gl.constexpr, TMA_STORE: gl.constexpr):
         """C tiles [BM, BN] of the grouped product, items pid, pid + P, ... (item = a (row tile of
         the tile table, column tile) pair in Triton's banded order; grid (P,), one program per SM,
-        2 warpgroups along M). Per item: the group's A [M_g, K] and B [K, N] descriptors are made
-        on the device from the group table (a, b addresses, first row in c, M_g), its K steps go
-        through a ring of STAGES (A, B) buffers with STAGES - 1 loads ahead and one WGMMA in
-        flight, and the fp32 accumulator is stored with a row and column mask (a tile's rows past
-        M_g belong to the next group).
+        2 warpgroups along M). The K steps of all of a program's items form one stream through a
+        ring of STAGES (A, B) buffers: the loads run min(STAGES - 1, nk) steps ahead of one
+        asynchronous WGMMA, across item boundaries, so a tile's last steps load the next tile's
+        first ones and its epilogue runs while they land. The next item's descriptors (A, B, C of
+        its group, made on the device) are made while the item's first product runs, into a ring
+        of DESC_RING slots. The fp32 accumulator goes out through TMA (two halves through one
+        staging buffer; the per-group C descriptor clips rows past M_g), or with TMA_STORE off
+        stored from registers with masks.
         Explicit here (Triton would choose): the persistent grid and the item order, the ring (its
         depth, barriers and phases, counted across items), the refill of a buffer only after both
-        warpgroups have retired the product that read it, the accumulator layout."""
+        warpgroups have retired the product that read it, the prefetch across items, when
+        descriptors are made and how long each lives, the accumulator layout and the epilogue's
+        staging."""
         dtype: gl.constexpr = c_ptr.dtype.element_ty
         A_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], dtype)
         B_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BN], dtype)
+        C_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN // 2], dtype)
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                         instr_shape=[16, BN, 16])
         a_s = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], A_SL)
         b_s = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], B_SL)
+        if TMA_STORE:
+            c_s = gl.allocate_shared_memory(dtype, [BM, BN // 2], C_SL)  # half a tile: the ring keeps 192 KB
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
         fence_async_shared()
+        gl.static_assert(DESC_RING >= 3, "a descriptor slot is rewritten only when its item is two back")
         n_col = gl.cdiv(N, BN)
         nk = gl.cdiv(K, BK)
-        per_band = BAND * n_col
-        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, ACC_L))
-        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, ACC_L))
-        cnt = 0  # K steps this program has issued before this item: the ring's phases run on across items
-        for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            first = (t // per_band) * BAND
-            rows_here = gl.minimum(n_row_tiles - first, BAND)
-            r = first + (t % per_band) % rows_here
-            n0 = ((t % per_band) // rows_here) * BN
-            g = gl.load(tiles_ptr + 2 * r)
-            m0 = gl.load(tiles_ptr + 2 * r + 1) * BM
-            a_ptr = gl.load(table_ptr + 4 * g).to(gl.pointer_type(dtype))
-            b_ptr = gl.load(table_ptr + 4 * g + 1).to(gl.pointer_type(dtype))
-            c_row0 = gl.load(table_ptr + 4 * g + 2)
-            Mg = gl.load(table_ptr + 4 * g + 3).to(gl.int32)
-            a_desc = tma.make_tensor_descriptor(a_ptr, [Mg, K], [K, 1], [BM, BK], A_SL)
-            b_desc = tma.make_tensor_descriptor(b_ptr, [K, N], [N, 1], [BK, BN], B_SL)
-            for s in gl.static_range(STAGES - 1):
-                _issue_k_step(a_desc, b_desc, m0, n0, s, cnt + s, a_s, b_s, bars, s < nk)
-            acc = gl.zeros([BM, BN], gl.float32, ACC_L)
-            for kk in range(nk):
-                j = cnt + kk
-                slot = j % STAGES
-                mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
-                acc = warpgroup_mma(a_s.index(slot), b_s.index(slot), acc, is_async=True)
-                acc, _a, _b = warpgroup_mma_wait(1, deps=[acc, a_s.index(slot), b_s.index(slot)])
-                gl.thread_barrier()  # both warpgroups have retired step kk - 1's product: its slot may refill
-                _issue_k_step(a_desc, b_desc, m0, n0, kk + STAGES - 1, j + STAGES - 1, a_s, b_s, bars,
-                              kk + STAGES - 1 < nk)
+        ahead = gl.minimum(nk, STAGES - 1)  # never more than one item ahead: _prefetch's two cases
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        g, m0, n0 = _tile_of(pid, tiles_ptr, n_row_tiles, n_col, BM, BN, BAND)
+        # the first item's descriptors (its own slot; later items' rotate through the ring below)
+        a_d, b_d, c_d = _group_descs(table_ptr, g, c_ptr, N, K, A_SL, B_SL, C_SL, BM, BN, BK)
+        for s in gl.static_range(STAGES - 1):
+            if s < ahead:
+                _issue_k_step(a_d, b_d, m0, n0, s, s, a_s, b_s, bars)
+        a_n, b_n, c_n = a_d, b_d, c_d
+        acc = gl.zeros([BM, BN], gl.float32, ACC_L)  # (never read: an item's first product has use_acc off)
+        j = 0  # K steps of this program consumed before this item: the ring's slots and phases run on
+        for i in range(gl.cdiv(n_items - pid, P)):
+            has_next = pid + (i + 1) * P < n_items
+            gn, m0n, n0n = _tile_of(gl.minimum(pid + (i + 1) * P, n_items - 1), tiles_ptr, n_row_tiles, n_col,
+                                    BM, BN, BAND)
+            acc = _mma_k_step(acc, j, a_s, b_s, bars, False)
+            # The next item's descriptors, while step 0's product runs. Slot (i + 1) % DESC_RING was
+            # last written for item i + 1 - DESC_RING (at most item i - 2): every load through it has
+            # landed (consumed), and its C stores were read out before item i - 1 staged its tile.
+            # A slot in flight must not be rewritten: TMA reads the descriptor from global memory.
+            for d in gl.static_range(DESC_RING):
+                if has_next & ((i + 1) % DESC_RING == d):
+                    a_n, b_n, c_n = _group_descs(table_ptr, gn, c_ptr, N, K, A_SL, B_SL, C_SL, BM, BN, BK)
+            _prefetch(ahead, j + ahead, nk, has_next, a_d, b_d, m0, n0, a_n, b_n, m0n, n0n, a_s, b_s, bars)
+            for kk in range(1, nk):
+                acc = _mma_k_step(acc, j + kk, a_s, b_s, bars, True)
+                _prefetch(kk + ahead, j + kk + ahead, nk, has_next, a_d, b_d, m0, n0, a_n, b_n, m0n, n0n,
+                          a_s, b_s, bars)
+            # the last product; its slot refills at the next item's first step, after that step's barrier
             acc = warpgroup_mma_wait(0, deps=[acc])  # (one dependency: returned as is, not in a tuple)
-            gl.thread_barrier()  # every product of this item retired before the next item's loads
-            cnt += nk
-            rr = m0 + rows
-            cc = n0 + cols
-            offs = (c_row0 + rr).to(gl.int64)[:, None] * N + cc[None, :]
-            # lint: allow TP001 -- a TMA store (a per-group descriptor clips rows past M_g) needs a 64 KB staging buffer beside the 192 KB ring: the next step (llm_ops.md row 4)
-            gl.store(c_ptr + offs, acc.to(dtype), mask=(rr < Mg)[:, None] & (cc < N)[None, :])
+            if TMA_STORE:
+                _store_tile_tma(acc, c_d, m0, n0, c_s)
+            else:
+                _store_tile_masked(acc, c_ptr, table_ptr, g, m0, n0, N)
+            j += nk
+            a_d, b_d, c_d = a_n, b_n, c_n
+            g, m0, n0 = gn, m0n, n0n
+        if TMA_STORE:
+            tma.store_wait(0)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
@@ -155,7 +256,8 @@ def grouped_gemm_forward_gluon(a: list[torch.Tensor], b: list[torch.Tensor]) -> 
     n_items = len(tiles) * cdiv(N, BN)
     ensure_descriptor_allocator()  # the device-side descriptors' scratch
     _grouped_gemm_fwd_kernel[(min(n_items, sm_count(c.device)),)](
-        table, tiles_t, c, N, K, len(tiles), n_items, BM, BN, BK, STAGES, BAND, num_warps=NUM_WARPS)
+        table, tiles_t, c, N, K, len(tiles), n_items, BM, BN, BK, STAGES, BAND, DESC_RING, TMA_STORE,
+        num_warps=NUM_WARPS)
     return c
 
 
@@ -167,19 +269,23 @@ grouped_gemm_backward_gluon = triton_kernels.grouped_gemm_backward_triton
 # CPU compile checks (tileport.compile_check)
 # --------------------------------------------------------------------------------------------
 def compile_cases():
-    """The forward in bf16 and fp16 at the bench's K = N = 4096."""
+    """The forward in bf16 and fp16 at the bench's K = N = 4096 with the TMA-store epilogue (its
+    PTX holds the shared-to-global tensor copy), and in bf16 with the masked epilogue (TMA_STORE
+    off, the A/B form)."""
     if _GLUON_ERROR is not None:
         return []
     from tileport.compile_check import CompileCase, TensorStandIn
 
     cases = []
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype, tma_store in ((torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)):
         args = dict(table_ptr=TensorStandIn([8, 4], torch.int64), tiles_ptr=TensorStandIn([128, 2], torch.int32),
                     c_ptr=TensorStandIn([16384, 4096], dtype), N=4096, K=4096, n_row_tiles=128, n_items=2048,
-                    BM=BM, BN=BN, BK=BK, STAGES=STAGES, BAND=BAND)
-        cases.append(CompileCase(name=f"grouped_gemm_fwd_{str(dtype).removeprefix('torch.')}",
+                    BM=BM, BN=BN, BK=BK, STAGES=STAGES, BAND=BAND, DESC_RING=DESC_RING, TMA_STORE=tma_store)
+        store_ptx = "cp.async.bulk.tensor.2d.global.shared" if tma_store else "st.global"
+        cases.append(CompileCase(name=f"grouped_gemm_fwd_{str(dtype).removeprefix('torch.')}"
+                                      + ("" if tma_store else "_masked_store"),
                                  kernel=_grouped_gemm_fwd_kernel, args=args, num_warps=NUM_WARPS,
                                  expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait",
-                                             "tensormap"],
+                                             "tensormap", store_ptx],
                                  expect_max_spills=0))
     return cases
