@@ -9,10 +9,11 @@ at -20..-30: the exact branch everywhere, so the cost of the run-time checks); t
 times of one forward in "factored" and in "chunk" (torch profiler). Compiling the forms takes most
 of a run: give it ~300 s on the H200. "profile-backward": the per-kernel times of one backward in
 the default forms (torch profiler; never taken before the thirteenth session). "gluon": the
-forward on the gluon backend against Triton's, and its per-kernel times.
+forward on the gluon backend against Triton's, and its per-kernel times. "fused": the backward with
+9b's and 10b's whole-chunk routes fused into 9 and 10 or not (BACKWARD_FUSED_PAIRS), and its kernels.
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -150,3 +151,44 @@ if "gluon" in SECTIONS and dev == "cuda":
             ms = triton.testing.do_bench(lambda: f(g), warmup=5, rep=40, return_mode="median")
             print(f"kda forward gates={name:10} {tag:18}: {ms:.3f} ms, vs triton {err:.2e}", flush=True)
     kernel_table(lambda: gluon_fwd(gates["logsigmoid"]), "kda forward, gluon (logsigmoid gates)", rows=8)
+
+# "fused": the backward in the default forms with 9b's and 10b's whole-chunk routes as their own
+# launches or fused into 9 and 10 (BACKWARD_FUSED_PAIRS, kda.md rows 15 and 16), same inputs; then
+# the per-kernel times of the fused default
+if "fused" in SECTIONS:
+    default_pairs = kk.BACKWARD_FUSED_PAIRS
+    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    for name, g in gates.items():
+        base = None
+        for pairs in ((), ("10b",), ("9b",), ("9b", "10b")):
+            if name == "steep" and pairs not in ((), ("9b", "10b")):
+                continue  # every chunk flagged: the fused kernels' flag checks are all that differs
+            kk.BACKWARD_FUSED_PAIRS = pairs
+
+            def bwd():
+                return kk.kda_backward_triton(do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
+
+            grads = bwd()
+            base = grads if base is None else base
+            err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                      for a, b in zip(grads[:5], base[:5]))
+            ms = triton.testing.do_bench(bwd, warmup=3, rep=20, return_mode="median") if dev == "cuda" else float("nan")
+            tag = "+".join(pairs) or "unfused"
+            print(f"kda backward gates={name:10} pairs fused {tag:8}: {ms:.3f} ms, worst gradient vs unfused {err:.2e}",
+                  flush=True)
+    kk.BACKWARD_FUSED_PAIRS = default_pairs
+    if dev == "cuda":
+        kernel_table(lambda: kk.kda_backward_triton(do, None, q, k, v, gates["logsigmoid"], beta, K ** -0.5, None,
+                                                    True, None),
+                     f"kda backward, pairs fused {'+'.join(default_pairs) or 'none'} (logsigmoid gates)", calls=3,
+                     rows=16)
+        # what the autotuner picked for the backward's tuned kernels (GDN's, PER_CHANNEL) on these
+        # inputs, and what each candidate took (its do_bench: median, p20, p80 in ms)
+        from tileport.ops.gdn import triton_kernels as tk
+
+        for name in ("_solve_wu_tile_kernel", "_states_kernel", "_dstates_kernel"):
+            kern = getattr(tk, name)
+            for cfg, t in (kern.configs_timings or {}).items():
+                print(f"{name} {cfg}: {[round(x, 4) for x in t]}")
+            for key, cfg in kern.cache.items():
+                print(f"{name} picked: {cfg} (key {key})")

@@ -4,7 +4,8 @@ abs(G_t - G_m), G the in-chunk cumsum), and only those take the 16-row block ker
 tests check the values either way; this checks the routing itself, which they cannot see (a wrong
 middle row sent every other chunk of a sequence to the slow path and still passed them: H200,
 1bd52d9), and each route of the backward's stage 7 on its own against its definition (the gate
-sees only the route the flags pick). Tails and varlen chunks included."""
+sees only the route the flags pick), and 9b's and 10b's whole routes fused into 9 and 10
+(BACKWARD_FUSED_PAIRS) against the unfused launches. Tails and varlen chunks included."""
 
 from __future__ import annotations
 
@@ -117,8 +118,8 @@ def gated_pair_reference(M, X, Y, G, chunks):
     return R, C
 
 
-def _pair_inputs(device):
-    T, H, K = 150, 2, 32
+def _pair_inputs(device, K: int = 32):
+    T, H = 150, 2
     cu = torch.tensor([0, 100, 150], dtype=torch.int32, device=device)
     plan = tk.make_plan(1, T, cu, torch.device(device))
     q, k = (torch.nn.functional.normalize(torch.randn(T, H, K), dim=-1) for _ in range(2))
@@ -172,3 +173,65 @@ def test_stage10b_each_route_matches_its_definition(route, device, seed):
     _close(dk, dkp.double() + bd * R + C, f"10b by {route}: dk")
     _close(dbeta, dbp.double() + (kd * R).sum(-1), f"10b by {route}: dbeta")
     _close(dg, dg_want, f"10b by {route}: dg")
+
+
+def _route_flags(kind: str, plan, H: int, device) -> torch.Tensor:
+    """int8 [NC, H] flags: every chunk unflagged ("whole"), every chunk flagged, or a fixed mix."""
+    if kind == "mixed":
+        return (torch.arange(plan.NC * H) % 3 == 1).to(torch.int8).view(plan.NC, H).to(device)
+    return torch.full((plan.NC, H), 0 if kind == "whole" else 1, dtype=torch.int8, device=device)
+
+
+def _same(got, want, what):
+    # the fused kernels form the same products and sum them in the unfused order, so only fp32
+    # rounding (contractions, a sum over key blocks) may differ; a missing or doubled pair term is O(1)
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 1e-5, f"{what}: normwise difference {err:.2e} from the unfused launches"
+
+
+@pytest.mark.parametrize("kind", ["whole", "flagged", "mixed"])
+def test_stage9_with_9b_fused_matches_9_then_9b(kind, device, seed, monkeypatch):
+    from tileport.ops.kda import triton_kernels as kk
+
+    monkeypatch.setattr(tk, "DQKWG_KEY_BLOCK", 32)  # K = 64 in two key blocks: two dP slices
+    plan, q, k, G, _ = _pair_inputs(device, K=64)
+    T, H, K = q.shape
+    V = 32
+    h, dh = torch.randn(plan.NC, H, K, V), torch.randn(plan.NC, H, K, V)
+    vn, dvn, do = torch.randn(T, H, V), torch.randn(T, H, V), torch.randn(T, H, V).to(torch.bfloat16)
+    q, k, h, dh, vn, dvn, do = (x.to(device) for x in (q, k, h, dh, vn, dvn, do))
+    flags = _route_flags(kind, plan, H, device)
+    want = kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, 0.125, plan, torch.bfloat16)
+    kk.chunk_dp_apply_kda(want[4], q, k, G, want[0], want[1], want[3], plan, torch.bfloat16, span_flags=flags)
+    got = kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, 0.125, plan, torch.bfloat16, span_flags=flags,
+                             pairs=True)
+    kk.chunk_dp_apply_kda(got[4], q, k, G, got[0], got[1], got[3], plan, torch.bfloat16, span_flags=flags,
+                          whole=False)
+    for name, a, b in zip(("dQ", "dK'", "dW", "dG'"), got, want):
+        _same(a, b, f"9 with 9b fused ({kind} chunks): {name}")
+
+
+@pytest.mark.parametrize("kind", ["whole", "flagged", "mixed"])
+def test_stage10_with_10b_fused_matches_10_then_10b(kind, device, seed):
+    from tileport.ops.kda import triton_kernels as kk
+
+    plan, _, k, G, Ai = _pair_inputs(device, K=128)  # two blocks of 64 key channels
+    T, H, K = k.shape
+    V = 32
+    v, u, dvn = torch.randn(T, H, V).to(torch.bfloat16), torch.randn(T, H, V), torch.randn(T, H, V)
+    beta = torch.rand(T, H).to(torch.bfloat16)
+    w, dw, dkp, dGp = (torch.randn(T, H, K) for _ in range(4))
+    k, v, beta, Ai, w, u, dw, dvn = (x.to(device) for x in (k, v, beta, Ai, w, u, dw, dvn))
+    flags = _route_flags(kind, plan, H, device)
+    dtypes = (torch.float32, torch.bfloat16, torch.float32)  # dk, dbeta, dg
+
+    def run(fused: bool):
+        dk_, dG_ = dkp.clone().to(device), dGp.clone().to(device)
+        out = kk._da_apply_outputs(k, *dtypes) if fused else None
+        da, dbp, dv = kk.chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk_, dG_, plan, torch.bfloat16,
+                                          torch.bfloat16, span_flags=flags, final=out)
+        return (dv, *kk.chunk_da_apply_kda(da, k, beta, G, dk_, dG_, dbp, plan, *dtypes, torch.bfloat16,
+                                           span_flags=flags, out=out))
+
+    for name, a, b in zip(("dv", "dk", "dbeta", "dg"), run(True), run(False)):
+        _same(a, b, f"10 with 10b fused ({kind} chunks): {name}")

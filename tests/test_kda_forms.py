@@ -36,6 +36,8 @@ FORMS = {
     "cumsum-in-stage2": dict(CUMSUM_FORM="stage-2"),
     # G stored in fp64 for 16-bit inputs too (the default before the fourteenth session)
     "gate-sums-fp64": dict(GATE_SUMS_16BIT="fp64"),
+    # 9b's and 10b's whole-chunk routes as their own launches (before the fifteenth session)
+    "pairs-unfused": dict(BACKWARD_FUSED_PAIRS=()),
 }
 
 

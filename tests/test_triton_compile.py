@@ -348,6 +348,19 @@ def _kda_backward_cases():
         u_ptr=tok(V), dw_ptr=tok(K), dvn_ptr=tok(V), dkp_ptr=tok(K), dGp_ptr=tok(K), da_ptr=tok(64),
         dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
         **prec)
+    # 9b's and 10b's whole-chunk routes fused into 9 and 10 (BACKWARD_FUSED_PAIRS), G in fp32 as the
+    # backward of 16-bit inputs stores it (GATE_SUMS_16BIT)
+    G32, fl = tok(K), T([NC, H], torch.int8)
+    yield "kda dqkwg fused 9b", kk._kda_dqkwg_kernel, dict(
+        q_ptr=tok(K), k_ptr=tok(K), G_ptr=G32, h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
+        vn_ptr=tok(V), dvn_ptr=tok(V), do_ptr=tok(V, bf), dq_ptr=tok(K), dk_ptr=tok(K), dw_ptr=tok(K), dG_ptr=tok(K),
+        dp_ptr=tok(64), chunks_ptr=ch, H=H, scale=0.1, K=K, V=V, BKS=tk._key_split(K)[0], BV=BV, NV=NV, BT=64,
+        PAIRS=True, flags_ptr=fl, dp_stride=Ntok * H * 64, **prec)
+    yield "kda wy_bwd fused 10b", kk._kda_wy_bwd_kernel, dict(
+        k_ptr=tok(K), v_ptr=tok(V, bf), beta_ptr=T([Ntok, H], bf), G_ptr=G32, Ai_ptr=tok(64), w_ptr=tok(K),
+        u_ptr=tok(V), dw_ptr=tok(K), dvn_ptr=tok(V), dkp_ptr=tok(K), dGp_ptr=tok(K), da_ptr=tok(64),
+        dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
+        CB=min(BK, 64), PAIRS=True, flags_ptr=fl, dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K), **prec)
 
 
 KDA_BACKWARD_CASES = list(_kda_backward_cases())
@@ -359,7 +372,7 @@ def test_kda_backward_compiles_for_sm90a(case):
     from tileport.ops.kda import triton_kernels as kk
 
     warps = (kk.WHOLE_CHUNK_WARPS if name.endswith(" whole") else
-             (kk._LAUNCH_CHUNK if name in ("kda dqkwg", "kda wy_bwd") else kk._LAUNCH_BACKWARD)["num_warps"])
+             (kk._LAUNCH_CHUNK if name.startswith(("kda dqkwg", "kda wy_bwd")) else kk._LAUNCH_BACKWARD)["num_warps"])
     report = compile_case(CompileCase(name, fn, args, num_warps=warps, options={"num_stages": 1}))
     print(f"\n{report.summary()}")
     assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line

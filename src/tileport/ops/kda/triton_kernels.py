@@ -627,7 +627,8 @@ def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, sc
 def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr,
                       dp_ptr, chunks_ptr, H, scale,
                       K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                      BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+                      BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                      PAIRS: tl.constexpr = False, flags_ptr=None, dp_stride=0):
     """9 (per-channel gates), per chunk, head and block of BKS key columns (grid (NC * K/BKS, H)),
     summing over V blocks:
         dQh = scale dO h_c^T,  dKd = Vn dh^T,  dW = -dVn h_c^T,  hdh = rowsum(h_c * dh) [K],
@@ -637,7 +638,12 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
     the last valid row's dG' also + exp(G_L) * hdh + colsum(Kd * dKd). Every term is per key
     channel (unlike GDN's dG, no sum over channels), so the column blocks are independent; the block
     of columns 0 also forms and stores dP. Split as GDN's stage 9 is: whole K in one program spilled
-    1620 B per thread at 8 warps (sm_90a)."""
+    1620 B per thread at 8 warps (sm_90a).
+    PAIRS (BACKWARD_FUSED_PAIRS holds "9b"): every block of columns forms dP and stores it to its
+    own slice of dp_ptr (dp_stride apart; 9b's flagged launch reads slice 0), and a chunk stage 3
+    left unflagged (flags_ptr) takes 9b's whole-chunk pair terms for this block's columns here,
+    after a CTA barrier, from that slice (`_gated_pair_chunk` reads M^T from memory: never tl.trans
+    of a dot result into a dot), before dQ', dK', dG' are stored once."""
     NK: tl.constexpr = (K + BKS - 1) // BKS
     kb = tl.program_id(0) % NK
     c, hh, bos, eos, r, tok, valid, row, kc0, vc0, mk0, mv0 = _chunk_program(chunks_ptr, H, K, V, BKS, BV, 1, BT,
@@ -662,7 +668,9 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
         dqh += _mm(do, tl.trans(h), PREC, DT, DA)
         dkd += _mm(vn, tl.trans(dh), PREC, DT, DA)
         dw -= _mm(dvn, tl.trans(h), PREC, DT, DA)
-        if kb == 0:
+        if PAIRS:
+            dp += _mm(do, tl.trans(vn), PREC, DT, DA)
+        elif kb == 0:
             dp += _mm(do, tl.trans(vn), PREC, DT, DA)
         hdh += tl.sum(h * dh, 1)
     last = tl.minimum(bos + BT, eos) - 1
@@ -678,13 +686,27 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
     dG = q * dqp - x
     dG += tl.where((tok == last)[:, None], (tl.exp(GL.to(tl.float32)) * hdh + tl.sum(x, 0))[None, :], 0.0)
     offs = row[:, None] * K + kc[None, :]
-    tl.store(dq_ptr + offs, dqp, mask=mk)
-    tl.store(dk_ptr + offs, decay * dkd, mask=mk)
     tl.store(dw_ptr + offs, dw, mask=mk)
-    tl.store(dG_ptr + offs, dG, mask=mk)
-    if kb == 0:
-        lower = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
+    dkp = decay * dkd
+    lower = valid[:, None] & valid[None, :] & (r[:, None] >= r[None, :])
+    if PAIRS:
+        dpl = tl.where(lower, dp * scale, 0.0)
+        dp_slice = dp_ptr + kb.to(tl.int64) * dp_stride
+        tl.store(dp_slice + row[:, None] * BT + r[None, :], dpl, mask=valid[:, None])
+        if tl.load(flags_ptr + c * H + hh) == 0:
+            tl.debug_barrier()  # every warp's rows of dP stored before any warp reads its columns
+            R, C = _gated_pair_chunk(dp_slice, k_ptr, q_ptr, q_ptr, G_ptr, bos, eos, H, hh, kc, K, BT, PREC, DT, DA,
+                                     False)
+            d = tl.sum(tl.where(r[:, None] == r[None, :], dpl, 0.0), 1)  # dP_tt
+            # summed in 9b's order (`_dp_apply_rows`)
+            dqp = dqp + R + d[:, None] * k
+            dkp = dkp + C + d[:, None] * q
+            dG = dG + q * R - k * C
+    elif kb == 0:
         tl.store(dp_ptr + row[:, None] * BT + r[None, :], tl.where(lower, dp * scale, 0.0), mask=valid[:, None])
+    tl.store(dq_ptr + offs, dqp, mask=mk)
+    tl.store(dk_ptr + offs, dkp, mask=mk)
+    tl.store(dG_ptr + offs, dG, mask=mk)
 
 
 # lint: allow-function TP001,TP007 -- [16, K] block tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6)
@@ -773,21 +795,43 @@ def _gated_pair_chunk(m_ptr, x_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, H, hh, kc, K
 def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr,
                        da_ptr, dbp_ptr, dv_ptr, chunks_ptr, H,
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                       BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+                       BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                       CB: tl.constexpr = 64, PAIRS: tl.constexpr = False, flags_ptr=None, dk_ptr=None,
+                       dbeta_ptr=None, dg_ptr=None):
     """10 (per-channel gates), first half, per chunk and head (grid (NC, H)): back through W, U and T,
         dXw = T^T dW,  dXu = T^T dVn,  dA = strict_lower(-(dXw W^T + dXu U^T))  (stored for 10b),
         dV = diag(beta) dXu,  dbeta' = rowsum(V * dXu) + rowsum(exp(G) * K * dXw)  (stored),
     and in place on 9's partials: dK' += diag(beta) exp(G) * dXw, dG' += diag(beta) exp(G) * K * dXw.
-    The pair terms through A, which need the 16-row block scheme, are 10b's."""
-    c, hh, bos, eos, r, tok, valid, row, kc, vc0, mk, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT,
-                                                                           tl.program_id(0))
+    The key channels go by blocks of CB (dXw is per channel; dA sums the blocks). The pair terms
+    through A are 10b's. PAIRS (BACKWARD_FUSED_PAIRS holds "10b"): a chunk stage 3 left unflagged
+    (flags_ptr) takes 10b's whole-chunk pair terms here instead, and this program writes its final
+    dk, dg and dbeta: after dA is stored and a CTA barrier, each block of channels forms its dXw
+    again (dW's block comes from L2) and, with R and C from dA (`_gated_pair_chunk`, which reads
+    dA^T from memory rather than transposing a dot result), finishes as 10b's whole route does,
+    beta (R + exp(G) dXw) standing for beta R + beta exp(G) dXw. 9's partials dK', dG' are then
+    read once and never written back; flagged chunks run as without PAIRS, for 10b's flagged launch."""
+    c, hh, bos, eos, r, tok, valid, row, kc0, vc0, mk0, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT,
+                                                                             tl.program_id(0))
+    flagged = True
+    if PAIRS:
+        flagged = tl.load(flags_ptr + c * H + hh) != 0
     Tm = tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
     Tt = tl.trans(Tm)
     beta = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
-    dw = tl.load(dw_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
-    dxw = _mm(Tt, dw, PREC, DT, DA)
-    dA = -_mm(dxw, tl.trans(w), PREC, DT, DA)
+    dA = tl.full([BT, BT], 0.0, tl.float32)
+    kdx = tl.full([BT], 0.0, tl.float32)  # rowsum(exp(G) * K * dXw), the unfused route's part of dbeta'
+    for cb in tl.static_range(0, BK, CB):
+        cc = cb + tl.arange(0, CB)
+        mc = valid[:, None] & (cc < K)[None, :]
+        offs = row[:, None] * K + cc[None, :]
+        dxw = _mm(Tt, tl.load(dw_ptr + offs, mask=mc, other=0.0), PREC, DT, DA)
+        dA -= _mm(dxw, tl.trans(tl.load(w_ptr + offs, mask=mc, other=0.0).to(tl.float32)), PREC, DT, DA)
+        if flagged:
+            k = tl.load(k_ptr + offs, mask=mc, other=0.0).to(tl.float32)
+            egx = tl.exp(tl.where(mc, tl.load(G_ptr + offs, mask=mc, other=0.0).to(tl.float32), float("-inf"))) * dxw
+            kdx += tl.sum(k * egx, 1)
+            tl.store(dkp_ptr + offs, tl.load(dkp_ptr + offs, mask=mc, other=0.0) + beta[:, None] * egx, mask=mc)
+            tl.store(dGp_ptr + offs, tl.load(dGp_ptr + offs, mask=mc, other=0.0) + beta[:, None] * k * egx, mask=mc)
     vdu = tl.full([BT], 0.0, tl.float32)
     for j in tl.static_range(NV):
         vc = j * BV + tl.arange(0, BV)
@@ -801,13 +845,24 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
         dA -= _mm(dxu, tl.trans(u), PREC, DT, DA)
     strict = valid[:, None] & valid[None, :] & (r[:, None] > r[None, :])
     tl.store(da_ptr + row[:, None] * BT + r[None, :], tl.where(strict, dA, 0.0), mask=valid[:, None])
-    G = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
-    k = tl.load(k_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
-    egx = tl.exp(tl.where(mk, G.to(tl.float32), float("-inf"))) * dxw
-    tl.store(dbp_ptr + row, vdu + tl.sum(k * egx, 1), mask=valid)
-    offs = row[:, None] * K + kc[None, :]
-    tl.store(dkp_ptr + offs, tl.load(dkp_ptr + offs, mask=mk, other=0.0) + beta[:, None] * egx, mask=mk)
-    tl.store(dGp_ptr + offs, tl.load(dGp_ptr + offs, mask=mk, other=0.0) + beta[:, None] * k * egx, mask=mk)
+    if not PAIRS:
+        tl.store(dbp_ptr + row, vdu + kdx, mask=valid)
+    elif flagged:
+        tl.store(dbp_ptr + row, vdu + kdx, mask=valid)
+    else:
+        tl.debug_barrier()  # every warp's rows of dA stored before any warp reads its columns
+        kr = tl.full([BT], 0.0, tl.float32)
+        for cb in tl.static_range(0, BK, CB):
+            cc = cb + tl.arange(0, CB)
+            mc = valid[:, None] & (cc < K)[None, :]
+            offs = row[:, None] * K + cc[None, :]
+            dxw = _mm(Tt, tl.load(dw_ptr + offs, mask=mc, other=0.0), PREC, DT, DA)
+            egx = tl.exp(tl.where(mc, tl.load(G_ptr + offs, mask=mc, other=0.0).to(tl.float32), float("-inf"))) * dxw
+            R, C = _gated_pair_chunk(da_ptr, k_ptr, k_ptr, beta_ptr, G_ptr, bos, eos, H, hh, cc, K, BT, PREC, DT,
+                                     DA, True)
+            kr += _da_apply_rows(k_ptr, beta_ptr, dkp_ptr, dGp_ptr, dk_ptr, dg_ptr, R + egx, C,
+                                 tl.full([CB], 0.0, tl.float32), valid, row, cc, K)[1]
+        tl.store(dbeta_ptr + row, (vdu + kr).to(dbeta_ptr.dtype.element_ty), mask=valid)
 
 
 # lint: allow-function TP001,TP007 -- [16, K] block tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6)
@@ -893,6 +948,20 @@ BACKWARD_WHOLE_CHUNKS = True
 # 832 B of spills; 9b and 10b by blocks of 64 key channels, WHOLE_BK)
 WHOLE_CHUNK_WARPS = 8
 _LAUNCH_CHUNK = dict(num_warps=8)
+# Which of the pair-term stages' whole-chunk routes run inside the kernel before them (with
+# BACKWARD_WHOLE_CHUNKS): "9b" in 9 (`_kda_dqkwg_kernel`, PAIRS), "10b" in 10 (`_kda_wy_bwd_kernel`,
+# PAIRS); the flagged chunks keep 9b's and 10b's block launches either way. Why: the first
+# per-kernel profile of the backward (H200 at 26c97d1, S1) had 9 + 9b at 3.15 ms and 10 + 10b at
+# 3.40 of 11.7, with 9's and 10's fp32 partials [Ntok, H, K] written, read and rewritten between
+# them (docs/perf/kda.md rows 15 and 16).
+BACKWARD_FUSED_PAIRS = ("9b", "10b")
+_FUSABLE_PAIRS = ("9b", "10b")
+
+
+def _fused_pairs() -> tuple:
+    for name in BACKWARD_FUSED_PAIRS:
+        _checked("BACKWARD_FUSED_PAIRS", name, _FUSABLE_PAIRS, what="stages")
+    return tuple(BACKWARD_FUSED_PAIRS)
 
 
 def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None):
@@ -909,70 +978,91 @@ def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype
     return dvl
 
 
-def _by_route(kernel, grid, args, span_flags):
+def _by_route(kernel, grid, args, span_flags, whole: bool = True):
     """One of the backward's block kernels (7, 9b, 10b) over every chunk by 16-row blocks (span_flags
     None), or twice on the recompute's flags (DIAGONAL_FORM "chunk"): the unflagged chunks whole
-    (CHUNKS "whole", on WHOLE_CHUNK_WARPS), then the flagged ones by blocks."""
+    (CHUNKS "whole", on WHOLE_CHUNK_WARPS; not when `whole` is False: 9 or 10 took them, see
+    BACKWARD_FUSED_PAIRS), then the flagged ones by blocks."""
     if span_flags is None:
         kernel[grid](*args, **_LAUNCH_BACKWARD)
-    else:
+        return
+    if whole:
         kernel[grid](*args, CHUNKS="whole", flags_ptr=span_flags, **dict(_LAUNCH_BACKWARD, num_warps=WHOLE_CHUNK_WARPS))
-        kernel[grid](*args, CHUNKS="flagged", flags_ptr=span_flags, **_LAUNCH_BACKWARD)
+    kernel[grid](*args, CHUNKS="flagged", flags_ptr=span_flags, **_LAUNCH_BACKWARD)
 
 
-def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype):
-    """9: fp32 partials dQ', dK', dW, dG' [Ntok, H, K] and dP [Ntok, H, 64]."""
+def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None,
+                    pairs: bool = False):
+    """9: fp32 partials dQ', dK', dW, dG' [Ntok, H, K] and dP [Ntok, H, 64]. pairs (with span_flags):
+    9b's whole-chunk pair terms fused here (BACKWARD_FUSED_PAIRS): the chunks the flags leave
+    unflagged come out with them added, and 9b launches only the flagged ones."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
     BKS, NK = _key_split(K)
     dq, dk, dw, dG = (new_empty((Ntok, H, K), _F32, q.device) for _ in range(4))
-    dp = new_empty((Ntok, H, BT), _F32, q.device)
+    # fused: one dP slice per block of key columns, each written by its own programs
+    dp = new_empty((NK if pairs else 1, Ntok, H, BT), _F32, q.device)
+    fused = dict(PAIRS=True, flags_ptr=span_flags, dp_stride=Ntok * H * BT) if pairs else {}
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_dqkwg_kernel[(plan.NC * NK, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, dp, plan.chunks, H, scale,
-                                             K, V, BKS, BV, NV, BT, PREC, DT, DA, **_LAUNCH_CHUNK)
-    return dq, dk, dw, dG, dp
+                                             K, V, BKS, BV, NV, BT, PREC, DT, DA, **fused, **_LAUNCH_CHUNK)
+    return dq, dk, dw, dG, dp[0]
 
 
-def chunk_dp_apply_kda(dp, q, k, G, dq, dk, dG, plan, input_dtype: torch.dtype, span_flags=None):
-    """9b: adds the pair terms of dP into dq, dk, dG (9's partials), in place; span_flags as 7's."""
+def chunk_dp_apply_kda(dp, q, k, G, dq, dk, dG, plan, input_dtype: torch.dtype, span_flags=None,
+                       whole: bool = True):
+    """9b: adds the pair terms of dP into dq, dk, dG (9's partials), in place; span_flags as 7's;
+    whole False: the flagged chunks only (9 took the others: `chunk_dqkwg_kda`'s pairs)."""
     Ntok, H, K = q.shape
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _by_route(_kda_dp_apply_kernel, (plan.NC, H), (dp, q, k, G, dq, dk, dG, plan.chunks, H, K, _blocks(K, 1)[0], BT,
-                                                       PREC, DT, DA, _factored_diagonal()), span_flags)
+                                                       PREC, DT, DA, _factored_diagonal()), span_flags, whole=whole)
 
 
 def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
-                     input_dtype: torch.dtype):
-    """10a: (dA [Ntok, H, 64] fp32, dbeta' [Ntok, H] fp32, dv [Ntok, H, V] in dv_dtype); adds into dk, dG."""
+                     input_dtype: torch.dtype, span_flags=None, final=None):
+    """10a: (dA [Ntok, H, 64] fp32, dbeta' [Ntok, H] fp32, dv [Ntok, H, V] in dv_dtype); adds into dk, dG.
+    final: 10b's outputs (dk, dbeta, dg; `_da_apply_outputs`) where 10b's whole-chunk route is fused
+    here (span_flags given): the chunks they leave unflagged get their final values here, and
+    dA, dbeta', dk, dG are left as they were for them."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
     da = new_empty((Ntok, H, BT), _F32, k.device)
     dbp = new_empty((Ntok, H), _F32, k.device)
     dv = _out((Ntok, H, V), dv_dtype, k.device)
+    fused = {} if final is None else dict(PAIRS=True, flags_ptr=span_flags, dk_ptr=final[0], dbeta_ptr=final[1],
+                                          dg_ptr=final[2])
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, da, dbp, dv, plan.chunks, H,
-                                         K, V, BK, BV, NV, BT, PREC, DT, DA, **_LAUNCH_CHUNK)
+                                         K, V, BK, BV, NV, BT, PREC, DT, DA, CB=min(BK, 64), **fused, **_LAUNCH_CHUNK)
     return da, dbp, _done(dv, dv_dtype)
 
 
-def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtype, dbeta_dtype: torch.dtype,
-                       dg_dtype: torch.dtype, input_dtype: torch.dtype, span_flags=None):
-    """10b: the final dk [Ntok, H, K], dbeta [Ntok, H] and dg [Ntok, H, K], each in the dtype asked
-    for; span_flags as 7's."""
+def _da_apply_outputs(k, dk_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dtype: torch.dtype):
+    """10b's output buffers (dk [Ntok, H, K], dbeta [Ntok, H], dg [Ntok, H, K]) in the dtypes asked for
+    (`_out`: fp32 for bf16 under the interpreter; `_done` rounds them)."""
     Ntok, H, K = k.shape
-    dk = _out((Ntok, H, K), dk_dtype, k.device)
-    dbeta = _out((Ntok, H), dbeta_dtype, k.device)
-    dg = _out((Ntok, H, K), dg_dtype, k.device)
+    return (_out((Ntok, H, K), dk_dtype, k.device), _out((Ntok, H), dbeta_dtype, k.device),
+            _out((Ntok, H, K), dg_dtype, k.device))
+
+
+def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtype, dbeta_dtype: torch.dtype,
+                       dg_dtype: torch.dtype, input_dtype: torch.dtype, span_flags=None, out=None):
+    """10b: the final dk [Ntok, H, K], dbeta [Ntok, H] and dg [Ntok, H, K], each in the dtype asked
+    for; span_flags as 7's. out: the buffers 10 has already finished the unflagged chunks of (10b
+    fused into 10): only the flagged chunks are launched, into them."""
+    Ntok, H, K = k.shape
+    dk, dbeta, dg = out if out is not None else _da_apply_outputs(k, dk_dtype, dbeta_dtype, dg_dtype)
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _by_route(_kda_da_apply_kernel, (plan.NC, H), (da, k, beta, G, dkp, dGp, dbp, dk, dbeta, dg, plan.chunks, H, K,
                                                        _blocks(K, 1)[0], BT, PREC, DT, DA, _factored_diagonal()),
-                  span_flags)
+                  span_flags, whole=out is None)
     return _done(dk, dk_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
 
@@ -999,13 +1089,17 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
                               factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
                               g=g_in_3, span_flags=flags)
     h, vn, _ = chunk_states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
+    fused = _fused_pairs() if flags is not None else ()
     dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags)
     dh, dvn, dh0 = chunk_dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
-    dq, dkp, dw, dGp, dp = chunk_dqkwg_kda(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt)
-    chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt, span_flags=flags)
-    da, dbp, dv = chunk_wy_bwd_kda(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan, v.dtype, dt)
+    dq, dkp, dw, dGp, dp = chunk_dqkwg_kda(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt, span_flags=flags,
+                                           pairs="9b" in fused)
+    chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt, span_flags=flags, whole="9b" not in fused)
+    out = _da_apply_outputs(kn, _F32 if l2 else k.dtype, beta.dtype, g.dtype) if "10b" in fused else None
+    da, dbp, dv = chunk_wy_bwd_kda(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan, v.dtype, dt, span_flags=flags,
+                                   final=out)
     dk, dbeta, dg = chunk_da_apply_kda(da, kn, bf, G, dkp, dGp, dbp, plan, _F32 if l2 else k.dtype, beta.dtype,
-                                       g.dtype, dt, span_flags=flags)
+                                       g.dtype, dt, span_flags=flags, out=out)
     if l2:
         dq = l2norm_bwd(qf, dq, q.dtype)
         dk = l2norm_bwd(kf, dk, k.dtype)
