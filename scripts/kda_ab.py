@@ -11,9 +11,10 @@ of a run: give it ~300 s on the H200. "profile-backward": the per-kernel times o
 the default forms (torch profiler; never taken before the thirteenth session). "gluon": the
 forward on the gluon backend against Triton's, and its per-kernel times. "fused": the backward with
 9b's and 10b's whole-chunk routes fused into 9 and 10 or not (BACKWARD_FUSED_PAIRS), and its kernels.
+"gluon-backward": the gluon backend's backward (its state recurrences in Gluon) against Triton's.
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -192,3 +193,21 @@ if "fused" in SECTIONS:
                 print(f"{name} {cfg}: {[round(x, 4) for x in t]}")
             for key, cfg in kern.cache.items():
                 print(f"{name} picked: {cfg} (key {key})")
+
+# "gluon-backward": the gluon backend's backward (Triton's stages, the two state recurrences on
+# GDN's Gluon tf32 kernel, PER_CHANNEL; kda.md row 17) against Triton's, same inputs, and its kernels
+if "gluon-backward" in SECTIONS and dev == "cuda":
+    from tileport.ops.kda import gluon_kernels as kg
+
+    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    for name, g in gates.items():
+        args = (do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
+        base = kk.kda_backward_triton(*args)
+        for tag, fn in (("triton", kk.kda_backward_triton), ("gluon", kg.kda_backward_gluon)):
+            grads = fn(*args)
+            err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                      for a, b in zip(grads[:5], base[:5]))
+            ms = triton.testing.do_bench(lambda: fn(*args), warmup=3, rep=20, return_mode="median")
+            print(f"kda backward gates={name:10} {tag:8}: {ms:.3f} ms, worst gradient vs triton {err:.2e}", flush=True)
+    kernel_table(lambda: kg.kda_backward_gluon(do, None, q, k, v, gates["logsigmoid"], beta, K ** -0.5, None, True,
+                                               None), "kda backward, gluon (logsigmoid gates)", calls=3, rows=16)

@@ -1,9 +1,10 @@
 """The KDA "gluon" backend (Triton's stages with the output's whole chunks on a Gluon TMA + WGMMA
-kernel) through the frozen parity gate's cases, forward and backward, on the shapes it accepts
-(bf16, K = V of 64 or 128). The gate's gate kinds give both routes: "normal" and "near0"
+kernel, and the backward's state recurrences on GDN's Gluon tf32 kernel) through the frozen parity gate's cases, forward and backward, on the shapes it accepts
+(bf16, K = V of 64 or 128), with the backward's two state recurrences on GDN's Gluon tf32
+kernel (PER_CHANNEL) or on Triton's. The gate's gate kinds give both routes: "normal" and "near0"
 gates leave every chunk to the Gluon kernel, "split" and "mixed" ones flag chunks for Triton's
-block kernel. GPU only: on the CPU tests/test_gluon_compile.py compile-checks the kernels for
-sm_90a instead.
+block kernel. GPU only but for the plumbing and rule checks: on the CPU
+tests/test_gluon_compile.py compile-checks the kernels for sm_90a instead.
 """
 
 from __future__ import annotations
@@ -18,10 +19,78 @@ from tileport.ops.kda import DISPATCHER, explain_call
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)]
 
 
+# the backward's two state recurrences (the recompute's stage 5 and stage 8): both on GDN's Gluon
+# tf32 kernel in its PER_CHANNEL form (where it takes them: tf32 products on fp32 operands, i.e.
+# l2-normalised q and k), or both on Triton's (BACKWARD_STATES "auto", the default, picks by the
+# number of (sequence, head) pairs, so the gate's small cases would not reach the Gluon recompute)
+RECURRENCES = ("gluon", "triton")
+
+
+@pytest.mark.parametrize("recurrences", RECURRENCES)
 @pytest.mark.parametrize("case_id", ACCEPTED)
-def test_forward_backward(case_id, device, seed):
+def test_forward_backward(case_id, recurrences, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
+    from tileport.ops.gdn import gluon_kernels as gdn_gluon
+
+    monkeypatch.setattr(gdn_gluon, "BACKWARD_STATES", recurrences)
+    monkeypatch.setattr(gdn_gluon, "BACKWARD_DSTATES", recurrences)
     parity._run_and_check("gluon", case_id, device, seed)
+
+
+@pytest.mark.parametrize("case_id,gluon_runs", [("T65-bf16-l2-near0", True), ("T200-bf16-split-binarybeta", False)])
+def test_recurrences_run_where_the_gluon_kernel_takes_them(case_id, gluon_runs, device, seed, monkeypatch):
+    """With l2-normalised q and k (fp32 in the backward) both recurrences launch the Gluon kernel
+    (stage 5, then 8, per backward); without, q and k stay 16-bit and Triton's kernels run."""
+    parity._backend_or_skip("gluon", device)
+    from tileport.ops.gdn import gluon_kernels as gdn_gluon
+
+    monkeypatch.setattr(gdn_gluon, "BACKWARD_STATES", "gluon")
+    seen = []
+    real = gdn_gluon._launch_tf32_recurrence
+    monkeypatch.setattr(gdn_gluon, "_launch_tf32_recurrence",
+                        lambda *args, backward: seen.append(backward) or real(*args, backward=backward))
+    parity._run_and_check("gluon", case_id, device, seed)
+    assert (seen[:2] == [False, True]) if gluon_runs else not seen, (case_id, seen)
+
+
+def test_gluon_backward_plumbing_on_the_cpu():
+    """kda_backward_gluon hands its recurrences to Triton's where the Gluon kernel does not take
+    them (here: CPU tensors, under the interpreter) and gives Triton's gradients, bitwise."""
+    from tileport.dispatch import interpreter_enabled
+    from tileport.ops.kda import gluon_kernels, triton_kernels
+
+    if not interpreter_enabled():
+        pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    B, T, H, K = 1, 70, 1, 64
+    q, k, v = (torch.randn(B, T, H, K, dtype=torch.bfloat16) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K))
+    beta = torch.rand(B, T, H, dtype=torch.bfloat16)
+    do = torch.randn(B, T, H, K, dtype=torch.bfloat16)
+    args = (do, None, q, k, v, g, beta, K ** -0.5, torch.randn(B, H, K, K), True, None)
+    for ours, theirs in zip(gluon_kernels.kda_backward_gluon(*args), triton_kernels.kda_backward_triton(*args)):
+        assert torch.equal(ours, theirs)
+
+
+def test_per_channel_gates_take_the_gluon_recurrences(monkeypatch):
+    """GDN's rule for its Gluon recurrences takes KDA's per-channel gates ([Ntok, H, K]) too, on the
+    same terms: fp32 operands, tf32 products, on the GPU."""
+    from tileport.ops.gdn import gluon_kernels as gdn_gluon
+
+    class OnGPU:  # the checks read dtype, dim() and is_cuda only
+        def __init__(self, dtype, dim):
+            self.dtype, self._dim, self.is_cuda = dtype, dim, True
+
+        def dim(self):
+            return self._dim
+
+    x, g = OnGPU(torch.float32, 3), OnGPU(torch.float32, 3)
+    monkeypatch.setattr(gdn_gluon, "BACKWARD_STATES", "gluon")
+    for stage in ("states", "dstates"):
+        assert gdn_gluon.recurrence_kernel_for(stage, (x, x, x), g, torch.bfloat16) == "gluon"
+        assert gdn_gluon.recurrence_kernel_for(stage, (OnGPU(torch.bfloat16, 3), x, x), g, torch.bfloat16) == "triton"
+    # the other Gluon stages of GDN's backward have no per-channel form
+    assert not gdn_gluon._gluon_takes("dqkwg", (x, x, x), g, torch.bfloat16)
 
 
 @pytest.mark.parametrize("case_id,flagged", [("T200-bf16-split-binarybeta", True), ("T65-bf16-l2-near0", False)])

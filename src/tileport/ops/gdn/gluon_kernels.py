@@ -34,6 +34,7 @@ WGMMA (tf32) does not give.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -457,9 +458,18 @@ if _GLUON_ERROR is None:
 
 
     @gluon.jit
+    def _channel_decay(G_ptr, rows, r_ok, kc, GL, K: gl.constexpr):
+        """exp(G_L - G) on a chunk's [64, K] rows of per-channel gates G [Ntok, H, K], 0 past the
+        sequence (the rows' layout is kc's parent)."""
+        # lint: allow TP001 -- the chunk's per-channel gates, used in registers on K's entries (TMA would need another buffer beside the recurrence's 224 KB)
+        G = gl.load(G_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
+        return gl.where(r_ok[:, None], gl.exp((GL[None, :] - G).to(gl.float32)), 0.0)
+
+    @gluon.jit
     def _tf32_recurrence_kernel(a_desc, x1_ptr, x2_ptr, y2_ptr, add_ptr, G_ptr, s0_ptr, s_ptr, out_ptr, sfin_ptr,
                                 cu_ptr, choff_ptr, H, scale, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-                                HAS_S0: gl.constexpr, STORE_FINAL: gl.constexpr, BACKWARD: gl.constexpr):
+                                HAS_S0: gl.constexpr, STORE_FINAL: gl.constexpr, BACKWARD: gl.constexpr,
+                                PER_CHANNEL: gl.constexpr):
         """The backward's two state recurrences on fp32 operands with tf32 WGMMA: one program per
         (sequence, head, V block of BV columns), sequential over the sequence's chunks; grid
         (N * H, V / BV), 4 or 8 warps (one or two warpgroups side by side along BV). The state S
@@ -485,7 +495,15 @@ if _GLUON_ERROR is None:
         (a second buffer does not fit beside the transposed operands of 8 at BV 128: 224 KB). The
         product with A is issued asynchronously and the chunk's loads and transposed stores run
         under it. Rows past the sequence (a varlen tail, whose TMA rows are the next sequence's)
-        are 0 in X and Y and, through the gate factor or the masked addend, in the output."""
+        are 0 in X and Y and, through the gate factor or the masked addend, in the output.
+
+        PER_CHANNEL (KDA: G [Ntok, H, K], the gates per key channel), as Triton's kernels with
+        PER_CHANNEL: the gate cannot move onto the other operand's rows, so it stays on K's and Q's
+        entries. 5: X1 = K * exp(G_L - G) (gated in registers on its way to shared memory), Y1 = Vn;
+        8: A = K * exp(G_L - G), gated in place in shared memory once its TMA tile has landed (each
+        thread loads and stores the same entries, so only the fence and barrier before the WGMMA
+        are needed), X2 = Q * exp(G), Y2 = scale dO, dVn = dVl + A dh; both: the decay exp(G_L) per
+        row of S. One [64, K] tile of G per chunk, loaded before the chunk's products."""
         BT: gl.constexpr = a_desc.block_type.shape[0]
         NW: gl.constexpr = gl.num_warps()
         WG: gl.constexpr = NW // 4
@@ -524,52 +542,81 @@ if _GLUON_ERROR is None:
             mbarrier.expect(bar, a_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [bos + first * BT, hh * K], bar, a_s)
         rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+        rh = gl.arange(0, BT // 2, layout=gl.SliceLayout(1, ROWS_L))
         kc = gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_L))
         vc = jv * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS_L))
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
         for ii in range(nc):
             i = nc - 1 - ii if BACKWARD else ii
             t0 = bos + i * BT
+            r_ok = t0 + rr < eos
+            rows = (t0 + rr).to(gl.int64) * H + hh
+            last = gl.minimum(t0 + BT, eos) - 1
+            if PER_CHANNEL:
+                GLx = gl.load(G_ptr + (last.to(gl.int64) * H + hh) * K + kc)  # G_L along the rows' channels
             # lint: allow TP001 -- the state for stage 9, [NC, H, K, V], from its accumulator layout: a [K, BV] block of a row-major [K, V] state
             gl.store(s_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + sblk, S)
             sT_s.store(gl.permute(S, (1, 0)))
+            if PER_CHANNEL:
+                if BACKWARD:  # A = K * exp(G_L - G), in place once the tile is in (0 past the sequence)
+                    mbarrier.wait(bar, ii & 1)
+                    for half in gl.static_range(2):  # by halves of rows: a whole [64, K] tile and its gates spilled
+                        hrows = t0 + half * (BT // 2) + rh
+                        a_half = a_s.slice(half * (BT // 2), BT // 2)
+                        a_half.store(a_half.load(ROWS_L) * _channel_decay(G_ptr, hrows.to(gl.int64) * H + hh,
+                                                                          hrows < eos, kc, GLx, K))
             fence_async_shared()
-            gl.thread_barrier()  # every warp's part of S^T, before the WGMMA reads it
+            gl.thread_barrier()  # every warp's part of S^T (and of the gated A), before the WGMMA reads it
             mbarrier.wait(bar, ii & 1)
             aS = warpgroup_mma(a_s, sT_s.permute((1, 0)), gl.zeros([BT, BV], gl.float32, D_L), is_async=True)
 
             # under A S: the chunk's rows, and the transposed operands of the update (their last
             # readers, the previous chunk's WGMMAs, were waited for before the barrier that ended it)
-            r_ok = t0 + rr < eos
-            rows = (t0 + rr).to(gl.int64) * H + hh
             # lint: allow TP001 -- X goes to shared memory transposed (tokens contiguous, what tf32 WGMMA reads), which TMA cannot write
             x1 = gl.load(x1_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
+            if PER_CHANNEL:
+                if not BACKWARD:  # X1 = K * exp(G_L - G)
+                    x1 = x1 * _channel_decay(G_ptr, rows, r_ok, kc, GLx, K)
             x1T_s.store(gl.permute(x1, (1, 0)))
             if BACKWARD:
                 # lint: allow TP001 -- as X1
                 x2 = gl.load(x2_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
+                if PER_CHANNEL:  # X2 = Q * exp(G) (G loaded again, from L1/L2: not held across A S)
+                    # lint: allow TP001 -- as the gates above
+                    x2 = x2 * gl.exp(gl.load(G_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None],
+                                             other=0.0).to(gl.float32))
                 x2T_s.store(gl.permute(x2, (1, 0)))
-                Gr = gl.load(G_ptr + rows, mask=r_ok, other=0.0)
                 # lint: allow TP001 -- dO is scaled, widened to fp32 and transposed on its way to shared memory
                 y2 = gl.load(y2_ptr + rows[:, None] * V + vc[None, :], mask=r_ok[:, None], other=0.0).to(gl.float32)
-                y2T_s.store(gl.permute(y2 * (scale * gl.exp(Gr.to(gl.float32)))[:, None], (1, 0)))
+                if PER_CHANNEL:
+                    y2 = y2 * scale
+                else:
+                    Gr = gl.load(G_ptr + rows, mask=r_ok, other=0.0)
+                    y2 = y2 * (scale * gl.exp(Gr.to(gl.float32)))[:, None]
+                y2T_s.store(gl.permute(y2, (1, 0)))
             o_ok = t0 + ro < eos
             orows = (t0 + ro).to(gl.int64) * H + hh
-            Go = gl.load(G_ptr + orows, mask=o_ok, other=0.0)
-            last = gl.minimum(t0 + BT, eos) - 1
-            GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
-            gate = gl.exp(gl.where(o_ok, (GL - Go).to(gl.float32), float("-inf")))  # exp(G_L - G), 0 past the sequence
+            if not PER_CHANNEL:
+                Go = gl.load(G_ptr + orows, mask=o_ok, other=0.0)
+                GL = gl.load(G_ptr + last.to(gl.int64) * H + hh)
+                gate = gl.exp(gl.where(o_ok, (GL - Go).to(gl.float32), float("-inf")))  # exp(G_L - G), 0 past the sequence
             offs = orows[:, None] * V + (jv * BV + vcol)[None, :]
             # lint: allow TP001 -- the addend joins the accumulator in its own layout; rows past the sequence masked
             add = gl.load(add_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32)
 
             aS = warpgroup_mma_wait(0, deps=[aS])
             if BACKWARD:
-                out = add + aS * gate[:, None]
+                if PER_CHANNEL:
+                    out = add + aS  # the gate is in A
+                else:
+                    out = add + aS * gate[:, None]
                 y1 = -out  # the update accumulates W^T (-dVn)
             else:
                 out = add - aS
-                y1 = out * gate[:, None]
+                if PER_CHANNEL:
+                    y1 = out  # the gate is in X1
+                else:
+                    y1 = out * gate[:, None]
             # rows past the sequence are 0 in Y by select, not by the gate's 0 alone: their A rows are
             # the next sequence's, and a non-finite value there would survive a product with 0
             y1 = gl.where(o_ok[:, None], y1, 0.0)
@@ -583,7 +630,11 @@ if _GLUON_ERROR is None:
                 nxt = t0 - BT if BACKWARD else t0 + BT
                 mbarrier.expect(bar, a_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(a_desc, [nxt, hh * K], bar, a_s)
-            upd = warpgroup_mma(x1T_s, y1T_s.permute((1, 0)), S * gl.exp(GL.to(gl.float32)), is_async=True)
+            if PER_CHANNEL:  # G_L along S's rows
+                S = S * gl.exp(gl.load(G_ptr + (last.to(gl.int64) * H + hh) * K + kr).to(gl.float32))[:, None]
+            else:
+                S = S * gl.exp(GL.to(gl.float32))
+            upd = warpgroup_mma(x1T_s, y1T_s.permute((1, 0)), S, is_async=True)
             if BACKWARD:
                 upd = warpgroup_mma(x2T_s, y2T_s.permute((1, 0)), upd, is_async=True)
             S = warpgroup_mma_wait(0, deps=[upd])
@@ -1396,13 +1447,15 @@ TF32_RECURRENCE_WARPS = 8
 _KERNEL_CHOICES = ("gluon", "triton")
 
 
-def _gluon_takes(stage: str, operands, G, input_dtype) -> bool:
+def _gluon_takes(stage: str, operands, G, input_dtype, per_channel: bool = False) -> bool:
     """Whether the Gluon tf32 kernels take backward stage `stage` on these operands: its products
-    tf32 (BACKWARD_PRODUCTS, per stage), every operand fp32, per-head gates (GDN's), on the GPU."""
+    tf32 (BACKWARD_PRODUCTS, per stage), every operand fp32, per-head gates (GDN's; per-channel
+    ones (KDA's) where the kernel has a PER_CHANNEL form, `per_channel`), on the GPU."""
     from tileport.ops.gdn import triton_kernels as tk
 
     tf32 = tk._products(input_dtype, True, stage)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
-    return tf32 and all(x.dtype == torch.float32 for x in operands) and G.dim() == 2 and G.is_cuda
+    gates = G.dim() == 2 or per_channel and G.dim() == 3
+    return tf32 and all(x.dtype == torch.float32 for x in operands) and gates and G.is_cuda
 
 
 def recurrence_kernel_for(stage: str, operands, G, input_dtype, pairs: int = 0) -> str:
@@ -1415,7 +1468,7 @@ def recurrence_kernel_for(stage: str, operands, G, input_dtype, pairs: int = 0) 
     choice = tk._checked(name, globals()[name], _KERNEL_CHOICES + (("auto",) if stage == "states" else ()))
     if choice == "triton" or choice == "auto" and pairs < TF32_STATES_MIN_PAIRS:
         return "triton"
-    return "gluon" if _gluon_takes(stage, operands, G, input_dtype) else "triton"
+    return "gluon" if _gluon_takes(stage, operands, G, input_dtype, per_channel=True) else "triton"
 
 
 def check_tf32_recurrence_launch(V: int) -> int:
@@ -1438,7 +1491,8 @@ def _launch_tf32_recurrence(a, x1, x2, y2, add, G, s0, s, out, sfin, plan, scale
         _tf32_recurrence_kernel[(plan.N * H, V // BV)](
             a_desc, x1, x2 if x2 is not None else x1, y2 if y2 is not None else add, add, G,
             s0 if s0 is not None else s, s, out, sfin if sfin is not None else s, plan.cu, plan.chunk_offsets, H,
-            float(scale), K, V, BV, s0 is not None, sfin is not None, backward, num_warps=TF32_RECURRENCE_WARPS)
+            float(scale), K, V, BV, s0 is not None, sfin is not None, backward, G.dim() == 3,
+            num_warps=TF32_RECURRENCE_WARPS)
 
 
 def chunk_states_recompute_gluon(k, w, u, G, h0, plan, output_final_state: bool, input_dtype=None,
@@ -1848,19 +1902,26 @@ def compile_cases():
         N = 8
         f32 = torch.float32
         for BV, warps in ((min(V, 64), 4), (min(V, 128), 8)):  # TF32_RECURRENCE_BV 64 and 128 (V = 64: 64 on 8 warps)
-            for backward in (False, True):
+            # GDN's per-head gates (fp64) and KDA's per-channel ones (PER_CHANNEL, G in fp32 as KDA's
+            # backward of 16-bit inputs stores it)
+            for backward, per_channel in itertools.product((False, True), (False, True)):
                 adesc = descriptor_stand_in([Ntok, H * K], f32, [BT, K], _smem_layout([BT, K], f32))
+                G = TensorStandIn([Ntok, H, K], f32) if per_channel else TensorStandIn([Ntok, H], torch.float64)
                 args = dict(a_desc=adesc, x1_ptr=TensorStandIn([Ntok, H, K], f32),
                             x2_ptr=TensorStandIn([Ntok, H, K], f32), y2_ptr=TensorStandIn([Ntok, H, V], bf),
-                            add_ptr=TensorStandIn([Ntok, H, V], f32), G_ptr=TensorStandIn([Ntok, H], torch.float64),
+                            add_ptr=TensorStandIn([Ntok, H, V], f32), G_ptr=G,
                             s0_ptr=TensorStandIn([N, H, K, V], f32), s_ptr=TensorStandIn([NC, H, K, V], f32),
                             out_ptr=TensorStandIn([Ntok, H, V], f32), sfin_ptr=TensorStandIn([N, H, K, V], f32),
                             cu_ptr=TensorStandIn([N + 1], torch.int32), choff_ptr=TensorStandIn([N + 1], torch.int32),
-                            H=H, scale=0.1, K=K, V=V, BV=BV, HAS_S0=True, STORE_FINAL=True, BACKWARD=backward)
-                cases.append(CompileCase(name=f"gdn_{'dstates' if backward else 'states_recompute'}_K{K}_V{V}_BV{BV}_w{warps}",
+                            H=H, scale=0.1, K=K, V=V, BV=BV, HAS_S0=True, STORE_FINAL=True, BACKWARD=backward,
+                            PER_CHANNEL=per_channel)
+                op = ("kda" if per_channel else "gdn") + ("_dstates" if backward else "_states_recompute")
+                cases.append(CompileCase(name=f"{op}_K{K}_V{V}_BV{BV}_w{warps}",
                                          kernel=_tf32_recurrence_kernel, args=args, num_warps=warps,
                                          expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
                                                      "cp.async.bulk.tensor", "mbarrier.try_wait"],
-                                         expect_max_spills=0 if warps == 8 else 16,  # sm_90a: 8 B at K = 128, 4 warps
+                                         # sm_90a at K = 128 on 4 warps: GDN 8 B, KDA (per-channel gates held beside
+                                         # the tiles) 48-56 B; 8 warps (the default launch) none
+                                         expect_max_spills=0 if warps == 8 else 64 if per_channel else 16,
                                          expect_max_shared=SMEM_PER_SM))
     return cases

@@ -10,8 +10,8 @@ of `_kda_output_wgmma_kernel` here (two per SM: 96 KB of shared memory at K = V 
 Triton's 1.998, the kernel ~0.34 ms per forward against ~0.78 for Triton's whole-chunk launch
 (torch profiler); a persistent form with two TMA buffer sets, one program per SM, took ~0.47 (1.699
 ms forward) and was removed (docs/perf/kda.md row 14). The backward is Triton's
-(`kda_backward_triton`) until its recurrences get the per-channel switch of GDN's
-`_tf32_recurrence_kernel` (docs/perf/kda.md, "A Gluon backend").
+(`kda_backward_triton`) with its two state recurrences on GDN's `_tf32_recurrence_kernel` in
+its PER_CHANNEL form (docs/perf/kda.md row 17).
 
 Per chunk, with d = G - G_m (m the chunk's middle row, fp32) and factors that are finite where the
 chunk is not flagged (|d| <= 60):
@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from tileport.memory import new_empty
-from tileport.ops.gdn.gluon_kernels import SMEM_PER_SM, _GLUON_ERROR, _smem_layout, chunk_tile_descriptors
+from tileport.ops.gdn.gluon_kernels import (SMEM_PER_SM, _GLUON_ERROR, _smem_layout, chunk_dstates_gluon,
+                                            chunk_states_recompute_gluon, chunk_tile_descriptors)
 from tileport.ops.kda import triton_kernels as kk
 
 if _GLUON_ERROR is None:
@@ -159,8 +160,12 @@ def kda_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state
                                  cu_seqlens, output=chunk_output_kda_gluon)
 
 
-# the backward is Triton's (the module docstring says what a Gluon one would take)
-kda_backward_gluon = kk.kda_backward_triton
+def kda_backward_gluon(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """Triton's backward with its two state recurrences (the recompute's stage 5 and stage 8) on
+    GDN's Gluon tf32 recurrence kernel in its PER_CHANNEL form, where that kernel takes them
+    (`gdn.gluon_kernels.recurrence_kernel_for`: tf32 products on fp32 operands; Triton's otherwise)."""
+    return kk.kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
+                                  cu_seqlens, states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon)
 
 
 # --------------------------------------------------------------------------------------------
