@@ -22,7 +22,7 @@ import cuda.tile as ct
 import torch
 
 from tileport.cutile_support import CutileCompileCase, array_spec, launch, list_spec, scalar_spec
-from tileport.memory import new_empty
+from tileport.memory import device_table, new_empty
 from tileport.shapes import cdiv
 
 BM, BN, BK = 128, 128, 64
@@ -75,7 +75,7 @@ def _items(rows_per_group: list[int], device) -> tuple[torch.Tensor, int]:
     """[n, 2] int32 (group, row tile of its output, BM rows each) on the device (a placeholder
     row when n = 0), and n."""
     items = [(g, t) for g, r in enumerate(rows_per_group) for t in range(cdiv(r, BM))]
-    return torch.tensor(items or [(0, 0)], dtype=torch.int32).to(device), len(items)
+    return device_table(items or [(0, 0)], torch.int32, device), len(items)
 
 
 def grouped_gemm_forward_cutile(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tileport.devices import sm_count
-from tileport.memory import new_empty
+from tileport.memory import device_table, new_empty
 from tileport.ops.grouped_gemm import triton_kernels
 from tileport.shapes import cdiv
 from tileport.triton_rows import ensure_descriptor_allocator
@@ -250,9 +250,9 @@ def grouped_gemm_forward_gluon(a: list[torch.Tensor], b: list[torch.Tensor]) -> 
     if not tiles:  # (K = 0 and N = 0 never reach a backend: the op's entry point answers them)
         return c
     starts = [sum(Ms[:g]) for g in range(len(a))]
-    table = torch.tensor([[a[g].data_ptr(), b[g].data_ptr(), starts[g], Ms[g]] for g in range(len(a))],
-                         dtype=torch.int64).to(c.device)
-    tiles_t = torch.tensor(tiles, dtype=torch.int32).to(c.device)
+    table = device_table([[a[g].data_ptr(), b[g].data_ptr(), starts[g], Ms[g]] for g in range(len(a))], torch.int64,
+                         c.device)
+    tiles_t = device_table(tiles, torch.int32, c.device)
     n_items = len(tiles) * cdiv(N, BN)
     ensure_descriptor_allocator()  # the device-side descriptors' scratch
     _grouped_gemm_fwd_kernel[(min(n_items, sm_count(c.device)),)](

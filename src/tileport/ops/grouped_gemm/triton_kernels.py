@@ -29,7 +29,7 @@ from tileport.autotuning import tuned
 from tileport.devices import capability
 from tileport.dispatch import interpreter_enabled
 from tileport.shapes import cdiv, next_pow2
-from tileport.memory import new_empty
+from tileport.memory import device_table, new_empty
 from tileport.triton_rows import _interpreting, ensure_descriptor_allocator
 
 # The row tile and the band are fixed on the host (the tile table is built from BM); the column
@@ -172,12 +172,11 @@ def _launch(a_addrs, b_addrs, c_addrs, Ms, Ks, Np, strides, like: torch.Tensor, 
     cfg = gemm_config(device)
     BM = cfg["BM"]
     G = len(Ms)
-    table = torch.tensor([[a_addrs[g], b_addrs[g], c_addrs[g], Ms[g], Ks[g]] for g in range(G)],
-                         dtype=torch.int64).to(device)
+    table = device_table([[a_addrs[g], b_addrs[g], c_addrs[g], Ms[g], Ks[g]] for g in range(G)], torch.int64, device)
     tiles = [(g, t) for g in range(G) for t in range(cdiv(Ms[g], BM))]
     if not tiles or Np == 0:
         return
-    tiles_t = torch.tensor(tiles, dtype=torch.int32).to(device)
+    tiles_t = device_table(tiles, torch.int32, device)
     if use_desc:
         ensure_descriptor_allocator()
     sam, sak, sbk, sbn, scm = strides
