@@ -12,9 +12,10 @@ the default forms (torch profiler; never taken before the thirteenth session). "
 forward on the gluon backend against Triton's, and its per-kernel times. "fused": the backward with
 9b's and 10b's whole-chunk routes fused into 9 and 10 or not (BACKWARD_FUSED_PAIRS), and its kernels.
 "gluon-backward": the gluon backend's backward (its state recurrences in Gluon) against Triton's.
+"dv-local": the gluon backward with stage 7's whole chunks in 64 value columns or all (DV_LOCAL_WHOLE_BV).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -211,3 +212,25 @@ if "gluon-backward" in SECTIONS and dev == "cuda":
             print(f"kda backward gates={name:10} {tag:8}: {ms:.3f} ms, worst gradient vs triton {err:.2e}", flush=True)
     kernel_table(lambda: kg.kda_backward_gluon(do, None, q, k, v, gates["logsigmoid"], beta, K ** -0.5, None, True,
                                                None), "kda backward, gluon (logsigmoid gates)", calls=3, rows=16)
+
+# "dv-local": the gluon backend's backward with stage 7's whole chunks in blocks of 64 value columns
+# or on one program per chunk (DV_LOCAL_WHOLE_BV, kda.md row 18), same inputs, and its kernels
+if "dv-local" in SECTIONS and dev == "cuda":
+    from tileport.ops.kda import gluon_kernels as kg
+
+    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    default_dv_bv = kk.DV_LOCAL_WHOLE_BV
+    args = (do, None, q, k, v, gates["logsigmoid"], beta, K ** -0.5, None, True, None)
+    base = None
+    for bv in (64, 128):
+        kk.DV_LOCAL_WHOLE_BV = bv
+        grads = kg.kda_backward_gluon(*args)
+        base = grads if base is None else base
+        err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                  for a, b in zip(grads[:5], base[:5]))
+        ms = triton.testing.do_bench(lambda: kg.kda_backward_gluon(*args), warmup=3, rep=20, return_mode="median")
+        print(f"kda backward (gluon) gates=logsigmoid DV_LOCAL_WHOLE_BV {bv:3}: {ms:.3f} ms, worst gradient vs 64 "
+              f"{err:.2e}", flush=True)
+        kernel_table(lambda: kg.kda_backward_gluon(*args), f"kda backward (gluon), DV_LOCAL_WHOLE_BV {bv}", calls=3,
+                     rows=10)
+    kk.DV_LOCAL_WHOLE_BV = default_dv_bv

@@ -38,6 +38,8 @@ FORMS = {
     "gate-sums-fp64": dict(GATE_SUMS_16BIT="fp64"),
     # 9b's and 10b's whole-chunk routes as their own launches (before the fifteenth session)
     "pairs-unfused": dict(BACKWARD_FUSED_PAIRS=()),
+    # stage 7's whole chunks in blocks of 64 value columns (before the fifteenth session)
+    "dv-local-whole-bv64": dict(DV_LOCAL_WHOLE_BV=64),
 }
 
 

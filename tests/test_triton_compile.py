@@ -328,6 +328,9 @@ def _kda_backward_cases():
     # DIAGONAL_FORM "chunk": each kernel's two routes on the recompute's flags (the whole chunks on
     # WHOLE_CHUNK_WARPS; their static returns and whole-chunk helpers must lower)
     flags = dict(FACTORED=True, flags_ptr=T([NC, H], torch.int8))
+    yield "kda dv_local whole BV128", kk._kda_dv_local_kernel, dict(  # DV_LOCAL_WHOLE_BV 128: one program per chunk
+        q_ptr=tok(K), k_ptr=tok(K), G_ptr=tok(K), do_ptr=tok(V, bf), dvl_ptr=tok(V), chunks_ptr=ch, H=H, scale=0.1,
+        K=K, V=V, BK=BK, BV=128, NV=V // 128, BT=64, CHUNKS="whole", **flags, **prec)
     for route in ("whole", "flagged"):
         yield f"kda dv_local {route}", kk._kda_dv_local_kernel, dict(
             q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, do_ptr=tok(V, bf), dvl_ptr=tok(V), chunks_ptr=ch, H=H, scale=0.1,
@@ -371,7 +374,7 @@ def test_kda_backward_compiles_for_sm90a(case):
     name, fn, args = case
     from tileport.ops.kda import triton_kernels as kk
 
-    warps = (kk.WHOLE_CHUNK_WARPS if name.endswith(" whole") else
+    warps = (kk.WHOLE_CHUNK_WARPS if name.endswith(" whole") or " whole " in name else
              (kk._LAUNCH_CHUNK if name.startswith(("kda dqkwg", "kda wy_bwd")) else kk._LAUNCH_BACKWARD)["num_warps"])
     report = compile_case(CompileCase(name, fn, args, num_warps=warps, options={"num_stages": 1}))
     print(f"\n{report.summary()}")

@@ -75,7 +75,7 @@ from tileport.ops.gdn.triton_kernels import (
     make_plan,
     triton_refusal,
 )
-from tileport.shapes import cdiv
+from tileport.shapes import cdiv, next_pow2
 
 __all__ = ["kda_forward_triton", "kda_backward_triton", "chunk_output_kda", "triton_refusal"]
 
@@ -955,6 +955,10 @@ _LAUNCH_CHUNK = dict(num_warps=8)
 # 3.40 of 11.7, with 9's and 10's fp32 partials [Ntok, H, K] written, read and rewritten between
 # them (docs/perf/kda.md rows 15 and 16).
 BACKWARD_FUSED_PAIRS = ("9b", "10b")
+# Stage 7's block of value columns on its whole-chunk route: 64 (two programs per chunk and head at
+# V = 128, each forming the chunk's P^T from q, k and G again) or 128 (one: those reads halved; a
+# [64, 128] accumulator). sm_90a, K = V = 128, 8 warps: see tests/test_triton_compile.py.
+DV_LOCAL_WHOLE_BV = 128
 _FUSABLE_PAIRS = ("9b", "10b")
 
 
@@ -973,8 +977,16 @@ def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype
     dvl = new_empty((Ntok, H, V), _F32, q.device)
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
-        _by_route(_kda_dv_local_kernel, (plan.NC * NV, H), (q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, BV, NV,
-                                                          BT, PREC, DT, DA, _factored_diagonal()), span_flags)
+
+        def args(bv: int) -> tuple:
+            return (q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, bv, cdiv(V, bv), BT, PREC, DT, DA,
+                    _factored_diagonal())
+
+        if span_flags is not None:  # the whole chunks on their own block of value columns
+            BVW = max(16, min(DV_LOCAL_WHOLE_BV, next_pow2(V)))
+            _kda_dv_local_kernel[(plan.NC * cdiv(V, BVW), H)](*args(BVW), CHUNKS="whole", flags_ptr=span_flags,
+                                                              num_warps=WHOLE_CHUNK_WARPS)
+        _by_route(_kda_dv_local_kernel, (plan.NC * NV, H), args(BV), span_flags, whole=False)
     return dvl
 
 

@@ -1,0 +1,43 @@
+"""Small KDA calls on the gluon backend for compute-sanitizer memcheck and racecheck (issue 6 asks
+for racecheck clean): the forward's Gluon output kernel (`_kda_output_wgmma_kernel`, whole
+chunks) and the backward's two state recurrences on GDN's `_tf32_recurrence_kernel` in its
+PER_CHANNEL form (the recompute forced onto it: BACKWARD_STATES "gluon"), at TF32_RECURRENCE_BV
+128 on 8 warps (the default) and 64 on 4.
+
+    python3 scripts/sanitize_kda.py [quick]
+
+A dense batch with a ragged T (a partial last chunk) and a varlen batch with a length-1 and an
+empty sequence, K = V = 64 and 128, gates whose chunks take both routes of the output (some
+channels steep enough that stage 3 flags their chunks), forward and backward.
+"""
+
+import sys
+
+import torch
+
+import tileport
+from tileport.dispatch import use_backend
+from tileport.ops.gdn import gluon_kernels as gdn_gluon
+
+torch.manual_seed(0)
+quick = "quick" in sys.argv[1:]
+cases = [dict(B=2, T=130, H=2, K=64, cu=None), dict(B=1, T=200, H=2, K=128, cu=[0, 1, 70, 70, 200])]
+if not quick:
+    cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
+gdn_gluon.BACKWARD_STATES = "gluon"
+for bv, warps in ((128, 8), (64, 4)):
+    gdn_gluon.TF32_RECURRENCE_BV, gdn_gluon.TF32_RECURRENCE_WARPS = bv, warps
+    for c in cases:
+        B, T, H, K = c["B"], c["T"], c["H"], c["K"]
+        dev, bf = "cuda", torch.bfloat16
+        q, k, v = (torch.randn(B, T, H, K, device=dev, dtype=bf, requires_grad=True) for _ in range(3))
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=dev))
+        g[:, : T // 3, 0, : K // 4] = -25.0  # steep channels on head 0: its early chunks flagged
+        g.requires_grad_()
+        beta = torch.rand(B, T, H, device=dev, dtype=bf, requires_grad=True)
+        cu = torch.tensor(c["cu"], device=dev, dtype=torch.int32) if c["cu"] else None
+        with use_backend("gluon", op="kda"):
+            o, _ = tileport.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+            o.backward(torch.randn_like(o))
+        torch.cuda.synchronize()
+        print(f"gluon recurrences BV{bv} {warps}w B={B} T={T} H={H} K={K} varlen={cu is not None}: ok")
