@@ -71,6 +71,17 @@ def kernel_table(fn, title: str, calls: int = 5, rows: int = 12) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows), flush=True)
 
 
+def timed_gradients(fn, base):
+    """(gradients, ms, err): fn()'s gradients, its do_bench median (nan off the GPU), and the worst
+    normwise distance of its five gradients from base's (from its own, 0, when base is None)."""
+    grads = fn()
+    ref = grads if base is None else base
+    err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+              for a, b in zip(grads[:5], ref[:5]))
+    ms = triton.testing.do_bench(fn, warmup=3, rep=20, return_mode="median") if dev == "cuda" else float("nan")
+    return grads, ms, err
+
+
 def fwd(g):
     return kk.kda_forward_triton(q, k, v, g, beta, K ** -0.5, None, False, True, None)[0]
 
@@ -121,11 +132,8 @@ for name, g in gates.items() if "backward" in SECTIONS else ():
         def bwd():
             return kk.kda_backward_triton(do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
 
-        grads = bwd()
+        grads, ms, err = timed_gradients(bwd, base)
         base = grads if base is None else base
-        err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-                  for a, b in zip(grads[:5], base[:5]))
-        ms = triton.testing.do_bench(bwd, warmup=3, rep=20, return_mode="median") if dev == "cuda" else float("nan")
         print(f"kda backward gates={name:10} diagonal {tag:24}: {ms:.3f} ms, worst gradient vs exact {err:.2e}",
               flush=True)
 kk.DIAGONAL_FORM, kk.BACKWARD_WHOLE_CHUNKS, kk._LAUNCH_BACKWARD = default_form, default_whole, launch
@@ -170,11 +178,8 @@ if "fused" in SECTIONS:
             def bwd():
                 return kk.kda_backward_triton(do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
 
-            grads = bwd()
+            grads, ms, err = timed_gradients(bwd, base)
             base = grads if base is None else base
-            err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-                      for a, b in zip(grads[:5], base[:5]))
-            ms = triton.testing.do_bench(bwd, warmup=3, rep=20, return_mode="median") if dev == "cuda" else float("nan")
             tag = "+".join(pairs) or "unfused"
             print(f"kda backward gates={name:10} pairs fused {tag:8}: {ms:.3f} ms, worst gradient vs unfused {err:.2e}",
                   flush=True)
@@ -205,10 +210,7 @@ if "gluon-backward" in SECTIONS and dev == "cuda":
         args = (do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
         base = kk.kda_backward_triton(*args)
         for tag, fn in (("triton", kk.kda_backward_triton), ("gluon", kg.kda_backward_gluon)):
-            grads = fn(*args)
-            err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-                      for a, b in zip(grads[:5], base[:5]))
-            ms = triton.testing.do_bench(lambda: fn(*args), warmup=3, rep=20, return_mode="median")
+            _, ms, err = timed_gradients(lambda: fn(*args), base)
             print(f"kda backward gates={name:10} {tag:8}: {ms:.3f} ms, worst gradient vs triton {err:.2e}", flush=True)
     kernel_table(lambda: kg.kda_backward_gluon(do, None, q, k, v, gates["logsigmoid"], beta, K ** -0.5, None, True,
                                                None), "kda backward, gluon (logsigmoid gates)", calls=3, rows=16)
@@ -224,11 +226,8 @@ if "dv-local" in SECTIONS and dev == "cuda":
     base = None
     for bv in (64, 128):
         kk.DV_LOCAL_WHOLE_BV = bv
-        grads = kg.kda_backward_gluon(*args)
+        grads, ms, err = timed_gradients(lambda: kg.kda_backward_gluon(*args), base)
         base = grads if base is None else base
-        err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-                  for a, b in zip(grads[:5], base[:5]))
-        ms = triton.testing.do_bench(lambda: kg.kda_backward_gluon(*args), warmup=3, rep=20, return_mode="median")
         print(f"kda backward (gluon) gates=logsigmoid DV_LOCAL_WHOLE_BV {bv:3}: {ms:.3f} ms, worst gradient vs 64 "
               f"{err:.2e}", flush=True)
         kernel_table(lambda: kg.kda_backward_gluon(*args), f"kda backward (gluon), DV_LOCAL_WHOLE_BV {bv}", calls=3,
