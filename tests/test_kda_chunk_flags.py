@@ -204,7 +204,7 @@ def test_stage9_with_9b_fused_matches_9_then_9b(kind, device, seed, monkeypatch)
     want = kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, 0.125, plan, torch.bfloat16)
     kk.chunk_dp_apply_kda(want[4], q, k, G, want[0], want[1], want[3], plan, torch.bfloat16, span_flags=flags)
     got = kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, 0.125, plan, torch.bfloat16, span_flags=flags,
-                             pairs=True)
+                             fuse_9b=True)
     kk.chunk_dp_apply_kda(got[4], q, k, G, got[0], got[1], got[3], plan, torch.bfloat16, span_flags=flags,
                           whole=False)
     for name, a, b in zip(("dQ", "dK'", "dW", "dG'"), got, want):
@@ -223,15 +223,28 @@ def test_stage10_with_10b_fused_matches_10_then_10b(kind, device, seed):
     w, dw, dkp, dGp = (torch.randn(T, H, K) for _ in range(4))
     k, v, beta, Ai, w, u, dw, dvn = (x.to(device) for x in (k, v, beta, Ai, w, u, dw, dvn))
     flags = _route_flags(kind, plan, H, device)
-    dtypes = (torch.float32, torch.bfloat16, torch.float32)  # dk, dbeta, dg
+    # dk, dbeta, dg in fp32: the fused route sums dbeta's terms in another order, and a bf16 dbeta
+    # could round one element a step apart (2e-4 normwise), which is not what this test is about
+    dtypes = (torch.float32, torch.float32, torch.float32)
 
     def run(fused: bool):
         dk_, dG_ = dkp.clone().to(device), dGp.clone().to(device)
-        out = kk._da_apply_outputs(k, *dtypes) if fused else None
+        outputs_10b = kk._da_apply_outputs(k, *dtypes) if fused else None
         da, dbp, dv = kk.chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk_, dG_, plan, torch.bfloat16,
-                                          torch.bfloat16, span_flags=flags, final=out)
+                                          torch.bfloat16, span_flags=flags, outputs_10b=outputs_10b)
         return (dv, *kk.chunk_da_apply_kda(da, k, beta, G, dk_, dG_, dbp, plan, *dtypes, torch.bfloat16,
-                                           span_flags=flags, out=out))
+                                           span_flags=flags, outputs_10b=outputs_10b))
 
     for name, a, b in zip(("dv", "dk", "dbeta", "dg"), run(True), run(False)):
         _same(a, b, f"10 with 10b fused ({kind} chunks): {name}")
+
+
+def test_fused_stages_need_the_flags(device):
+    from tileport.ops.kda import triton_kernels as kk
+
+    plan, q, k, G, M = _pair_inputs(device)
+    with pytest.raises(ValueError, match="fuse_9b needs span_flags"):
+        kk.chunk_dqkwg_kda(q, k, G, None, None, None, None, None, 0.125, plan, torch.bfloat16, fuse_9b=True)
+    with pytest.raises(ValueError, match="outputs_10b needs span_flags"):
+        kk.chunk_wy_bwd_kda(k, k, None, G, M, k, k, k, k, k, k, plan, torch.bfloat16, torch.bfloat16,
+                            outputs_10b=(k, k, k))

@@ -53,9 +53,11 @@ def test_recurrences_run_where_the_gluon_kernel_takes_them(case_id, gluon_runs, 
     assert (seen[:2] == [False, True]) if gluon_runs else not seen, (case_id, seen)
 
 
-def test_gluon_backward_plumbing_on_the_cpu():
-    """kda_backward_gluon hands its recurrences to Triton's where the Gluon kernel does not take
-    them (here: CPU tensors, under the interpreter) and gives Triton's gradients, bitwise."""
+def test_gluon_backward_falls_back_to_triton_off_the_gpu():
+    """Plumbing only: kda_backward_gluon's stage parameters reach Triton's backward and, where the
+    Gluon kernel does not take the recurrences (here: CPU tensors, under the interpreter), give
+    Triton's gradients bitwise. The Gluon path itself is checked on the GPU by the gate's cases and
+    test_recurrences_run_where_the_gluon_kernel_takes_them."""
     from tileport.dispatch import interpreter_enabled
     from tileport.ops.kda import gluon_kernels, triton_kernels
 

@@ -47,12 +47,12 @@ def new_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 def device_table(rows, dtype: torch.dtype, device) -> torch.Tensor:
     """A small host-built table (a kernel's group or tile list) on `device`, without a stream sync:
-    built in pinned memory and copied with non_blocking=True. A copy from pageable memory first
-    waits for the stream's earlier work (CUDA's rule for pageable host-to-device copies), so each
-    call of a grouped kernel waited for the previous call to finish before it could launch (the
-    GPU idle for the host's Python and launch time: docs/perf/llm_ops.md row 6). torch's caching
-    host allocator keeps the pinned block until the copy has run. Not a buffer a kernel writes:
-    never poisoned."""
+    built in pinned memory and copied with non_blocking=True. `torch.tensor(...).to(device)` is a
+    blocking copy from pageable memory: the host waits for the stream's earlier work, so each call
+    of a grouped kernel waited for the previous call to finish before it could launch (the GPU
+    idle for the host's Python and launch time: docs/perf/llm_ops.md row 6). torch's caching host
+    allocator keeps the pinned block until the copy has run. Not a buffer a kernel writes: never
+    poisoned."""
     device = torch.device(device)
     if device.type != "cuda":
         return torch.tensor(rows, dtype=dtype, device=device)

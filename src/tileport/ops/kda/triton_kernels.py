@@ -692,8 +692,10 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
     if PAIRS:
         dpl = tl.where(lower, dp * scale, 0.0)
         dp_slice = dp_ptr + kb.to(tl.int64) * dp_stride
-        tl.store(dp_slice + row[:, None] * BT + r[None, :], dpl, mask=valid[:, None])
-        if tl.load(flags_ptr + c * H + hh) == 0:
+        whole = tl.load(flags_ptr + c * H + hh) == 0
+        # read back here by an unflagged chunk's every block; a flagged chunk's slice 0 by 9b's launch
+        tl.store(dp_slice + row[:, None] * BT + r[None, :], dpl, mask=valid[:, None] & (whole | (kb == 0)))
+        if whole:
             tl.debug_barrier()  # every warp's rows of dP stored before any warp reads its columns
             R, C = _gated_pair_chunk(dp_slice, k_ptr, q_ptr, q_ptr, G_ptr, bos, eos, H, hh, kc, K, BT, PREC, DT, DA,
                                      False)
@@ -790,6 +792,13 @@ def _gated_pair_chunk(m_ptr, x_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, H, hh, kc, K
     return R, C
 
 
+# lint: allow-function TP001 -- a [64, CB] block of G [T, H, K]: a TMA port belongs to the Gluon backend (issue 6)
+@triton.jit
+def _exp_gates(G_ptr, offs, mask):
+    """exp(G) at offs, 0 where mask is off."""
+    return tl.exp(tl.where(mask, tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float32), float("-inf")))
+
+
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
 @triton.jit
 def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr,
@@ -828,7 +837,7 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
         dA -= _mm(dxw, tl.trans(tl.load(w_ptr + offs, mask=mc, other=0.0).to(tl.float32)), PREC, DT, DA)
         if flagged:
             k = tl.load(k_ptr + offs, mask=mc, other=0.0).to(tl.float32)
-            egx = tl.exp(tl.where(mc, tl.load(G_ptr + offs, mask=mc, other=0.0).to(tl.float32), float("-inf"))) * dxw
+            egx = _exp_gates(G_ptr, offs, mc) * dxw
             kdx += tl.sum(k * egx, 1)
             tl.store(dkp_ptr + offs, tl.load(dkp_ptr + offs, mask=mc, other=0.0) + beta[:, None] * egx, mask=mc)
             tl.store(dGp_ptr + offs, tl.load(dGp_ptr + offs, mask=mc, other=0.0) + beta[:, None] * k * egx, mask=mc)
@@ -856,8 +865,8 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
             cc = cb + tl.arange(0, CB)
             mc = valid[:, None] & (cc < K)[None, :]
             offs = row[:, None] * K + cc[None, :]
-            dxw = _mm(Tt, tl.load(dw_ptr + offs, mask=mc, other=0.0), PREC, DT, DA)
-            egx = tl.exp(tl.where(mc, tl.load(G_ptr + offs, mask=mc, other=0.0).to(tl.float32), float("-inf"))) * dxw
+            # dXw again for this block (dW's block from L2): holding both blocks' dXw spilled
+            egx = _exp_gates(G_ptr, offs, mc) * _mm(Tt, tl.load(dw_ptr + offs, mask=mc, other=0.0), PREC, DT, DA)
             R, C = _gated_pair_chunk(da_ptr, k_ptr, k_ptr, beta_ptr, G_ptr, bos, eos, H, hh, cc, K, BT, PREC, DT,
                                      DA, True)
             kr += _da_apply_rows(k_ptr, beta_ptr, dkp_ptr, dGp_ptr, dk_ptr, dg_ptr, R + egx, C,
@@ -982,44 +991,48 @@ def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype
             return (q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, bv, cdiv(V, bv), BT, PREC, DT, DA,
                     _factored_diagonal())
 
-        if span_flags is not None:  # the whole chunks on their own block of value columns
-            BVW = max(16, min(DV_LOCAL_WHOLE_BV, next_pow2(V)))
-            _kda_dv_local_kernel[(plan.NC * cdiv(V, BVW), H)](*args(BVW), CHUNKS="whole", flags_ptr=span_flags,
-                                                              num_warps=WHOLE_CHUNK_WARPS)
-        _by_route(_kda_dv_local_kernel, (plan.NC * NV, H), args(BV), span_flags, whole=False)
+        # the whole chunks on their own block of value columns
+        BVW = max(16, min(_checked("DV_LOCAL_WHOLE_BV", DV_LOCAL_WHOLE_BV, (16, 32, 64, 128)), next_pow2(V)))
+        _by_route(_kda_dv_local_kernel, (plan.NC * NV, H), args(BV), span_flags,
+                  whole_launch=((plan.NC * cdiv(V, BVW), H), args(BVW)))
     return dvl
 
 
-def _by_route(kernel, grid, args, span_flags, whole: bool = True):
+def _by_route(kernel, grid, args, span_flags, whole: bool = True, whole_launch=None):
     """One of the backward's block kernels (7, 9b, 10b) over every chunk by 16-row blocks (span_flags
     None), or twice on the recompute's flags (DIAGONAL_FORM "chunk"): the unflagged chunks whole
-    (CHUNKS "whole", on WHOLE_CHUNK_WARPS; not when `whole` is False: 9 or 10 took them, see
-    BACKWARD_FUSED_PAIRS), then the flagged ones by blocks."""
+    (CHUNKS "whole", on WHOLE_CHUNK_WARPS; whole_launch: its own (grid, args), else grid and args;
+    not when `whole` is False: 9 or 10 took them, see BACKWARD_FUSED_PAIRS), then the flagged ones
+    by blocks."""
     if span_flags is None:
         kernel[grid](*args, **_LAUNCH_BACKWARD)
         return
     if whole:
-        kernel[grid](*args, CHUNKS="whole", flags_ptr=span_flags, **dict(_LAUNCH_BACKWARD, num_warps=WHOLE_CHUNK_WARPS))
+        whole_grid, whole_args = whole_launch or (grid, args)
+        kernel[whole_grid](*whole_args, CHUNKS="whole", flags_ptr=span_flags,
+                           **dict(_LAUNCH_BACKWARD, num_warps=WHOLE_CHUNK_WARPS))
     kernel[grid](*args, CHUNKS="flagged", flags_ptr=span_flags, **_LAUNCH_BACKWARD)
 
 
 def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None,
-                    pairs: bool = False):
-    """9: fp32 partials dQ', dK', dW, dG' [Ntok, H, K] and dP [Ntok, H, 64]. pairs (with span_flags):
-    9b's whole-chunk pair terms fused here (BACKWARD_FUSED_PAIRS): the chunks the flags leave
-    unflagged come out with them added, and 9b launches only the flagged ones."""
+                    fuse_9b: bool = False):
+    """9: fp32 partials dQ', dK', dW, dG' [Ntok, H, K] and dP [Ntok, H, 64]. fuse_9b (needs
+    span_flags): 9b's whole-chunk pair terms fused here (BACKWARD_FUSED_PAIRS): the chunks the flags
+    leave unflagged come out with them added, and 9b launches only the flagged ones."""
+    if fuse_9b and span_flags is None:
+        raise ValueError("chunk_dqkwg_kda: fuse_9b needs span_flags (the recompute's per-chunk flags)")
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
     BKS, NK = _key_split(K)
     dq, dk, dw, dG = (new_empty((Ntok, H, K), _F32, q.device) for _ in range(4))
     # fused: one dP slice per block of key columns, each written by its own programs
-    dp = new_empty((NK if pairs else 1, Ntok, H, BT), _F32, q.device)
-    fused = dict(PAIRS=True, flags_ptr=span_flags, dp_stride=Ntok * H * BT) if pairs else {}
+    dp = new_empty((NK if fuse_9b else 1, Ntok, H, BT), _F32, q.device)
+    pair_args = dict(PAIRS=True, flags_ptr=span_flags, dp_stride=Ntok * H * BT) if fuse_9b else {}
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_dqkwg_kernel[(plan.NC * NK, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, dp, plan.chunks, H, scale,
-                                             K, V, BKS, BV, NV, BT, PREC, DT, DA, **fused, **_LAUNCH_CHUNK)
+                                             K, V, BKS, BV, NV, BT, PREC, DT, DA, **pair_args, **_LAUNCH_CHUNK)
     return dq, dk, dw, dG, dp[0]
 
 
@@ -1035,23 +1048,27 @@ def chunk_dp_apply_kda(dp, q, k, G, dq, dk, dG, plan, input_dtype: torch.dtype, 
 
 
 def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
-                     input_dtype: torch.dtype, span_flags=None, final=None):
+                     input_dtype: torch.dtype, span_flags=None, outputs_10b=None):
     """10a: (dA [Ntok, H, 64] fp32, dbeta' [Ntok, H] fp32, dv [Ntok, H, V] in dv_dtype); adds into dk, dG.
-    final: 10b's outputs (dk, dbeta, dg; `_da_apply_outputs`) where 10b's whole-chunk route is fused
-    here (span_flags given): the chunks they leave unflagged get their final values here, and
-    dA, dbeta', dk, dG are left as they were for them."""
+    outputs_10b: 10b's outputs (dk, dbeta, dg; `_da_apply_outputs`) where 10b's whole-chunk route is
+    fused here (needs span_flags): the chunks the flags leave unflagged get their final values in
+    them here; for those chunks dA is still written (this kernel reads it back), dbeta' is not
+    written at all, and 9's partials dk, dG are read but left as they were."""
+    if outputs_10b is not None and span_flags is None:
+        raise ValueError("chunk_wy_bwd_kda: outputs_10b needs span_flags (the recompute's per-chunk flags)")
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
     da = new_empty((Ntok, H, BT), _F32, k.device)
     dbp = new_empty((Ntok, H), _F32, k.device)
     dv = _out((Ntok, H, V), dv_dtype, k.device)
-    fused = {} if final is None else dict(PAIRS=True, flags_ptr=span_flags, dk_ptr=final[0], dbeta_ptr=final[1],
-                                          dg_ptr=final[2])
+    pair_args = {} if outputs_10b is None else dict(PAIRS=True, flags_ptr=span_flags, dk_ptr=outputs_10b[0],
+                                                    dbeta_ptr=outputs_10b[1], dg_ptr=outputs_10b[2])
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, da, dbp, dv, plan.chunks, H,
-                                         K, V, BK, BV, NV, BT, PREC, DT, DA, CB=min(BK, 64), **fused, **_LAUNCH_CHUNK)
+                                         K, V, BK, BV, NV, BT, PREC, DT, DA, CB=min(BK, 64), **pair_args,
+                                         **_LAUNCH_CHUNK)
     return da, dbp, _done(dv, dv_dtype)
 
 
@@ -1064,26 +1081,30 @@ def _da_apply_outputs(k, dk_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dty
 
 
 def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtype, dbeta_dtype: torch.dtype,
-                       dg_dtype: torch.dtype, input_dtype: torch.dtype, span_flags=None, out=None):
+                       dg_dtype: torch.dtype, input_dtype: torch.dtype, span_flags=None, outputs_10b=None):
     """10b: the final dk [Ntok, H, K], dbeta [Ntok, H] and dg [Ntok, H, K], each in the dtype asked
-    for; span_flags as 7's. out: the buffers 10 has already finished the unflagged chunks of (10b
-    fused into 10): only the flagged chunks are launched, into them."""
+    for; span_flags as 7's. outputs_10b: the buffers 10 has already finished the unflagged chunks of
+    (`chunk_wy_bwd_kda`'s): only the flagged chunks are launched here, into them."""
     Ntok, H, K = k.shape
-    dk, dbeta, dg = out if out is not None else _da_apply_outputs(k, dk_dtype, dbeta_dtype, dg_dtype)
+    dk, dbeta, dg = (outputs_10b if outputs_10b is not None else
+                     _da_apply_outputs(k, dk_dtype, dbeta_dtype, dg_dtype))
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _by_route(_kda_da_apply_kernel, (plan.NC, H), (da, k, beta, G, dkp, dGp, dbp, dk, dbeta, dg, plan.chunks, H, K,
                                                        _blocks(K, 1)[0], BT, PREC, DT, DA, _factored_diagonal()),
-                  span_flags, whole=out is None)
+                  span_flags, whole=outputs_10b is None)
     return _done(dk, dk_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
 
 def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                        states=chunk_states, dstates=chunk_dstates):
+                        states=None, dstates=None):
     """(dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype: recomputes the
     forward's stages 1-5 (T stored, fp32 intermediates), then 7, 8 (GDN's, per-channel), 9, 9b, 10, 10b.
     states, dstates: the recompute's stage 5 and stage 8 (another backend's, e.g. the gluon
-    backend's on GDN's Gluon recurrence kernel; `chunk_states`' and `chunk_dstates`' contracts)."""
+    backend's on GDN's Gluon recurrence kernel; `chunk_states`' and `chunk_dstates`' contracts; None:
+    those two)."""
+    states = states or chunk_states
+    dstates = dstates or chunk_dstates
     B, T, H, K = q.shape
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
@@ -1104,17 +1125,18 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
                               factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
                               g=g_in_3, span_flags=flags)
     h, vn, _ = states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
-    fused = _fused_pairs() if flags is not None else ()
+    fused_stages = _fused_pairs() if flags is not None else ()
     dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags)
     dh, dvn, dh0 = dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
     dq, dkp, dw, dGp, dp = chunk_dqkwg_kda(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt, span_flags=flags,
-                                           pairs="9b" in fused)
-    chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt, span_flags=flags, whole="9b" not in fused)
-    out = _da_apply_outputs(kn, _F32 if l2 else k.dtype, beta.dtype, g.dtype) if "10b" in fused else None
+                                           fuse_9b="9b" in fused_stages)
+    chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt, span_flags=flags, whole="9b" not in fused_stages)
+    outputs_10b = (_da_apply_outputs(kn, _F32 if l2 else k.dtype, beta.dtype, g.dtype) if "10b" in fused_stages
+                   else None)
     da, dbp, dv = chunk_wy_bwd_kda(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan, v.dtype, dt, span_flags=flags,
-                                   final=out)
+                                   outputs_10b=outputs_10b)
     dk, dbeta, dg = chunk_da_apply_kda(da, kn, bf, G, dkp, dGp, dbp, plan, _F32 if l2 else k.dtype, beta.dtype,
-                                       g.dtype, dt, span_flags=flags, out=out)
+                                       g.dtype, dt, span_flags=flags, outputs_10b=outputs_10b)
     if l2:
         dq = l2norm_bwd(qf, dq, q.dtype)
         dk = l2norm_bwd(kf, dk, k.dtype)
