@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import test_gdn_parity as parity  # a module import: pytest would collect imported test functions
 from test_gdn_parity import _one_thread  # noqa: F401 (autouse fixture)
+from standins import OnGPU
 
 from tileport.ops.gdn import DISPATCHER, explain_call
 
@@ -146,13 +147,6 @@ def test_backward_states_rule(monkeypatch):
     import torch
 
     from tileport.ops.gdn import gluon_kernels
-
-    class OnGPU:  # the checks read dtype, dim() and is_cuda only
-        def __init__(self, dtype, dim):
-            self.dtype, self._dim, self.is_cuda = dtype, dim, True
-
-        def dim(self):
-            return self._dim
 
     x, g = OnGPU(torch.float32, 3), OnGPU(torch.float64, 2)
     many = gluon_kernels.TF32_STATES_MIN_PAIRS

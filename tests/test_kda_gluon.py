@@ -13,6 +13,7 @@ import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
+from standins import OnGPU
 
 from tileport.ops.kda import DISPATCHER, explain_call
 
@@ -78,13 +79,6 @@ def test_per_channel_gates_take_the_gluon_recurrences(monkeypatch):
     """GDN's rule for its Gluon recurrences takes KDA's per-channel gates ([Ntok, H, K]) too, on the
     same terms: fp32 operands, tf32 products, on the GPU."""
     from tileport.ops.gdn import gluon_kernels as gdn_gluon
-
-    class OnGPU:  # the checks read dtype, dim() and is_cuda only
-        def __init__(self, dtype, dim):
-            self.dtype, self._dim, self.is_cuda = dtype, dim, True
-
-        def dim(self):
-            return self._dim
 
     x, g = OnGPU(torch.float32, 3), OnGPU(torch.float32, 3)
     monkeypatch.setattr(gdn_gluon, "BACKWARD_STATES", "gluon")

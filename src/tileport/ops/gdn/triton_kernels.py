@@ -664,14 +664,21 @@ def _not_this_route(CHUNKS: tl.constexpr, flags_ptr, c, H, hh):
     return other
 
 
+@triton.jit
+def _chunk_middle_gates(G_ptr, bos, eos, H, hh, kc, K: tl.constexpr, BT: tl.constexpr):
+    """G_m [len(kc)]: the gates of the chunk's middle row m (as `_chunk_gate_span` takes it) for
+    the key channels kc, in G's dtype; d = G - G_m are the whole-chunk forms' factors."""
+    m = bos + (tl.minimum(eos - bos, BT) - 1) // 2
+    return tl.load(G_ptr + (m.to(tl.int64) * H + hh) * K + kc, mask=kc < K, other=0.0)
+
+
 # lint: allow-function TP001,TP007 -- a [64, K] chunk tile of G [T, H, K] (fp64), as the solve kernels load it: varlen tails would need a descriptor per sequence
 @triton.jit
 def _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K: tl.constexpr, BT: tl.constexpr):
     """(d, G_m): d = G - G_m in fp32 for the key channels kc (all of them or a block; mk masks rows
     and channels), m the chunk's middle row as `_chunk_gate_span` takes it; G_m fp64 [len(kc)]
     (G = d + G_m to fp32's rounding, so a kernel need not load G again for exp(G))."""
-    m = bos + (tl.minimum(eos - bos, BT) - 1) // 2
-    Gm = tl.load(G_ptr + (m.to(tl.int64) * H + hh) * K + kc, mask=kc < K, other=0.0)
+    Gm = _chunk_middle_gates(G_ptr, bos, eos, H, hh, kc, K, BT)
     Gt = tl.load(G_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0)
     return tl.where(mk, (Gt - Gm[None, :]).to(tl.float32), 0.0), Gm
 

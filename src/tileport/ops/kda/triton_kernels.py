@@ -56,6 +56,7 @@ from tileport.ops.gdn.triton_kernels import (
     _blocks,
     _checked,
     _chunk_gate_offsets,
+    _chunk_middle_gates,
     _chunk_program,
     _done,
     _dot_types,
@@ -697,6 +698,8 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
         tl.store(dp_slice + row[:, None] * BT + r[None, :], dpl, mask=valid[:, None] & (whole | (kb == 0)))
         if whole:
             tl.debug_barrier()  # every warp's rows of dP stored before any warp reads its columns
+            # q, k and G loaded again (from L1/L2) rather than the ones above: using those spilled
+            # 16-28 B more per thread (sm_90a, K = V = 128); M^T from memory (see above)
             R, C = _gated_pair_chunk(dp_slice, k_ptr, q_ptr, q_ptr, G_ptr, bos, eos, H, hh, kc, K, BT, PREC, DT, DA,
                                      False)
             d = tl.sum(tl.where(r[:, None] == r[None, :], dpl, 0.0), 1)  # dP_tt
@@ -779,24 +782,39 @@ def _gated_pair_chunk(m_ptr, x_ptr, y_ptr, ys_ptr, G_ptr, bos, eos, H, hh, kc, K
     M from the chunk's [64, 64] rows at m_ptr (row t holds M_t), strictly lower; YSCALE: Y's rows
     scaled by ys_ptr's [Ntok, H] values first. The factors are finite; a kept term's two factors
     multiply back to its exact exponent, so no term is larger than the exact one."""
-    r = tl.arange(0, BT)
     valid, row, mk = _block_rows(bos, eos, 0, H, hh, kc, K, BT)
     d, _ = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
-    keep = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
-    M = tl.load(m_ptr + row[:, None] * BT + r[None, :], mask=keep, other=0.0)
-    R = _mm(M, _block_tile(x_ptr, row, mk, kc, K) * tl.exp(-d), PREC, DT, DA) * tl.exp(d)
     y = _block_tile(y_ptr, row, mk, kc, K)
     if YSCALE:
         y = y * tl.load(ys_ptr + row, mask=valid, other=0.0).to(tl.float32)[:, None]
+    return _gated_pairs(_strict_lower_rows(m_ptr, row, valid, BT), _block_tile(x_ptr, row, mk, kc, K), y, d, PREC,
+                        DT, DA)
+
+
+# lint: allow-function TP001 -- the chunk's [64, 64] rows of an [Ntok, H, 64] scratch: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _strict_lower_rows(m_ptr, row, valid, BT: tl.constexpr):
+    """The chunk's [BT, BT] rows at m_ptr ([Ntok, H, BT]: row t holds M_t) below the diagonal; 0
+    elsewhere and past the chunk's valid rows. Loaded, not a dot result: `_gated_pairs` may
+    transpose it into a product."""
+    r = tl.arange(0, BT)
+    keep = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
+    return tl.load(m_ptr + row[:, None] * BT + r[None, :], mask=keep, other=0.0)
+
+
+@triton.jit
+def _gated_pairs(M, x, y, d, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr):
+    """(R, C) = (e^d * (M (X * e^-d)), e^-d * (M^T (Y * e^d))) for loaded fp32 tiles: M strictly
+    lower [BT, BT] (`_strict_lower_rows`), X, Y and d = G - G_m [BT, n] (0 off the chunk)."""
+    R = _mm(M, x * tl.exp(-d), PREC, DT, DA) * tl.exp(d)
     C = _mm(tl.trans(M), y * tl.exp(d), PREC, DT, DA) * tl.exp(-d)
     return R, C
 
 
-# lint: allow-function TP001 -- a [64, CB] block of G [T, H, K]: a TMA port belongs to the Gluon backend (issue 6)
 @triton.jit
-def _exp_gates(G_ptr, offs, mask):
-    """exp(G) at offs, 0 where mask is off."""
-    return tl.exp(tl.where(mask, tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float32), float("-inf")))
+def _exp_where(G, mask):
+    """exp(G) in fp32 where mask is on, 0 elsewhere."""
+    return tl.exp(tl.where(mask, G.to(tl.float32), float("-inf")))
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
@@ -837,7 +855,7 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
         dA -= _mm(dxw, tl.trans(tl.load(w_ptr + offs, mask=mc, other=0.0).to(tl.float32)), PREC, DT, DA)
         if flagged:
             k = tl.load(k_ptr + offs, mask=mc, other=0.0).to(tl.float32)
-            egx = _exp_gates(G_ptr, offs, mc) * dxw
+            egx = _exp_where(tl.load(G_ptr + offs, mask=mc, other=0.0), mc) * dxw
             kdx += tl.sum(k * egx, 1)
             tl.store(dkp_ptr + offs, tl.load(dkp_ptr + offs, mask=mc, other=0.0) + beta[:, None] * egx, mask=mc)
             tl.store(dGp_ptr + offs, tl.load(dGp_ptr + offs, mask=mc, other=0.0) + beta[:, None] * k * egx, mask=mc)
@@ -860,15 +878,19 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
         tl.store(dbp_ptr + row, vdu + kdx, mask=valid)
     else:
         tl.debug_barrier()  # every warp's rows of dA stored before any warp reads its columns
+        M = _strict_lower_rows(da_ptr, row, valid, BT)  # loaded, so its transpose may feed a product
         kr = tl.full([BT], 0.0, tl.float32)
         for cb in tl.static_range(0, BK, CB):
             cc = cb + tl.arange(0, CB)
             mc = valid[:, None] & (cc < K)[None, :]
             offs = row[:, None] * K + cc[None, :]
+            Gc = tl.load(G_ptr + offs, mask=mc, other=0.0)
             # dXw again for this block (dW's block from L2): holding both blocks' dXw spilled
-            egx = _exp_gates(G_ptr, offs, mc) * _mm(Tt, tl.load(dw_ptr + offs, mask=mc, other=0.0), PREC, DT, DA)
-            R, C = _gated_pair_chunk(da_ptr, k_ptr, k_ptr, beta_ptr, G_ptr, bos, eos, H, hh, cc, K, BT, PREC, DT,
-                                     DA, True)
+            egx = _exp_where(Gc, mc) * _mm(Tt, tl.load(dw_ptr + offs, mask=mc, other=0.0), PREC, DT, DA)
+            k = tl.load(k_ptr + offs, mask=mc, other=0.0).to(tl.float32)
+            Gm = _chunk_middle_gates(G_ptr, bos, eos, H, hh, cc, K, BT)
+            R, C = _gated_pairs(M, k, k * beta[:, None], tl.where(mc, (Gc - Gm[None, :]).to(tl.float32), 0.0), PREC,
+                                DT, DA)
             kr += _da_apply_rows(k_ptr, beta_ptr, dkp_ptr, dGp_ptr, dk_ptr, dg_ptr, R + egx, C,
                                  tl.full([CB], 0.0, tl.float32), valid, row, cc, K)[1]
         tl.store(dbeta_ptr + row, (vdu + kr).to(dbeta_ptr.dtype.element_ty), mask=valid)
