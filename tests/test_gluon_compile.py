@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
-from tileport.compile_check import all_cases, compile_case  # noqa: E402
+from tileport.compile_check import all_cases, compile_case, loop_barriers  # noqa: E402
 
 CASES = all_cases()
 SMEM_LIMIT = 227 * 1024  # Hopper: max dynamic shared memory per CTA
@@ -36,3 +36,7 @@ def test_gluon_kernel_compiles_for_sm90a(case):
     if case.expect_max_spills is not None and report.n_spills is not None:
         assert report.n_spills <= case.expect_max_spills, (
             f"{case.name}: {report.n_spills} bytes of spill stores ({report.n_regs} registers)")
+    if case.expect_loop_barriers is not None:
+        counts = loop_barriers(report.ptx)
+        assert counts == [case.expect_loop_barriers], (
+            f"{case.name}: CTA barriers per outer-loop iteration {counts}, expected [{case.expect_loop_barriers}]")

@@ -4,7 +4,9 @@ frozen gate's checker (tests/test_llm_ops_parity.py, `run_and_check`), on the sh
   tileport/gluon_rows.py; the backward Triton's): the gate's own power-of-two rows, and rows chosen
   here for the ring's corners (one row; fewer tiles than programs; many tiles per program, with a
   ragged last tile; a tile of one row at D = 8192; a [B, T, D] input; fp32 with 4-byte elements);
-  rows TMA cannot read (an unaligned row stride) run Triton's forward: checked too;
+  rows TMA cannot read (an unaligned row stride) run Triton's forward: checked too; softmax's
+  three forward forms (FORM) on every D class their plans differ in, with its statistics and
+  with -inf chunks;
 - grouped GEMM (the forward on a persistent pipelined TMA + WGMMA kernel; the backward Triton's),
   16-bit: the gate's cases (groups of 0 and 1 rows, K and N not multiples of the tiles; those with
   rows TMA cannot read run Triton's forward), ones where the items outnumber the programs (the
@@ -84,6 +86,73 @@ def test_strided_rows(op, layout, device, seed, monkeypatch):
     monkeypatch.setattr(triton_kernels, name, lambda *args: calls.append(1) or real(*args))
     parity.run_and_check(op, "gluon", _rows_case(op, x, device), torch.bfloat16, seed)
     assert bool(calls) != aligned, f"{layout}: Triton's forward {'ran' if calls else 'did not run'}"
+
+
+# softmax's forward forms (gluon_kernels.FORMS, docs/perf/llm_ops.md "gluon softmax"): every D class
+# the plans differ in (a tile of 8 one-warp rows in a 3-deep ring of 64 KB at D = 4096 16-bit and
+# 2048 fp32; one-warp rows in 32 KB tiles below; one exchange across warps above), with a ragged
+# last tile (M not a multiple of BM), fewer rows than warps, and M = 1
+SOFTMAX_FORM_SHAPES = [(3, 4096), (133, 4096), (1, 8192), (37, 8192), (77, 2048), (300, 1024), (1000, 64),
+                       (9, 16), (130, 8)]
+
+
+def _softmax_form_params():
+    from tileport.gluon_rows import rows_refusal
+
+    for shape in SOFTMAX_FORM_SHAPES:
+        for dt, dtype in parity.DTYPES.items():
+            if shape[-1] >= 32 // dtype.itemsize:  # D = 8 is fp32's alone (16-byte rows)
+                assert rows_refusal(shape[-1], dtype) is None or "unavailable" in rows_refusal(shape[-1], dtype)
+                yield pytest.param(shape, dt, id=f"{'x'.join(map(str, shape))}-{dt}")
+
+
+def _check_softmax_stats(x, stats):
+    """The statistics Triton's backward reads: [M, 2] fp32, (row max, 1 / sum of exp(x - max))."""
+    x64 = x.detach().double().reshape(-1, x.shape[-1])
+    mx = x64.max(-1).values
+    assert stats.shape == (x64.shape[0], 2) and stats.dtype == torch.float32
+    torch.testing.assert_close(stats[:, 0].double(), mx, rtol=0, atol=0)  # a max of fp32 values is exact
+    torch.testing.assert_close(stats[:, 1].double(), 1.0 / torch.exp(x64 - mx[:, None]).sum(-1), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("form", ["warp_rows", "one_exchange", "two_exchanges"])
+@pytest.mark.parametrize("shape,dt", list(_softmax_form_params()))
+def test_softmax_forms(form, shape, dt, device, seed, monkeypatch):
+    """Each form against the float64 reference (y and the gradient through Triton's backward, which
+    reads the forward's statistics), and the statistics themselves."""
+    parity._skip_unless_runs("softmax", "gluon", device)
+    from tileport.ops.softmax import gluon_kernels
+
+    assert form in gluon_kernels.FORMS
+    monkeypatch.setattr(gluon_kernels, "FORM", form)
+    dtype = parity.DTYPES[dt]
+    make = parity._softmax_case(shape, dtype, device)
+    parity.run_and_check("softmax", "gluon", make, dtype, seed)
+    x = make[1][0].detach()
+    _check_softmax_stats(x, gluon_kernels.softmax_forward_gluon(x)[1])
+
+
+@pytest.mark.parametrize("form", ["warp_rows", "one_exchange", "two_exchanges"])
+@pytest.mark.parametrize("D", [1024, 4096, 8192])
+def test_softmax_extreme_logits_forms(form, D, device, seed, monkeypatch):
+    """tests/test_llm_ops_parity.py's extreme rows at widths the ring takes, plus whole 256-element
+    chunks of -inf before a row's finite entries: the one-exchange form shifts such a chunk by 0
+    (its exps 0) and combines its (-inf, 0) pair without exp(-inf + inf)."""
+    parity._skip_unless_runs("softmax", "gluon", device)
+    from tileport.ops.softmax import gluon_kernels
+
+    monkeypatch.setattr(gluon_kernels, "FORM", form)
+    x = 8.0 * torch.randn(6, D, device=device)
+    x[1] += 1000.0
+    x[3] -= 1000.0
+    x[2, ::3] = float("-inf")
+    x[4, 256:768] = float("-inf")
+    x[5, :D - 300] = float("-inf")
+    parity.run_and_check("softmax", "gluon", ((lambda: tileport.softmax(x)), [x], (lambda: softmax_reference(x))),
+                         torch.float32, seed)
+    y, stats = gluon_kernels.softmax_forward_gluon(x.detach())
+    assert torch.isfinite(y).all()
+    _check_softmax_stats(x, stats)
 
 
 # Items outnumbering the programs (540 on 132 SMs), so each program's K steps run on from item to

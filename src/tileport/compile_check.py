@@ -36,6 +36,7 @@ __all__ = [
     "descriptor_stand_in",
     "HOPPER",
     "sass_census",
+    "loop_barriers",
 ]
 
 HOPPER = ("cuda", 90, 32)
@@ -107,6 +108,7 @@ class CompileCase:
     target: tuple = HOPPER
     expect_max_spills: int | None = None  # when set, the test also bounds the spill bytes
     expect_max_shared: int | None = None  # when set, the test bounds the CTA's shared memory (bytes)
+    expect_loop_barriers: int | None = None  # when set, the CTA barriers in the kernel's one outer loop (PTX)
 
 
 @dataclass
@@ -154,6 +156,31 @@ def _ptxas_rerun(ptx: str, arch: str):
         out = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(d, "k.o")],
                              capture_output=True, text=True)
         return out.stderr + out.stdout
+
+
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+
+
+def loop_barriers(ptx: str) -> list[int]:
+    """CTA barriers (`bar.sync` / `barrier.sync`) in each outermost loop of the PTX, from its header
+    label to the last branch back to it: static counts, i.e. per iteration when the body has no
+    branches around them. For the row kernels that is per tile (docs/perf/llm_ops.md, "gluon
+    softmax"): what a reduction across warps costs is a round through shared memory between
+    barriers, which registers and spills do not show."""
+    lines = ptx.splitlines()
+    counts = []
+    for i, line in enumerate(lines):
+        # the header comment sits on the label's line or on the line after it
+        if "Loop Header: Depth=1" not in line:
+            continue
+        head = _LABEL.match(line.strip()) or (i > 0 and _LABEL.match(lines[i - 1].strip()))
+        if not head:
+            continue
+        back = re.compile(r"\bbra(\.uni)?\s+" + re.escape(head.group(1)) + r";")
+        end = max((j for j in range(i + 1, len(lines)) if back.search(lines[j])), default=None)
+        if end is not None:
+            counts.append(sum(bool(re.search(r"\b(bar|barrier)\.sync\b", ln)) for ln in lines[i:end]))
+    return counts
 
 
 _SASS_OP = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")

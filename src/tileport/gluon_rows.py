@@ -6,7 +6,10 @@ kernel around these helpers (`ring_open`, `ring_take`, `ring_stop`, `row_tile_of
 
 A row tile is BM whole rows of x [M, D], seen as [M, NCB, CB] (D = NCB * CB, CB <= 256, both
 powers of two): a TMA box is at most 256 elements a side, so a 3D descriptor with block
-[BM, NCB, CB] brings a tile in with one copy. Rows past M read as zero (TMA's padding); stores are
+[BM, NCB, CB] brings a tile in with one copy. By default a tile is TILE_BYTES of rows with the
+warps along NCB (a row of D > 256 spread over warps); a kernel can ask for rows inside warps
+(`row_stream_plan(..., rows_in_warps=True)`: tiles of at least NUM_WARPS rows, the warps along BM),
+which softmax's forward does so that its two row reductions never cross warps. Rows past M read as zero (TMA's padding); stores are
 masked. Why Gluon here (docs/perf/llm_ops.md): the Triton row kernels reach 59-64% of the copy
 bandwidth as kernels (RMSNorm and softmax forward at 8192 x 4096 on the H200), one tile per
 program with the descriptor built in the kernel. The ring's depth, one persistent program per SM
@@ -39,6 +42,10 @@ MAX_D = 8192  # widest row a tile holds in registers (BM >= 1 rows of fp32 math)
 TILE_BYTES = 32 * 1024  # one ring buffer: BM rows of D elements
 STAGES = 4  # ring depth: 128 KB of shared memory, one program per SM
 NUM_WARPS = 8
+# A kernel that asks for rows inside warps (`row_stream_plan(..., rows_in_warps=True)`, softmax's
+# forward) gets tiles of at least NUM_WARPS rows, one warp per row, where a ring of WARP_ROWS_STAGES
+# such tiles fits: at D = 4096 bf16, 3 buffers of 64 KB (more bytes in flight than 4 of 32 KB).
+WARP_ROWS_STAGES = 3
 
 
 def rows_refusal(D: int, dtype: torch.dtype) -> str | None:
@@ -70,29 +77,51 @@ class RowStreamPlan:
     layout: object
     n_tiles: int
     programs: int
+    stages: int  # the ring's depth (a constexpr argument)
+    rows_in_warps: bool = False  # whether the layout keeps every row inside one warp (no warps along NCB)
+
+
+_SMEM_BUDGET = 200 * 1024  # of the 227 KB a CTA has on sm_90, leaving the compiler's scratch
 
 
 def _check_ring_switches() -> None:
-    if STAGES < 1 or STAGES * TILE_BYTES > 200 * 1024:
+    if STAGES < 1 or STAGES * TILE_BYTES > _SMEM_BUDGET or WARP_ROWS_STAGES < 1:
         raise ValueError(f"gluon_rows: STAGES {STAGES} x TILE_BYTES {TILE_BYTES} must be 1 to 200 KB of shared memory "
-                         f"(227 KB a CTA on sm_90, with the compiler's scratch)")
+                         f"(227 KB a CTA on sm_90, with the compiler's scratch); WARP_ROWS_STAGES >= 1")
 
 
-def _tile_shape(M: int, D: int, itemsize: int) -> tuple[int, int, int]:
+def _warp_rows_fit(D: int, itemsize: int) -> bool:
+    """Whether a ring of WARP_ROWS_STAGES tiles of NUM_WARPS rows fits (rows of up to 8 KB:
+    bf16/fp16 D <= 4096, fp32 D <= 2048)."""
+    return WARP_ROWS_STAGES * max(TILE_BYTES, NUM_WARPS * D * itemsize) <= _SMEM_BUDGET
+
+
+def _ring_shape(M: int, D: int, itemsize: int, rows_in_warps: bool) -> tuple[int, int, int, int, bool]:
+    """(BM, NCB, CB, stages, warps along rows) of a row tile of x [M, D]. By default BM rows make
+    TILE_BYTES and STAGES buffers ring; with rows_in_warps, where `_warp_rows_fit`, at least
+    NUM_WARPS rows (the tile grows past TILE_BYTES only for rows wider than TILE_BYTES / NUM_WARPS,
+    and its ring is then WARP_ROWS_STAGES deep)."""
     CB = min(D, 256)
-    BM = max(1, min(256, TILE_BYTES // (D * itemsize), next_pow2(M)))
-    return BM, D // CB, CB
+    warp_rows = rows_in_warps and _warp_rows_fit(D, itemsize)
+    rows = TILE_BYTES // (D * itemsize)
+    if warp_rows:
+        rows = max(rows, NUM_WARPS)
+    BM = max(1, min(256, rows, next_pow2(M)))
+    stages = WARP_ROWS_STAGES if warp_rows and rows * D * itemsize > TILE_BYTES else STAGES
+    return BM, D // CB, CB, stages, warp_rows
 
 
 @functools.lru_cache(maxsize=None)
-def _tile_layout(BM: int, NCB: int, CB: int, itemsize: int, num_warps: int):
+def _tile_layout(BM: int, NCB: int, CB: int, itemsize: int, num_warps: int, warps_along_rows: bool = False):
     """[BM, NCB, CB] over the warps: 16-byte vectors along CB, a warp's lanes along CB first, the
-    warps along NCB first (so a row's reduction crosses warps only when D > 256)."""
+    warps along NCB first (so a row's reduction crosses warps only when D > 256), or, with
+    warps_along_rows, along BM only (every row inside one warp: its reductions are the thread's
+    registers and warp shuffles, never shared memory)."""
     vec = 16 // itemsize
     tc = min(32, CB // vec)
     tj = min(32 // tc, NCB)
     tm = 32 // (tc * tj)
-    wj = min(num_warps, max(1, NCB // tj))
+    wj = 1 if warps_along_rows else min(num_warps, max(1, NCB // tj))
     return gl.BlockedLayout([1, 1, vec], [tm, tj, tc], [num_warps // wj, wj, 1], [2, 1, 0])
 
 
@@ -102,25 +131,28 @@ def _smem_layout(dtype: torch.dtype):
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * dtype.itemsize, rank=3)
 
 
-def row_stream_plan(x2: torch.Tensor) -> RowStreamPlan:
-    """The plan for x2 [M, D] (`rows_refusal` and `rows_aligned` passed). Layouts are built once
-    per shape class (building one costs ~15 us of host time: gdn/gluon_kernels.py, `_smem_layout`)."""
+def row_stream_plan(x2: torch.Tensor, rows_in_warps: bool = False) -> RowStreamPlan:
+    """The plan for x2 [M, D] (`rows_refusal` and `rows_aligned` passed); rows_in_warps: see
+    `_ring_shape` (softmax's forward; RMSNorm's keeps the default). Layouts are built once per
+    shape class (building one costs ~15 us of host time: gdn/gluon_kernels.py, `_smem_layout`)."""
     _check_ring_switches()
     M, D = x2.shape
-    BM, NCB, CB = _tile_shape(M, D, x2.element_size())
+    BM, NCB, CB, stages, warp_rows = _ring_shape(M, D, x2.element_size(), rows_in_warps)
     desc = TensorDescriptor(x2, [M, NCB, CB], [x2.stride(0), CB, 1], [BM, NCB, CB], _smem_layout(x2.dtype))
     n_tiles = cdiv(M, BM)
-    return RowStreamPlan(desc, _tile_layout(BM, NCB, CB, x2.element_size(), NUM_WARPS), n_tiles,
-                         min(n_tiles, sm_count(x2.device)))
+    return RowStreamPlan(desc, _tile_layout(BM, NCB, CB, x2.element_size(), NUM_WARPS, warp_rows), n_tiles,
+                         min(n_tiles, sm_count(x2.device)), stages, warp_rows)
 
 
-def descriptor_stand_in_for(M: int, D: int, dtype: torch.dtype):
-    """(descriptor stand-in, register layout) of `row_stream_plan` for compile checks (no GPU)."""
+def descriptor_stand_in_for(M: int, D: int, dtype: torch.dtype, rows_in_warps: bool = False) -> RowStreamPlan:
+    """`row_stream_plan`'s plan for compile checks (no GPU): a descriptor stand-in, 132 programs."""
     from tileport.compile_check import descriptor_stand_in
 
-    BM, NCB, CB = _tile_shape(M, D, dtype.itemsize)
+    BM, NCB, CB, stages, warp_rows = _ring_shape(M, D, dtype.itemsize, rows_in_warps)
     desc = descriptor_stand_in([M, NCB, CB], dtype, [BM, NCB, CB], _smem_layout(dtype), strides=[D, CB, 1])
-    return desc, _tile_layout(BM, NCB, CB, dtype.itemsize, NUM_WARPS)
+    n_tiles = cdiv(M, BM)
+    return RowStreamPlan(desc, _tile_layout(BM, NCB, CB, dtype.itemsize, NUM_WARPS, warp_rows), n_tiles,
+                         min(n_tiles, 132), stages, warp_rows)
 
 
 if _GLUON_ERROR is None:

@@ -31,28 +31,78 @@ def gluon_refusal(D: int, dtype: torch.dtype) -> str | None:
     return rows_refusal(D, dtype)
 
 
+# The forward's form, read at each launch (a GPU A/B patches it: scripts/softmax_gluon_ab.py;
+# docs/perf/llm_ops.md, "gluon softmax"). Row 3's tile at D = 4096 bf16 is 4 rows each spread
+# over the 8 warps, and it reduced each row twice across warps (the max, then the sum of exp):
+# two rounds through shared memory and CTA barriers per tile, on one program per SM.
+#   "warp_rows" (default): where a ring of tiles of at least one row per warp fits (rows up to
+#       8 KB: 16-bit D <= 4096, fp32 D <= 2048; at 4096 bf16, 3 buffers of 64 KB of 8 rows), every
+#       row lives inside one warp: both reductions are registers and warp shuffles, no exchange
+#       and no CTA barrier beyond the ring's. Wider rows run "one_exchange".
+#   "one_exchange": row 3's tile and layout; each 256-element chunk reduced to a (max, sum of exp)
+#       pair inside its warp, and the pairs combined across warps in one reduction.
+#   "two_exchanges": row 3's kernel as it was.
+FORM = "warp_rows"
+FORMS = ("warp_rows", "one_exchange", "two_exchanges")
+
 if _GLUON_ERROR is None:
 
     @gluon.jit
+    def _max_and_sum_exp(m1, s1, m2, s2):
+        """Combine two (max, sum of exp(x - max)) pairs of parts of a row into the pair of both."""
+        m = gl.maximum(m1, m2)
+        # a side whose max is the new max keeps its sum unscaled: exact, and no exp(-inf - -inf) = NaN
+        # when both sides are all -inf (their sums are 0 and stay 0)
+        s = gl.where(m1 == m, s1, s1 * gl.exp(m1 - m)) + gl.where(m2 == m, s2, s2 * gl.exp(m2 - m))
+        return m, s
+
+    @gluon.jit
     def _softmax_fwd_kernel(x_desc, y_ptr, stats_ptr, M, row_stride_y, n_tiles, STAGES: gl.constexpr,
-                            L: gl.constexpr):
+                            L: gl.constexpr, ROWS_IN_WARPS: gl.constexpr, ONE_EXCHANGE: gl.constexpr):
         """y = exp(x - max) / sum(exp(x - max)) per row, and the row statistics (max, 1/sum), for the
         row tiles pid, pid + P, ... of x (grid (P,), one program per SM): each tile [BM, NCB, CB]
         arrives by TMA into a ring of STAGES shared buffers, is reduced in registers (layout L)
         and stored with a row mask. Explicit here (Triton would choose): as in RMSNorm's
         (`rms_norm.gluon_kernels._rms_norm_fwd_kernel`): the ring, the persistent grid, the host
-        descriptor, the tile's register layout."""
+        descriptor, the tile's register layout; and where the reductions cross warps. With
+        ROWS_IN_WARPS, L holds every row inside one warp (the host's plan), so both reductions are
+        a thread's registers then warp shuffles: no shared memory, no CTA barrier. Otherwise L
+        keeps a 256-element chunk (axis 2) inside one warp and spreads a row's chunks (axis 1)
+        over the warps; with ONE_EXCHANGE each chunk's (max, sum of exp) pair is reduced within
+        its warp and only the pairs' combine goes through shared memory and CTA barriers, without
+        it (row 3's form) the row max and the row sum each do."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         NCB: gl.constexpr = x_desc.block_type.shape[1]
         CB: gl.constexpr = x_desc.block_type.shape[2]
         bufs, bars, pid, P, my_n = ring_open(x_desc, n_tiles, STAGES)
-        r = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        # the rows' indices in the layout of the statistics (the reductions' orders below differ)
+        if ROWS_IN_WARPS:
+            r = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(1, L)))
+        else:
+            r = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
         for i in range(my_n):
             x = ring_take(x_desc, bufs, bars, i, pid, P, my_n, L)
-            m = gl.max(gl.max(x, axis=2), axis=1)
-            e = gl.exp(x - gl.expand_dims(gl.expand_dims(m, 1), 2))
-            inv = 1.0 / gl.sum(gl.sum(e, axis=2), axis=1)
-            y = e * gl.expand_dims(gl.expand_dims(inv, 1), 2)
+            if ROWS_IN_WARPS:
+                # axis 1 first: a thread's own chunks in registers, then one value per row shuffled
+                # across the lanes (axis 2 first would shuffle every chunk of the row separately)
+                m = gl.max(gl.max(x, axis=1), axis=1)
+                e = gl.exp(x - gl.expand_dims(gl.expand_dims(m, 1), 1))
+                inv = 1.0 / gl.sum(gl.sum(e, axis=1), axis=1)
+                y = e * gl.expand_dims(gl.expand_dims(inv, 1), 1)
+            elif ONE_EXCHANGE:
+                mc = gl.max(x, axis=2)  # [BM, NCB]: each chunk's max, within a warp
+                # a chunk of only -inf (masked logits) shifts by 0: its exps are 0, not exp(-inf + inf)
+                e = gl.exp(x - gl.expand_dims(gl.where(mc == float("-inf"), 0.0, mc), 2))
+                sc = gl.sum(e, axis=2)  # within a warp
+                m, s = gl.reduce((mc, sc), 1, _max_and_sum_exp)  # [BM]: the one exchange across warps
+                inv = 1.0 / s
+                # exp(x - m) = exp(x - mc) * exp(mc - m): one exp per element, as in the form below
+                y = e * gl.expand_dims(gl.exp(mc - gl.expand_dims(m, 1)) * gl.expand_dims(inv, 1), 2)
+            else:
+                m = gl.max(gl.max(x, axis=2), axis=1)
+                e = gl.exp(x - gl.expand_dims(gl.expand_dims(m, 1), 2))
+                inv = 1.0 / gl.sum(gl.sum(e, axis=2), axis=1)
+                y = e * gl.expand_dims(gl.expand_dims(inv, 1), 2)
             tile = pid + i * P
             offs, row_ok = row_tile_offsets(tile, M, row_stride_y, BM, NCB, CB, L)
             # lint: allow TP001 -- rows past M are masked; a TMA store would need a staging buffer per tile for no fewer bytes
@@ -72,9 +122,12 @@ def softmax_forward_gluon(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M = x2.shape[0]
     y = new_empty((M, D), x.dtype, x.device)
     stats = new_empty((M, 2), torch.float32, x.device)
-    plan = row_stream_plan(x2)
-    _softmax_fwd_kernel[(plan.programs,)](plan.desc, y, stats, M, y.stride(0), plan.n_tiles, gluon_rows.STAGES,
-                                          plan.layout, num_warps=gluon_rows.NUM_WARPS)
+    if FORM not in FORMS:
+        raise ValueError(f"softmax gluon FORM {FORM!r} is not one of {FORMS}")
+    plan = row_stream_plan(x2, rows_in_warps=FORM == "warp_rows")
+    _softmax_fwd_kernel[(plan.programs,)](plan.desc, y, stats, M, y.stride(0), plan.n_tiles, plan.stages,
+                                          plan.layout, plan.rows_in_warps, FORM != "two_exchanges",
+                                          num_warps=gluon_rows.NUM_WARPS)
     return y.view(x.shape), stats
 
 
@@ -86,19 +139,32 @@ softmax_backward_gluon = triton_kernels.softmax_backward_triton
 # CPU compile checks (tileport.compile_check)
 # --------------------------------------------------------------------------------------------
 def compile_cases():
-    """The forward at D = 4096 and 8192 and 64 (bf16) and 4096 (fp32)."""
+    """The forward in each form at D = 4096 (bf16: the standard shape; fp16: the most registers, 254
+    of 255 with 128 fp32 values a thread), 8192 and 64 (bf16), 2048 and 4096 (fp32), with the CTA
+    barriers each tile costs: the ring's 3 (`ring_take`: one before the refill, one around the TMA
+    issue, one at the loop's head), 2 per reduction across warps."""
     if _GLUON_ERROR is not None:
         return []
     from tileport.compile_check import CompileCase, TensorStandIn
     from tileport.gluon_rows import descriptor_stand_in_for
 
+    bf16, fp32 = torch.bfloat16, torch.float32
     cases = []
     M = 8192
-    for D, dtype in ((4096, torch.bfloat16), (8192, torch.bfloat16), (64, torch.bfloat16), (4096, torch.float32)):
-        desc, layout = descriptor_stand_in_for(M, D, dtype)
-        args = dict(x_desc=desc, y_ptr=TensorStandIn([M, D], dtype), stats_ptr=TensorStandIn([M, 2], torch.float32),
-                    M=M, row_stride_y=D, n_tiles=M, STAGES=gluon_rows.STAGES, L=layout)
-        cases.append(CompileCase(name=f"softmax_fwd_D{D}_{str(dtype).removeprefix('torch.')}",
-                                 kernel=_softmax_fwd_kernel, args=args, num_warps=gluon_rows.NUM_WARPS,
-                                 expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"], expect_max_spills=0))
+    # (D, dtype, form, barriers per tile): rows inside warps 3, one exchange 5, row 3's two 8;
+    # D = 64 keeps a row inside one warp in every form
+    for D, dtype, form, barriers in ((4096, bf16, "warp_rows", 3), (4096, torch.float16, "warp_rows", 3),
+                                     (8192, bf16, "warp_rows", 5),
+                                     (64, bf16, "warp_rows", 3), (2048, fp32, "warp_rows", 3),
+                                     (4096, fp32, "warp_rows", 5), (4096, bf16, "one_exchange", 5),
+                                     (4096, bf16, "two_exchanges", 8), (64, bf16, "two_exchanges", 3)):
+        plan = descriptor_stand_in_for(M, D, dtype, rows_in_warps=form == "warp_rows")
+        args = dict(x_desc=plan.desc, y_ptr=TensorStandIn([M, D], dtype),
+                    stats_ptr=TensorStandIn([M, 2], torch.float32), M=M, row_stride_y=D, n_tiles=M,
+                    STAGES=plan.stages, L=plan.layout, ROWS_IN_WARPS=plan.rows_in_warps,
+                    ONE_EXCHANGE=form != "two_exchanges")
+        tag = f"D{D}_{str(dtype).removeprefix('torch.')}_{form}"
+        cases.append(CompileCase(name=f"softmax_fwd_{tag}", kernel=_softmax_fwd_kernel, args=args,
+                                 num_warps=gluon_rows.NUM_WARPS, expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                 expect_max_spills=0, expect_loop_barriers=barriers))
     return cases
