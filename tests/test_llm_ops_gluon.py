@@ -11,7 +11,9 @@ frozen gate's checker (tests/test_llm_ops_parity.py, `run_and_check`), on the sh
   16-bit: the gate's cases (groups of 0 and 1 rows, K and N not multiples of the tiles; those with
   rows TMA cannot read run Triton's forward), ones where the items outnumber the programs (the
   prefetch across items, K of 1 to 3 steps, groups changing from item to item, half-empty last
-  column tiles), and the masked-store form kept for an A/B.
+  column tiles), and the masked-store form kept for an A/B; the same cases on the
+  warp-specialized form (WARP_SPECIALIZED, llm_ops.md row 8), which the default dispatch does not
+  take yet, and a spy that sees it launched.
 GPU only: on the CPU tests/test_gluon_compile.py compile-checks the kernels for sm_90a instead, and
 the refusals are checked here.
 """
@@ -186,6 +188,53 @@ def test_grouped_gemm_masked_store(shape, device, seed, monkeypatch):
     monkeypatch.setattr(gluon_kernels, "TMA_STORE", False)
     parity.run_and_check("grouped_gemm", "gluon", parity._gg_case(shape, torch.bfloat16, device), torch.bfloat16,
                          seed)
+
+
+class _LaunchSpy:
+    """Stands in for a Gluon kernel in its module: records each launch's grid and launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def _run_warp_specialized(shape, dtype, device, seed, monkeypatch):
+    from tileport.ops.grouped_gemm import gluon_kernels
+
+    monkeypatch.setattr(gluon_kernels, "WARP_SPECIALIZED", True)
+    spy = _LaunchSpy(gluon_kernels._grouped_gemm_fwd_ws_kernel)
+    monkeypatch.setattr(gluon_kernels, "_grouped_gemm_fwd_ws_kernel", spy)
+    parity.run_and_check("grouped_gemm", "gluon", parity._gg_case(shape, dtype, device), dtype, seed)
+    _rows, K, N = shape
+    if K % 8 == 0 and N % 8 == 0:  # 16-byte rows: TMA reads them, so the kernel ran (else Triton's forward)
+        assert spy.grids, f"{shape}: the warp-specialized kernel did not run"
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape", GG_SHAPES, ids=parity._shape_id)
+def test_grouped_gemm_warp_specialized(shape, dt, device, seed, monkeypatch):
+    """The warp-specialized form (WARP_SPECIALIZED on: a TMA producer warp and two consumer
+    warpgroups on full/empty mbarriers, llm_ops.md row 8) on every case of the default one: the
+    gate's (groups of 0 and 1 rows, K and N tails), 4096-row groups, and the many-item cases
+    (540 items on 132 SMs: the producer's descriptor ring and both consumers' C descriptor rings
+    turn over, items of 1-3 K steps, ragged groups, half-empty last column tiles)."""
+    parity._skip_unless_runs("grouped_gemm", "gluon", device)
+    _run_warp_specialized(shape, parity.DTYPES[dt], device, seed, monkeypatch)
+
+
+@pytest.mark.parametrize("shape", [parity.CASES["grouped_gemm"][1][0], GG_MANY_ITEMS[0], GG_MANY_ITEMS[3]],
+                         ids=parity._shape_id)
+def test_grouped_gemm_warp_specialized_masked_store(shape, device, seed, monkeypatch):
+    """The warp-specialized form with the masked register store (TMA_STORE off): each consumer
+    warpgroup stores its 64 rows with a row mask."""
+    parity._skip_unless_runs("grouped_gemm", "gluon", device)
+    from tileport.ops.grouped_gemm import gluon_kernels
+
+    monkeypatch.setattr(gluon_kernels, "TMA_STORE", False)
+    _run_warp_specialized(shape, torch.bfloat16, device, seed, monkeypatch)
 
 
 def test_refusals_name_the_reason():

@@ -32,7 +32,7 @@ def gluon_refusal(D: int, dtype: torch.dtype) -> str | None:
 
 
 # The forward's form, read at each launch (a GPU A/B patches it: scripts/softmax_gluon_ab.py;
-# docs/perf/llm_ops.md, "gluon softmax"). Row 3's tile at D = 4096 bf16 is 4 rows each spread
+# docs/perf/llm_ops.md row 7). Row 3's tile at D = 4096 bf16 is 4 rows each spread
 # over the 8 warps, and it reduced each row twice across warps (the max, then the sum of exp):
 # two rounds through shared memory and CTA barriers per tile, on one program per SM.
 #   "warp_rows" (default): where a ring of tiles of at least one row per warp fits (rows up to
