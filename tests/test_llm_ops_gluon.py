@@ -90,7 +90,7 @@ def test_strided_rows(op, layout, device, seed, monkeypatch):
     assert bool(calls) != aligned, f"{layout}: Triton's forward {'ran' if calls else 'did not run'}"
 
 
-# softmax's forward forms (gluon_kernels.FORMS, docs/perf/llm_ops.md "gluon softmax"): every D class
+# softmax's forward forms (gluon_kernels.FORMS, docs/perf/llm_ops.md row 7): every D class
 # the plans differ in (a tile of 8 one-warp rows in a 3-deep ring of 64 KB at D = 4096 16-bit and
 # 2048 fp32; one-warp rows in 32 KB tiles below; one exchange across warps above), with a ragged
 # last tile (M not a multiple of BM), fewer rows than warps, and M = 1
