@@ -8,9 +8,9 @@ gradients their precision on peaked rows). Math in fp32 (float64 on the referenc
 `tileport::softmax_forward` / `tileport::softmax_backward` under torch.compile (an
 autograd.Function in eager mode), whose bodies ask the dispatcher for a backend, in this order:
 
-    triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
     gluon      (Hopper; rows of a power-of-two D up to 8192) the forward as a persistent TMA ring
                over row tiles (tileport/gluon_rows.py), the backward Triton's; gluon_kernels.py
+    triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
     cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
                the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
     reference  float64 PyTorch, the contract, reference.py
@@ -94,18 +94,19 @@ def _gluon_refusal(call: SoftmaxCall) -> str | None:
     return _triton_refusal(call) or gluon_refusal(call.D, call.dtype)
 
 
-# Preference: triton, gluon, cutile, then the float64 reference. H200, bench at 26c97d1 (one run,
-# 8192 x 4096 bf16): the Gluon forward kernel is faster as a CUDA graph (0.047 ms against Triton's
-# 0.053) but its eager median was not (0.128, p20-p80 0.065-0.150, against 0.058): Triton stays
-# first until an eager run says otherwise (docs/perf/llm_ops.md row 3). cuTile's forward: 0.198 (14963d1).
+# Preference: gluon (its forward; the backward is Triton's), triton, cutile, then the float64
+# reference. H200 (docs/perf/llm_ops.md row 7), bench at 366abfd, 8192 x 4096 bf16: the Gluon
+# forward with rows inside warps 0.039 ms as a CUDA graph (81% of copy) and 0.057 eager, against
+# Triton's 0.054 and 0.058 (row 3's Gluon kernel had been 0.047 and a noisy 0.128 eager, so Triton
+# was first until then). cuTile's forward: 0.193 / 0.198.
 DISPATCHER = register(
     OpDispatcher(
         "softmax",
         [
-            Backend("triton", triton_available("tileport.ops.softmax.triton_kernels"), _triton_refusal,
-                    lazy_stages("tileport.ops.softmax.triton_kernels", "softmax_forward_triton", "softmax_backward_triton")),
             Backend("gluon", gluon_available("tileport.ops.softmax.gluon_kernels"), _gluon_refusal,
                     lazy_stages("tileport.ops.softmax.gluon_kernels", "softmax_forward_gluon", "softmax_backward_gluon")),
+            Backend("triton", triton_available("tileport.ops.softmax.triton_kernels"), _triton_refusal,
+                    lazy_stages("tileport.ops.softmax.triton_kernels", "softmax_forward_triton", "softmax_backward_triton")),
             Backend("cutile", cutile_available("tileport.ops.softmax.cutile_kernels"), _cutile_refusal,
                     lazy_stages("tileport.ops.softmax.cutile_kernels", "softmax_forward_cutile", "softmax_backward_cutile")),
             reference_backend(_reference_forward, _reference_backward),
