@@ -19,28 +19,38 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def table(record: dict) -> str:
     m = record["machine"]
+    # Records before the profiled kernel time (bench "kern") have no kernel_ms in any row: their
+    # tables keep their old columns rather than gaining an empty one.
+    kern = any("kernel_ms" in r for r in record["rows"])
+    head = "| op | shape | mode | system | ms | graph ms |" + (" kernel ms |" if kern else "") + " TB/s | % of floor |"
+    head += (" % of floor (kernels) |" if kern else "") + " vs FLA (ms) |"
+    blank = "|" + " |" * (head.count("|") - 6)  # the cells after the status one
     lines = [
         f"{m.get('gpu')}, torch {m.get('torch')}, triton {m.get('triton')}, commit {m.get('commit')}, {m.get('date')}; "
         f"ceilings measured in the same run: copy {record['ceilings']['copy_tbps']:.2f} TB/s, "
         f"bf16 matmul {record['ceilings']['matmul_tflops']:.0f} TFLOP/s.",
         "",
-        "ms: do_bench median (eager launches); graph ms: CUDA-graph replay median (kernel time, no launch cost).",
+        "ms: do_bench median (eager launches); graph ms: CUDA-graph replay median (kernel time, no launch cost)."
+        + (" kernel ms: torch.profiler's sum of device kernel durations per step, every mode (gaps between kernels"
+           " not counted: a lower bound); % of floor (kernels): floor / kernel ms." if kern else ""),
         "",
-        "| op | shape | mode | system | ms | graph ms | TB/s | % of floor | vs FLA (ms) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
     ]
     for r in record["rows"]:
         shape = " ".join(f"{k}={v}" for k, v in (r.get("shape") or {}).items())
         if r.get("status") != "ok":
-            lines.append(f"| {r['op']} | {shape} | {r.get('mode') or ''} | {r['system']} | {r.get('status')} | | | | |")
+            lines.append(f"| {r['op']} | {shape} | {r.get('mode') or ''} | {r['system']} | {r.get('status')} {blank}")
             continue
         vs = r.get("speedup_vs", {}).get("fla")
         graph = f"{r['graph_ms']:.3f}" if r.get("graph_ms") else "-"
         if str(r.get("note", "")).startswith("INVALID"):
-            lines.append(f"| {r['op']} | {shape} | {r.get('mode')} | {r['system']} | ~~{r['ms']:.3f}~~ invalid: {r['note'][9:80]}... | | | | |")
+            lines.append(f"| {r['op']} | {shape} | {r.get('mode')} | {r['system']} | ~~{r['ms']:.3f}~~ invalid: {r['note'][9:80]}... {blank}")
             continue
-        lines.append(f"| {r['op']} | {shape} | {r.get('mode')} | {r['system']} | {r['ms']:.3f} | {graph} | {r['tbps']:.2f} | "
-                     f"{100 * r['frac_floor']:.0f}% | {'' if vs is None else f'{vs:.2f}x'} |")
+        kcell = (f" {r['kernel_ms']:.3f} |" if r.get("kernel_ms") else " - |") if kern else ""
+        kfrac = (f" {100 * r['frac_floor_kernels']:.0f}% |" if r.get("frac_floor_kernels") else " - |") if kern else ""
+        lines.append(f"| {r['op']} | {shape} | {r.get('mode')} | {r['system']} | {r['ms']:.3f} | {graph} |{kcell} {r['tbps']:.2f} | "
+                     f"{100 * r['frac_floor']:.0f}% |{kfrac} {'' if vs is None else f'{vs:.2f}x'} |")
     return "\n".join(lines)
 
 

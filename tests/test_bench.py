@@ -130,6 +130,8 @@ def test_refuses_fail_and_ok_rows(monkeypatch):
     expect = max(good["bytes"] / 4.25e12, good["flops"] / 700e12) * 1e3
     assert good["floor_ms"] == pytest.approx(expect, rel=1e-12)
     assert good["frac_floor"] == pytest.approx(good["floor_ms"] / good["ms"], rel=1e-12)
+    # no CUDA activity to profile on the CPU: the kernel-time fields are there, empty
+    assert good["kernel_ms"] is None and good["frac_floor_kernels"] is None and "kernel_error" not in good
 
 
 def test_backward_refusal_keeps_the_forward(monkeypatch):
@@ -167,8 +169,10 @@ def test_backward_refusal_keeps_the_forward(monkeypatch):
 def test_cli_json_record_schema(tmp_path):
     out = tmp_path / "rec.json"
     env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    # --kernel-times on: still no profiling on the CPU
     proc = subprocess.run([sys.executable, "-m", "tileport", "bench", "--op", "attnres", "--backends", "triton,fla,gluon",
-                           "--modes", "fwd", "--json", str(out)], capture_output=True, text=True, env=env)
+                           "--modes", "fwd", "--kernel-times", "on", "--json", str(out)],
+                          capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "times mean NOTHING" in proc.stdout
     rec = json.loads(out.read_text())
@@ -178,8 +182,11 @@ def test_cli_json_record_schema(tmp_path):
     assert {"copy_tbps", "matmul_tflops"} <= set(rec["ceilings"])
     systems = {r["system"]: r for r in rec["rows"]}
     assert systems["triton"]["status"] == "ok"
-    for key in ("ms", "p20", "p80", "tbps", "frac_floor", "bytes", "flops", "floor_ms", "rel_err"):
+    for key in ("ms", "p20", "p80", "tbps", "frac_floor", "bytes", "flops", "floor_ms", "rel_err", "graph_ms",
+                "kernel_ms", "frac_floor_kernels"):
         assert key in systems["triton"]
+    assert systems["triton"]["kernel_ms"] is None and systems["triton"]["graph_ms"] is None
+    assert " kern " in proc.stdout  # the printed table's column, '-' here
     assert systems["gluon"]["status"].startswith("n/a here:")
     assert systems["fla"]["status"].startswith(("unavailable:", "refuses:", "ok"))
 
@@ -278,3 +285,193 @@ def test_extra_baselines_are_timed_by_default_and_count_as_baselines():
     assert "torch_grouped_mm" in wanted and "torch_grouped_mm" in systems
     assert all(bench.is_baseline(s) for s in ("fla", "torch", "torch_grouped_mm", "torch_compile"))
     assert not any(bench.is_baseline(s) for s in ("triton", "gluon", "cutile", "gluon-devdesc"))
+
+
+# --- the profiled kernel time ("kern") ---------------------------------------------------------
+def _event(device, start, end, name="k", activity=None, annotation=False):
+    """A stand-in for torch.profiler's FunctionEvent: the attributes device_kernel_us reads."""
+    from torch.autograd import DeviceType
+
+    dev = {"cuda": DeviceType.CUDA, "cpu": DeviceType.CPU}[device]
+    return types.SimpleNamespace(name=name, device_type=dev, time_range=types.SimpleNamespace(start=start, end=end),
+                                 activity_type=activity, is_user_annotation=annotation)
+
+
+def _fake_profile_events(steps):
+    """What `steps` profiled steps of a two-kernel backward leave: per step a 30 us and a 12.5 us
+    kernel and a 2 us memset on the device, the host's launch calls and autograd ops around them,
+    and, once, a GPU user annotation spanning every kernel (torch.compile's CompiledFxGraph)."""
+    ev = [_event("cuda", 0.0, 1000.0, "CompiledFxGraph", activity="gpu_user_annotation", annotation=True)]
+    for i in range(steps):
+        t = 100.0 * i
+        ev += [_event("cpu", t, t + 80, "autograd::engine::evaluate_function"),
+               _event("cpu", t + 1, t + 4, "cudaLaunchKernel", activity="cuda_runtime"),
+               _event("cuda", t + 10, t + 40, "bwd_dx_kernel", activity="kernel"),
+               _event("cuda", t + 41, t + 53.5, "bwd_dw_kernel"),  # activity_type unknown (older torch)
+               _event("cuda", t + 60, t + 62, "Memset (Device)", activity="gpu_memset")]
+    return ev
+
+
+def test_device_kernel_us_sums_device_kernels_only():
+    # host events and the annotation (it spans the kernels: counting it would count them twice) are out
+    assert bench.device_kernel_us(_fake_profile_events(4)) == pytest.approx(4 * (30 + 12.5 + 2))
+    assert bench.device_kernel_us([]) == 0
+    # an event without the newer attributes (activity_type, is_user_annotation) still counts if on the device
+    from torch.autograd import DeviceType
+
+    bare = types.SimpleNamespace(device_type=DeviceType.CUDA, time_range=types.SimpleNamespace(start=5.0, end=7.5))
+    assert bench.device_kernel_us([bare]) == pytest.approx(2.5)
+    assert bench.device_kernel_us([_event("cuda", 0, 9, activity="cuda_sync")]) == 0
+
+
+class _FakeProfile:
+    """torch.profiler.profile stand-in: counts the steps run inside it and returns their events."""
+
+    active = None  # the session a step runs in, None outside one
+
+    def __init__(self, activities=None, fail_on_exit=False):
+        self.activities, self.steps, self.fail_on_exit = activities, 0, fail_on_exit
+
+    def __enter__(self):
+        _FakeProfile.active = self
+        return self
+
+    def __exit__(self, *exc):
+        _FakeProfile.active = None
+        if self.fail_on_exit:
+            raise RuntimeError("kineto could not stop")
+        return False
+
+    def events(self):
+        return _fake_profile_events(self.steps)
+
+
+def _no_cuda(monkeypatch, profile=_FakeProfile):
+    import torch.profiler
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.profiler, "profile", profile)
+
+
+def test_kernel_time_ms_is_the_per_step_sum(monkeypatch):
+    _no_cuda(monkeypatch)
+    calls = []
+
+    def step():
+        calls.append(_FakeProfile.active)
+        if _FakeProfile.active is not None:
+            _FakeProfile.active.steps += 1
+
+    ms = bench.kernel_time_ms(step, steps=7, warmup=3)
+    assert ms == pytest.approx((30 + 12.5 + 2) / 1e3)  # per step, us -> ms
+    assert calls[:3] == [None] * 3 and len(calls) == 10  # warm-up outside the profiler, then 7 profiled steps
+    prof = calls[-1]
+    assert [str(a) for a in prof.activities] == ["ProfilerActivity.CUDA"]
+
+
+def test_kernel_fields_policy_and_failures(monkeypatch):
+    # CPU: never profiled, whatever the option says
+    monkeypatch.setattr(bench, "kernel_time_ms", lambda run: pytest.fail("profiled on the CPU"))
+    for policy in ("auto", "on", "off"):
+        assert bench.kernel_fields(None, policy, False, 0.1, 0.05) == {"kernel_ms": None, "frac_floor_kernels": None}
+    # GPU: auto profiles up to the threshold, on always, off never
+    assert bench.want_kernel_time("auto", True, bench.KERNEL_TIME_MAX_EAGER_MS)
+    assert not bench.want_kernel_time("auto", True, 1.01 * bench.KERNEL_TIME_MAX_EAGER_MS)
+    assert bench.want_kernel_time("on", True, 50.0) and not bench.want_kernel_time("off", True, 0.1)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "kernel_time_ms", lambda run: 0.04)
+    assert bench.kernel_fields(None, "auto", True, 0.15, 0.036) == {"kernel_ms": 0.04, "frac_floor_kernels": pytest.approx(0.9)}
+
+    def broken(run):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED\nsecond line")
+
+    monkeypatch.setattr(bench, "kernel_time_ms", broken)
+    assert bench.kernel_fields(None, "on", True, 0.15, 0.036) == {
+        "kernel_ms": None, "frac_floor_kernels": None, "kernel_error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
+
+
+def test_kernel_time_ms_failures_leave_no_profiler_on(monkeypatch):
+    """A step that raises inside the session, a profiler that fails to stop, a session that saw no
+    kernel: each raises (kernel_fields records it) and leaves the profiler flags off."""
+    import torch.autograd.profiler as autograd_profiler
+
+    def raising_step():
+        if _FakeProfile.active is not None:
+            raise RuntimeError("the step failed under the profiler")
+
+    def failing_profile(activities=None):
+        autograd_profiler._is_profiler_enabled = True  # what a session that could not stop leaves behind
+        return _FakeProfile(activities, fail_on_exit=True)
+
+    for profile, step, message in [(_FakeProfile, raising_step, "the step failed"),
+                                   (failing_profile, lambda: None, "kineto could not stop"),
+                                   (_FakeProfile, lambda: None, "no device kernel")]:
+        _no_cuda(monkeypatch, profile)
+        with pytest.raises(RuntimeError, match=message):
+            bench.kernel_time_ms(step, steps=2, warmup=1)
+        assert not autograd_profiler._is_profiler_enabled and not torch._C._autograd._profiler_enabled()
+
+
+def _kern_rows():
+    base = dict(op="rms_norm", shape=dict(M=8192, D=4096), dtype="bf16", status="ok", rel_err=0.0, p20=0.14, p80=0.16,
+                bytes=201334784, flops=0, floor_ms=0.0474, tbps=1.34, speedup_vs={})
+    return [dict(base, mode="bwd", system="triton", ms=0.150, graph_ms=None, kernel_ms=0.0527, frac_floor=0.316,
+                 frac_floor_kernels=0.9),
+            dict(base, mode="fwd", system="torch", ms=0.120, graph_ms=0.070, kernel_ms=None, frac_floor=0.395,
+                 frac_floor_kernels=None, kernel_error="RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"),
+            dict(base, mode="fwd", system="gluon", ms=0.060, graph_ms=0.050, frac_floor=0.79),  # an old record's row
+            dict(op="rms_norm", shape=dict(M=8192, D=4096), mode="bwd", system="fla", status="unavailable: no fla")]
+
+
+def test_print_table_shows_the_kernel_column(capsys):
+    bench.print_table(_kern_rows(), dict(bench.NOMINAL, measured=True))
+    out = capsys.readouterr().out.splitlines()
+    hdr = next(line for line in out if line.startswith("op "))
+    assert hdr.split()[4:11] == ["ms", "p20-p80", "graph", "kern", "TB/s", "floor%", "kfl%"]
+    triton, torch_row, gluon, fla = (next(line for line in out if line.startswith("rms_norm") and f" {s} " in line)
+                                     for s in ("triton", "torch", "gluon", "fla"))
+    assert triton.split()[4:11] == ["0.150", "0.140-0.160", "-", "0.053", "1.34", "31.6%", "90.0%"]
+    assert torch_row.split()[6:8] == ["0.070", "-"] and "kern failed: RuntimeError: CUPTI" in torch_row
+    assert gluon.split()[6:8] == ["0.050", "-"] and gluon.split()[10] == "-"  # no kernel_ms key: '-'
+    assert "unavailable: no fla" in fla
+    # every data line lines up with the header: the status column starts where "notes" does
+    assert fla.index("unavailable") == hdr.index("notes")
+
+
+def _results_table():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "results_table.py"
+    spec = importlib.util.spec_from_file_location("results_table", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_results_table_kernel_column_only_for_records_that_have_it():
+    rt = _results_table()
+    rec = {"machine": {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6.0", "commit": "abc", "date": "d"},
+           "ceilings": {"copy_tbps": 4.0, "matmul_tflops": 700.0}, "rows": _kern_rows()}
+    lines = rt.table(rec).splitlines()
+    rows = [line for line in lines if line.startswith("| rms_norm")]
+    hdr = next(line for line in lines if line.startswith("| op"))
+    assert "| kernel ms |" in hdr and "| % of floor (kernels) |" in hdr and "kernel ms: torch.profiler" in rt.table(rec)
+    assert all(line.count("|") == hdr.count("|") for line in rows), rows
+    assert "| 0.150 | - | 0.053 | 1.34 | 32% | 90% |" in rows[0]
+    assert "| 0.120 | 0.070 | - | 1.34 | 40% | - |" in rows[1] and "| 0.060 | 0.050 | - |" in rows[2]
+    # a record from before the column: the old table, no empty column
+    old = dict(rec, rows=[{k: v for k, v in r.items() if k not in ("kernel_ms", "frac_floor_kernels", "kernel_error")}
+                          for r in _kern_rows()])
+    old_lines = rt.table(old).splitlines()
+    old_hdr = next(line for line in old_lines if line.startswith("| op"))
+    assert old_hdr == "| op | shape | mode | system | ms | graph ms | TB/s | % of floor | vs FLA (ms) |"
+    assert "kernel ms" not in rt.table(old)
+    assert all(line.count("|") == old_hdr.count("|") for line in old_lines if line.startswith("| rms_norm"))
+
+
+def test_plot_marks_kernel_fractions(tmp_path):
+    pytest.importorskip("matplotlib", reason="the bench extra (matplotlib) is not installed")
+    out = tmp_path / "k.png"
+    bench.plot(_kern_rows(), str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,6 +5,9 @@ inputs. A system is first checked against the float64 reference on those inputs;
 is reported as FAIL and not timed, one that raises is reported as "refuses: <its message>".
 Times are CUDA-event medians (triton.testing.do_bench) with p20/p80; the floor is
 max(bytes / copy bandwidth, flops / matmul rate) with both ceilings measured in the same run.
+On a GPU two kernel-time figures sit beside the eager median: "graph" (fwd only, CUDA-graph
+replays) and "kern" (every mode, the profiler's sum of device kernel durations per step; see
+kernel_time_ms), which is what tells a host-bound small op's kernels from its launch overhead.
 
 Without a GPU it runs tiny shapes on the CPU (Triton interpreter or reference) and says that
 its times mean nothing.
@@ -30,6 +33,14 @@ from tileport.testing import OUTPUT, bound, rel_error
 
 OPS = {"attnres": "tileport.ops.attnres.perf", "gdn": "tileport.ops.gdn.perf", "kda": "tileport.ops.kda.perf", "rms_norm": "tileport.ops.rms_norm.perf", "rope": "tileport.ops.rope.perf", "swiglu": "tileport.ops.swiglu.perf", "softmax": "tileport.ops.softmax.perf", "grouped_gemm": "tileport.ops.grouped_gemm.perf"}
 NOMINAL = {"copy_tbps": 4.25, "matmul_tflops": 700.0}  # SPEC.md's H200 ceilings, used on the CPU only
+# The profiled kernel time ("kern"): this many steps in one profiler session, after a few untimed
+# ones. Above KERNEL_TIME_MAX_EAGER_MS of eager median (GDN, KDA, the big grouped GEMMs) the host's
+# 0.1-0.2 ms of Python, autograd and launches is a small share of the step and the eager time
+# already says what the kernels do; --kernel-times auto skips those rows to keep the run's time
+# (it already runs near the device tool's limit for the big ops).
+KERNEL_TIME_STEPS = 10
+KERNEL_TIME_WARMUP = 2
+KERNEL_TIME_MAX_EAGER_MS = 2.0
 
 
 def add_arguments(p) -> None:
@@ -45,6 +56,10 @@ def add_arguments(p) -> None:
     p.add_argument("--warm-workers", type=int, default=None,
                    help="GPU: compile every (op, system)'s kernels first in this many parallel processes "
                         "(default: every CPU core but one; 0: no warm-up)")
+    p.add_argument("--kernel-times", default="auto", choices=["auto", "on", "off"],
+                   help="GPU: also time each row's kernels with torch.profiler (the 'kern' column): "
+                        f"auto (default) where the eager median is at most {KERNEL_TIME_MAX_EAGER_MS:g} ms, "
+                        "on: every row, off: none")
     p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # the warm-up's worker processes
 
 
@@ -133,6 +148,99 @@ def graph_time_ms(fn) -> float | None:
     except Exception:  # capture can fail (host syncs, allocator); the eager time still stands
         torch.cuda.synchronize()
         return None
+
+
+def device_kernel_us(events) -> float:
+    """Sum of the durations (us) of the device-side events in a torch.profiler event list: kernels,
+    memcpys and memsets, i.e. every event whose device_type is CUDA, except GPU user annotations.
+
+    Those annotations (record_function ranges projected onto the GPU timeline; torch.compile's
+    "CompiledFxGraph", for one) are CUDA-typed events that span the kernels they contain: counting
+    them would count those kernels twice. torch's own key_averages table leaves them out of its
+    device-time total for that reason (is_user_annotation). CUDA-sync events (a kineto option, off
+    by default) are not work on the device either. Durations are read from each event's time_range
+    (start/end, us; a FunctionEvent attribute in torch 2.13, checked here, and in older releases'
+    sources), not from device_time_total, which reads 0 for an event marked async or made without
+    its profiler's device (use_device). The newer attributes are read with getattr.
+
+    Pure over its input (no profiler, no GPU): tested on the CPU with stand-in events."""
+    from torch.autograd import DeviceType
+
+    total = 0.0
+    for e in events:
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue  # host events: ops, CUDA runtime calls (cudaLaunchKernel), Python
+        kind = str(getattr(e, "activity_type", None) or "").lower()
+        if getattr(e, "is_user_annotation", False) or "annotation" in kind or "sync" in kind:
+            continue
+        tr = e.time_range
+        total += tr.end - tr.start
+    return total
+
+
+def _profiler_off() -> None:
+    """Make sure no profiler session outlives a failed measurement (the next row's do_bench would
+    otherwise run profiled, or its own profile() refuse to start)."""
+    try:
+        if torch.autograd.profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled():
+            torch._C._autograd._disable_profiler()
+    except Exception:  # private APIs that may move between torch versions; nothing more to do
+        pass
+    torch.autograd.profiler._is_profiler_enabled = False
+
+
+def kernel_time_ms(fn, steps: int = KERNEL_TIME_STEPS, warmup: int = KERNEL_TIME_WARMUP) -> float:
+    """Device kernel time of one step of fn, in ms: fn runs `steps` times under torch.profiler
+    (CUDA activity only) after `warmup` untimed calls; the sum of device kernel (and memcpy/memset)
+    durations over the steps, divided by `steps` (device_kernel_us).
+
+    A lower bound on the step's GPU time: gaps between kernels (launch latency, host stalls) are
+    not in it; neither is an L2 flush between steps (as in do_bench_cudagraph's "graph", unlike
+    do_bench's eager median), so an input that fits in the 50 MB L2 may read warm. Raises if the
+    profiler saw no device event (no CUPTI, or fn launched nothing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()  # every kernel ends inside the session
+        us = device_kernel_us(prof.events())
+    finally:
+        _profiler_off()
+    if not us > 0:
+        raise RuntimeError("the profiler recorded no device kernel")
+    return us / steps / 1e3
+
+
+def want_kernel_time(policy: str, gpu: bool, eager_ms: float) -> bool:
+    """Whether a row gets the profiled kernel time: never on the CPU (no CUDA activity there);
+    on a GPU per --kernel-times (auto: where the eager median is at most KERNEL_TIME_MAX_EAGER_MS)."""
+    if not gpu or policy == "off":
+        return False
+    return policy == "on" or eager_ms <= KERNEL_TIME_MAX_EAGER_MS
+
+
+def kernel_fields(run, policy: str, gpu: bool, eager_ms: float, floor_ms: float) -> dict:
+    """A timed row's kernel-time fields: kernel_ms and frac_floor_kernels (floor / kernel_ms), None
+    where the row isn't profiled (CPU, --kernel-times, auto above the threshold) or the profiler
+    failed; then also kernel_error, its message. Never raises: the row's eager time stands."""
+    out = {"kernel_ms": None, "frac_floor_kernels": None}
+    if not want_kernel_time(policy, gpu, eager_ms):
+        return out
+    try:
+        kern = kernel_time_ms(run)
+    except Exception as exc:
+        out["kernel_error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # a sticky CUDA error shows in the next row's own timing
+            pass
+        return out
+    return {"kernel_ms": kern, "frac_floor_kernels": floor_ms / kern}
 
 
 def measure_ceilings(gpu: bool) -> dict:
@@ -371,11 +479,14 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
                 except Exception as exc:
                     rows.append(dict(row, mode=mode, status=f"refuses: {type(exc).__name__}: {str(exc)[:160]}"))
                     continue
+                # Kernel time for every mode (the backward ones have no graph), apart from the eager
+                # timing: a profiler failure costs this row its "kern" figure, nothing else.
+                kern = kernel_fields(run, getattr(args, "kernel_times", "auto"), gpu, t["median"], floor_ms)
                 rows.append(dict(row, mode=mode, status="ok", rel_err=worst, ms=t["median"], p20=t["p20"], p80=t["p80"],
-                                 graph_ms=t["graph"],
+                                 graph_ms=t["graph"], kernel_ms=kern.pop("kernel_ms"),
                                  bytes=nbytes, flops=flops, floor_ms=floor_ms,
                                  tbps=nbytes / (t["median"] * 1e-3) / 1e12,
-                                 frac_floor=floor_ms / t["median"]))
+                                 frac_floor=floor_ms / t["median"], **kern))
         del inputs, leaves, ref_o, ref_grads
         if gpu:
             torch.cuda.empty_cache()
@@ -420,7 +531,10 @@ def print_table(rows: list[dict], ceilings: dict) -> None:
     print(f"\nceilings: copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s"
           + ("" if ceilings.get("measured") else " (SPEC nominal, not measured here)"))
     print("ms: do_bench median (CUDA events, eager launches); graph: median of CUDA-graph replays (no launch cost)")
-    hdr = f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<13} {'ms':>8} {'p20-p80':>15} {'graph':>7} {'TB/s':>6} {'floor%':>7}  notes"
+    print(f"kern: profiled sum of device kernel durations per step (mean of {KERNEL_TIME_STEPS}; no gaps between kernels, "
+          "a lower bound); kfl%: floor / kern")
+    hdr = (f"{'op':<12} {'shape':<22} {'mode':<7} {'system':<13} {'ms':>8} {'p20-p80':>15} {'graph':>7} {'kern':>7} "
+           f"{'TB/s':>6} {'floor%':>7} {'kfl%':>6}  notes")
     print(hdr)
     print("-" * len(hdr))
     print_rows(rows)
@@ -430,14 +544,20 @@ def print_rows(rows: list[dict]) -> None:
     for r in rows:
         shape = ",".join(f"{k}{v}" for k, v in (r["shape"] or {}).items())
         if r.get("status") != "ok":
-            print(f"{r['op']:<12} {shape:<22} {r.get('mode') or '-':<7} {r['system']:<13} {'':>8} {'':>15} {'':>7} {'':>6} {'':>7}  {r['status']}")
+            print(f"{r['op']:<12} {shape:<22} {r.get('mode') or '-':<7} {r['system']:<13} {'':>8} {'':>15} {'':>7} {'':>7} "
+                  f"{'':>6} {'':>7} {'':>6}  {r['status']}")
             continue
         vs = " ".join(f"x{v:.2f} vs {k}" for k, v in sorted(r.get("speedup_vs", {}).items()))
         if r.get("note"):
             vs = f"[{r['note']}] " + vs
+        if r.get("kernel_error"):
+            vs += f" [kern failed: {r['kernel_error'][:60]}]"
         graph = f"{r['graph_ms']:7.3f}" if r.get("graph_ms") else f"{'-':>7}"
+        # rows of older records (--base, results) lack kernel_ms: '-' like a row that skipped it
+        kern = f"{r['kernel_ms']:7.3f}" if r.get("kernel_ms") else f"{'-':>7}"
+        kfl = f"{100 * r['frac_floor_kernels']:5.1f}%" if r.get("frac_floor_kernels") else f"{'-':>6}"
         print(f"{r['op']:<12} {shape:<22} {r['mode']:<7} {r['system']:<13} {r['ms']:8.3f} {r['p20']:7.3f}-{r['p80']:<7.3f} {graph} "
-              f"{r['tbps']:6.2f} {100 * r['frac_floor']:6.1f}%  {vs}")
+              f"{kern} {r['tbps']:6.2f} {100 * r['frac_floor']:6.1f}% {kfl}  {vs}")
 
 
 BASELINE_SYSTEMS = ("fla", "torch")  # what a user would otherwise run; every other system is tileport's
@@ -466,8 +586,8 @@ def speedups_over_baselines(rows: list[dict]) -> dict[tuple[str, str], float]:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Two panels over every (op, shape, mode) timed: each system's fraction of the hardware floor,
-    and each tileport system's speedup over the faster baseline (FLA or torch) on the same inputs."""
+    """Two panels over every (op, shape, mode) timed: each system's fraction of the hardware floor
+    (bars: eager median; a black mark: the profiled kernel time, where the row has one), and each tileport system's speedup over the faster baseline (FLA or torch) on the same inputs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -480,10 +600,18 @@ def plot(rows: list[dict], path: str) -> None:
     ours = [s for s in systems if not is_baseline(s)]
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(max(6, 1.2 * len(labels)), 8), sharex=True)
     width = 0.8 / max(len(systems), 1)
+    any_kern = False
     for i, s in enumerate(systems):
         vals = [100 * by[(lab, s)]["frac_floor"] if (lab, s) in by else 0 for lab in labels]
         ax.bar([j + i * width for j in range(len(labels))], vals, width, label=s, color=f"C{i}")
-    ax.set_ylabel("% of hardware floor (higher is better)")
+        # the same fraction against the profiled kernel time, where the row has one (GPU records)
+        kern = [(j + i * width, 100 * by[(lab, s)]["frac_floor_kernels"]) for j, lab in enumerate(labels)
+                if (lab, s) in by and by[(lab, s)].get("frac_floor_kernels")]
+        if kern:
+            ax.scatter(*zip(*kern), marker="_", s=120, color="k", zorder=3,
+                       label="kernels only (kern)" if not any_kern else None)
+            any_kern = True
+    ax.set_ylabel("% of hardware floor (higher is better)\nbars: eager median; black marks: kernel time")
     ax.legend(fontsize=7)
     width2 = 0.8 / max(len(ours), 1)
     speedups = speedups_over_baselines(rows)
