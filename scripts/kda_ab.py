@@ -13,9 +13,10 @@ forward on the gluon backend against Triton's, and its per-kernel times. "fused"
 9b's and 10b's whole-chunk routes fused into 9 and 10 or not (BACKWARD_FUSED_PAIRS), and its kernels.
 "gluon-backward": the gluon backend's backward (its state recurrences in Gluon) against Triton's.
 "dv-local": the gluon backward with stage 7's whole chunks in 64 value columns or all (DV_LOCAL_WHOLE_BV).
+"kept": the forward keeping G, T and the flags for its backward (KEEP_FORWARD_TILES) or not.
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -233,3 +234,43 @@ if "dv-local" in SECTIONS and dev == "cuda":
         kernel_table(lambda: kg.kda_backward_gluon(*args), f"kda backward (gluon), DV_LOCAL_WHOLE_BV {bv}", calls=3,
                      rows=10)
     kk.DV_LOCAL_WHOLE_BV = default_dv_bv
+
+# "kept": the forward keeps G, T and the flags for its backward (KEEP_FORWARD_TILES, kda.md row 19)
+# or its backward recomputes stage 3; on the gluon backend, same inputs: the forward with and
+# without keeping, the backward from kept tiles against the recompute, and forward + backward
+# through autograd (tileport.chunk_kda) with the switch on and off; then the backward's kernels
+if "kept" in SECTIONS:
+    import tileport
+    from tileport.ops.kda import gluon_kernels as kg
+
+    g = gates["logsigmoid"]
+    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    fargs = (q, k, v, g, beta, K ** -0.5, None, False, True, None)
+    bargs = (do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
+    fwd_gluon = kg.kda_forward_gluon if dev == "cuda" else kk.kda_forward_triton
+    bwd_gluon = kg.kda_backward_gluon if dev == "cuda" else kk.kda_backward_triton
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=3, rep=20, return_mode="median") if dev == "cuda" else float("nan")
+
+    for keep in (False, True):
+        print(f"kda forward (gluon) keep_for_backward={keep}: {bench(lambda: fwd_gluon(*fargs, keep_for_backward=keep)):.3f} ms",
+              flush=True)
+    _, _, kept = fwd_gluon(*fargs, keep_for_backward=True)
+    base, ms, _ = timed_gradients(lambda: bwd_gluon(*bargs), None)
+    print(f"kda backward (gluon) recompute stage 3: {ms:.3f} ms", flush=True)
+    _, ms, err = timed_gradients(lambda: bwd_gluon(*bargs, kept=kept), base)
+    print(f"kda backward (gluon) from kept tiles  : {ms:.3f} ms, worst gradient vs recompute {err:.2e}", flush=True)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+
+    def fwdbwd():
+        o, _ = tileport.chunk_kda(*leaves, use_qk_l2norm_in_kernel=True)
+        return torch.autograd.grad(o, leaves, do)
+
+    default_keep = kk.KEEP_FORWARD_TILES
+    for keep in (False, True):
+        kk.KEEP_FORWARD_TILES = keep
+        print(f"kda forward+backward (chunk_kda, autograd) KEEP_FORWARD_TILES={keep}: {bench(fwdbwd):.3f} ms", flush=True)
+    kk.KEEP_FORWARD_TILES = default_keep
+    if dev == "cuda":
+        kernel_table(lambda: bwd_gluon(*bargs, kept=kept), "kda backward (gluon) from kept tiles", calls=3, rows=14)

@@ -40,6 +40,9 @@ FORMS = {
     "pairs-unfused": dict(BACKWARD_FUSED_PAIRS=()),
     # stage 7's whole chunks in blocks of 64 value columns (before the fifteenth session)
     "dv-local-whole-bv64": dict(DV_LOCAL_WHOLE_BV=64),
+    # the backward recomputes stage 3 (G, T, W, U) rather than taking its forward's G and T
+    # (before the sixteenth session)
+    "recompute-stage3": dict(KEEP_FORWARD_TILES=False),
 }
 
 

@@ -84,6 +84,25 @@ def test_gdn_split_solve_compiles_for_sm90a():
         assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"
 
 
+def test_kda_wu_from_kept_t_compiles_for_sm90a():
+    """KDA's backward from its forward's T (KEEP_FORWARD_TILES, `chunk_wu_from_t_kda`): the column-block
+    W/U kernel with PER_CHANNEL gates (G [Ntok, H, K] fp32) and fp32 operands at the recompute's
+    one-pass tf32 and three-pass tf32x3, at its launch: tensor-core products, no spills."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    for prec in ("tf32", "tf32x3"):
+        args = dict(t_ptr=T([Ntok, H, 64], f32), x_ptr=T([Ntok, H, K], f32), beta_ptr=T([Ntok, H], bf),
+                    G_ptr=T([Ntok, H, K], f32), out_ptr=T([Ntok, H, K], f32), chunks_ptr=T([2 * NC], idx), H=H, D=K,
+                    BC=64, NCB=K // 64, BT=64, DT=tl.float32, DA=tl.float32, GATED=True, PER_CHANNEL=True, PREC=prec)
+        report = compile_case(CompileCase(f"kda W/U from kept T ({prec})", tk._wu_from_t_kernel, args,
+                                          num_warps=kk.WU_FROM_T_KDA_LAUNCH["num_warps"],
+                                          options={"num_stages": kk.WU_FROM_T_KDA_LAUNCH["num_stages"]}))
+        print(f"\n{report.summary()}")
+        assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+        assert "mma" in report.ptx, "no tensor-core instruction in the PTX"
+        assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"
+
+
 # bf16 and the stage-3 normalisation are the forward's only; the recompute is compiled at tf32x3
 # (its default) and at one-pass tf32 ("tile-tf32": RECOMPUTE_NORMALISED_KEYS_PREC's option) and in
 # the factored T chain (T_CHAIN takes every tile-form call)

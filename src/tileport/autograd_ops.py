@@ -70,13 +70,18 @@ def carries_forced_backends(cls):
     return cls
 
 
-def eager_function(name: str, forward_body, backward_body, setup_context, backward):
-    """An autograd.Function class whose apply(*inputs) runs forward_body(*inputs)."""
+def eager_function(name: str, forward_body, backward_body, setup_context, backward, keeps: bool = False):
+    """An autograd.Function class whose apply(*inputs) runs forward_body(*inputs). With keeps,
+    forward_body returns (outputs, kept) and `kept` (what the forward formed that its backward
+    reuses instead of recomputing: eager mode only, a custom op's outputs are its schema's) is
+    stored as ctx.kept for the op's backward to read."""
 
     setup, run_backward = carrying_forced_backends(setup_context, backward)
 
     def _forward(ctx, *inputs):
         out = forward_body(*inputs)
+        if keeps:
+            out, ctx.kept = out
         setup(ctx, inputs, out)
         return out
 

@@ -27,10 +27,15 @@ def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
 
 
-def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Callable) -> Callable:
+def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Callable,
+                       keeping_backends: tuple[str, ...] = ()) -> Callable:
     """Build the custom ops and the eager autograd.Function for `op`; return
     run(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens) -> (o, ht or None)
-    for validated arguments. `forward_backend(q, v)` / `backward_backend(q, v)` return the Backend."""
+    for validated arguments. `forward_backend(q, v)` / `backward_backend(q, v)` return the Backend.
+    keeping_backends: the backends whose forward, asked with keep_for_backward=True, also returns
+    what their backward takes back as `kept=` instead of recomputing it (KDA's stage 3). They are
+    asked in eager mode when autograd will differentiate the call; under torch.compile the
+    backward recomputes (a custom op returns only its schema's outputs)."""
 
     def forward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
@@ -48,6 +53,35 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
         dq, dk, dv, dg, dbeta, dh0 = backward_backend(q, v).impl.backward(
             grad_o.to(q.dtype), grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
             cu_seqlens)
+        if dh0 is None:
+            dh0 = q.new_zeros((1,))
+        return [dq, dk, dv, dg, dbeta, dh0]
+
+    def forward_body_keeping(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                             use_qk_l2norm_in_kernel):
+        """((o, ht), kept): forward_body's outputs, and (backend name, what it kept) or None."""
+        backend = forward_backend(q, v)
+        if backend.name not in keeping_backends:
+            return forward_body(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                                use_qk_l2norm_in_kernel), None
+        o, ht, kept = backend.impl.forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                           use_qk_l2norm_in_kernel, cu_seqlens, keep_for_backward=True)
+        if ht is None:
+            ht = q.new_empty((1,), dtype=state_dtype(q.dtype))
+        return (o, ht), ((backend.name, kept) if kept is not None else None)
+
+    def backward_body_kept(grad_o, grad_final_state, q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                           use_qk_l2norm_in_kernel, kept) -> list[torch.Tensor]:
+        """backward_body, given what the forward's backend kept: handed to the backward backend only
+        when it is the one that kept it (a backend forced for the backward alone recomputes)."""
+        backend = backward_backend(q, v)
+        name, value = kept
+        if backend.name != name:
+            return backward_body(grad_o, grad_final_state, q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                 use_qk_l2norm_in_kernel)
+        dq, dk, dv, dg, dbeta, dh0 = backend.impl.backward(
+            grad_o.to(q.dtype), grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
+            cu_seqlens, kept=value)
         if dh0 is None:
             dh0 = q.new_zeros((1,))
         return [dq, dk, dv, dg, dbeta, dh0]
@@ -88,12 +122,19 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
         cu_seqlens = rest.pop(0) if ctx.has_cu else None
         if not ctx.output_final_state:
             grad_final_state = None  # the placeholder's gradient
-        dq, dk, dv, dg, dbeta, dh0 = backward_op(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
-                                                 cu_seqlens, ctx.scale, ctx.use_l2)
+        kept = getattr(ctx, "kept", None)  # only the eager keeping path sets it
+        if kept is not None:
+            dq, dk, dv, dg, dbeta, dh0 = backward_body_kept(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
+                                                            cu_seqlens, ctx.scale, ctx.use_l2, kept)
+        else:
+            dq, dk, dv, dg, dbeta, dh0 = backward_op(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
+                                                     cu_seqlens, ctx.scale, ctx.use_l2)
         return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None, None, None
 
     register_autograd(f"tileport::{op}_forward", backward, setup_context)
     eager = eager_function(f"_{op.upper()}Function", forward_body, backward_body, setup_context, backward)
+    eager_keeping = (eager_function(f"_{op.upper()}KeepingFunction", forward_body_keeping, backward_body,
+                                    setup_context, backward, keeps=True) if keeping_backends else eager)
 
     def run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
         B, T, H, K = q.shape
@@ -105,7 +146,13 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
             if initial_state is None:
                 return o, q.new_zeros((_num_seqs(q, cu_seqlens), H, K, v.shape[-1]), dtype=sdt)
             return o, initial_state.to(sdt, copy=True)
-        call = forward_op if torch.compiler.is_compiling() else eager.apply
+        if torch.compiler.is_compiling():
+            call = forward_op
+        elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                             for t in (q, k, v, g, beta, initial_state)):
+            call = eager_keeping.apply  # autograd will differentiate it: the backend may keep stage results
+        else:
+            call = eager.apply
         o, ht = call(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
                      use_qk_l2norm_in_kernel)
         return o, (ht if output_final_state else None)

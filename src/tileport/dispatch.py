@@ -256,11 +256,11 @@ def lazy_stages(module: str, forward: str, backward: str):
     resolved: dict[str, Callable] = {}
 
     def stage(name: str) -> Callable:
-        def call(*args):
+        def call(*args, **kwargs):
             fn = resolved.get(name)
             if fn is None:
                 fn = resolved[name] = getattr(importlib.import_module(module), name)
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return call
 

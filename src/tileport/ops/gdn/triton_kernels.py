@@ -818,22 +818,33 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
 # lint: allow-function TP001,TP007 -- [64, 64] chunk tiles of [T, H, D] tensors, as in the solve kernels: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence
 @triton.jit
 def _wu_from_t_kernel(t_ptr, x_ptr, beta_ptr, G_ptr, out_ptr, chunks_ptr, H, D: tl.constexpr, BC: tl.constexpr,
-                      NCB: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, GATED: tl.constexpr):
+                      NCB: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, GATED: tl.constexpr,
+                      PER_CHANNEL: tl.constexpr = False, PREC: tl.constexpr = None):
     """3b (WU_FORM "split"): one [64, BC] column block of W = T diag(beta exp(G)) K (GATED) or of
     U = T diag(beta) V for a chunk, from the T that `_solve_wu_tile_kernel` stored in bf16 (WITH_WU
     = False); grid (NC * NCB, H), NCB blocks of BC columns of D. The same rounding as the fused form
     (T and the scaled tile rounded to bf16, fp32 accumulation, the result rounded as stored), so
     W and U are the fused form's. Explicit where Triton would choose: the column blocks, which
-    give every chunk NCB independent programs instead of one serial chain."""
+    give every chunk NCB independent programs instead of one serial chain.
+
+    KDA's backward from the T its forward kept (docs/perf/kda.md row 19): PER_CHANNEL, G is
+    [Ntok, H, D] and W = T (diag(beta) (exp(G) * K)), the gate per element; PREC (not None): T
+    (fp32) and the scaled tile stay fp32 and the product is `_tile_dot` at PREC, as the backward's
+    recompute forms its W and U (EXACT_WU)."""
     # the chunk program with D as its "V" and the column blocks as its V blocks: cols, m
     c, hh, bos, eos, r, tok, valid, row, _, cols, _, m = _chunk_program(chunks_ptr, H, D, D, BC, BC, NCB, BT,
                                                                         tl.program_id(0))
     t = tl.load(t_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     f = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
-    if GATED:
-        f = f * tl.exp(tl.load(G_ptr + row, mask=valid, other=0.0).to(tl.float32))
     x = tl.load(x_ptr + row[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    y = tl.dot(_op(t, DT, DA), _op(x * f[:, None], DT, DA), input_precision="ieee")
+    if GATED and PER_CHANNEL:
+        x = x * tl.exp(tl.load(G_ptr + row[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32))
+    elif GATED:
+        f = f * tl.exp(tl.load(G_ptr + row, mask=valid, other=0.0).to(tl.float32))
+    if PREC is None:
+        y = tl.dot(_op(t, DT, DA), _op(x * f[:, None], DT, DA), input_precision="ieee")
+    else:
+        y = _tile_dot(t, x * f[:, None], PREC, DT, DA)
     tl.store(out_ptr + row[:, None] * D + cols[None, :], _rounded_for(y, out_ptr, DA), mask=m)
 
 
@@ -1463,7 +1474,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     then an output, the kernel forms the in-chunk sums (stage 2) and stores them there. span_flags (KDA's forward or its
     backward's recompute, 16-bit inputs; int8 [NC, H]): the per-channel tile form (`_solve_wu_tile_kernel` with PER_CHANNEL,
     whole-chunk factors) where a chunk's gates allow it, flagged there otherwise, and the block
-    kernel for the flagged chunks only; the flags are left for the output kernel."""
+    kernel for the flagged chunks only; the flags are left for the output kernel. KDA's forward
+    with store_T and not exact_wu keeps T (fp32, at the forward's precisions) for its backward."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1485,9 +1497,9 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         raise ValueError("g needs the tile form of stage 3 (or span_flags) and G as its output (fp64; fp32 with "
                          "span_flags), g's shape")
     if span_flags is not None:
-        if G.dim() != 3 or dtype == torch.float32 or store_T != exact_wu or l2norm_k or kn_out is not None:
-            raise ValueError("span_flags: the per-channel tile form is for 16-bit inputs, in the forward or the "
-                             "backward's recompute (store_T with exact_wu)")
+        if G.dim() != 3 or dtype == torch.float32 or (exact_wu and not store_T) or l2norm_k or kn_out is not None:
+            raise ValueError("span_flags: the per-channel tile form is for 16-bit inputs, in the forward (which may "
+                             "keep T for its backward: store_T) or the backward's recompute (store_T with exact_wu)")
         if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
             raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised)
@@ -1528,7 +1540,7 @@ def _tile_precisions(dtype: torch.dtype, compact: bool, store_T: bool, exact_wu:
     backward's recompute each have their switches."""
     prec, diag_prec = ("ieee" if dtype == torch.float32 else "tf32x3"), "ieee"
     if dtype != torch.float32 and keys_normalised:
-        if compact and not store_T:  # the forward
+        if compact and not exact_wu:  # the forward (KDA's may also store T for its backward)
             prec = _checked("NORMALISED_KEYS_PREC", NORMALISED_KEYS_PREC, ("tf32x3", "tf32", "bf16"))
             diag_prec = _checked("NORMALISED_KEYS_DIAG_PREC", NORMALISED_KEYS_DIAG_PREC, ("ieee", "tf32"))
         elif store_T and exact_wu:  # the backward's recompute

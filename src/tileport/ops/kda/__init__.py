@@ -137,7 +137,8 @@ def _backward_chooser(q: torch.Tensor, v: torch.Tensor) -> Backend:
 
 
 # custom ops, fake impls, autograd (eager and compiled): tileport/delta_rule_ops.py, shared with GDN
-_run = make_delta_rule_op("kda", _forward_backend, _backward_chooser)
+# gluon and triton keep stage 3's G, T and flags for their backward (triton_kernels.KEEP_FORWARD_TILES)
+_run = make_delta_rule_op("kda", _forward_backend, _backward_chooser, keeping_backends=("gluon", "triton"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -154,18 +154,22 @@ def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.
     return o
 
 
-def kda_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    """Triton's forward with stage 6 on `chunk_output_kda_gluon`."""
+def kda_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                      keep_for_backward: bool = False):
+    """Triton's forward with stage 6 on `chunk_output_kda_gluon` (keep_for_backward as there)."""
     return kk.kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                                 cu_seqlens, output=chunk_output_kda_gluon)
+                                 cu_seqlens, output=chunk_output_kda_gluon, keep_for_backward=keep_for_backward)
 
 
-def kda_backward_gluon(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+def kda_backward_gluon(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                       kept=None):
     """Triton's backward with its two state recurrences (the recompute's stage 5 and stage 8) on
     GDN's Gluon tf32 recurrence kernel in its PER_CHANNEL form, where that kernel takes them
-    (`gdn.gluon_kernels.recurrence_kernel_for`: tf32 products on fp32 operands; Triton's otherwise)."""
+    (`gdn.gluon_kernels.recurrence_kernel_for`: tf32 products on fp32 operands; Triton's otherwise);
+    kept: what the forward kept (`triton_kernels.KeptTiles`), as there."""
     return kk.kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
-                                  cu_seqlens, states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon)
+                                  cu_seqlens, states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon,
+                                  kept=kept)
 
 
 # --------------------------------------------------------------------------------------------

@@ -67,6 +67,8 @@ from tileport.ops.gdn.triton_kernels import (
     _op,
     _out,
     _products,
+    _tile_precisions,
+    _wu_from_t_kernel,
     chunk_cumsum,
     chunk_dstates,
     chunk_solve_wu,
@@ -105,6 +107,15 @@ OUTPUT_CHUNK_BV = 64
 # and stage 3 4.6 of the exact form's 13.0). "chunk" the default from the twelfth session, with its
 # H200 A/B and gate in the same call (docs/perf/kda.md, row 6).
 DIAGONAL_FORM = "chunk"
+# Whether a forward that autograd will differentiate (the eager path, with an input that requires a
+# gradient) keeps what stage 3 formed for its backward: G (the in-chunk gate sums, fp32 for 16-bit
+# inputs), T = (I + A)^-1 per chunk (fp32 [Ntok, H, 64], at the forward's precisions) and the
+# chunks' span flags; the backward then forms its exact W and U from T (`chunk_wu_from_t_kda`)
+# instead of recomputing stage 3 (the tile solve and G: 1.15 ms of the gluon backward's 8.6 at S1,
+# docs/perf/kda.md row 19). FLA's chunk_kda keeps its forward's gate sums and both in-chunk
+# matrices the same way. Costs the forward T's store (134 MB at S1) and keeps G and T alive
+# (402 MB at S1) until the backward. Only with whole-chunk flags (16-bit inputs); read at each call.
+KEEP_FORWARD_TILES = True
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
@@ -340,9 +351,11 @@ def _factored_diagonal() -> bool:
 
 
 def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                       output=chunk_output_kda):
-    """(o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None). output: the function
-    that runs stage 6 (`chunk_output_kda`'s contract; the Gluon backend passes its own)."""
+                       output=chunk_output_kda, keep_for_backward: bool = False):
+    """(o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None), and with
+    keep_for_backward a third item: `KeptTiles` for `kda_backward_triton` (KEEP_FORWARD_TILES), or
+    None. output: the function that runs stage 6 (`chunk_output_kda`'s contract; the Gluon backend
+    passes its own)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     plan = make_plan(B, T, cu_seqlens, q.device)
@@ -353,12 +366,49 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     factored = _factored_diagonal()
     flags = _span_flags(plan, H, q, True)
     G, g_in_3 = _gate_sums(gf, plan, flags, q.dtype)  # G [Ntok, H, K], formed by stage 2 or by stage 3 from g
-    _, w, u = chunk_solve_wu(kf, vf, bf, G, plan, compact=True, factored_diagonal=factored,
-                             keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
-                             span_flags=flags)
+    keep = keep_for_backward and KEEP_FORWARD_TILES and flags is not None
+    Ai, w, u = chunk_solve_wu(kf, vf, bf, G, plan, store_T=keep, compact=True, factored_diagonal=factored,
+                              keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
+                              span_flags=flags)
     h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
     o = output(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
-    return o.view(B, T, H, V), ht
+    if not keep_for_backward:
+        return o.view(B, T, H, V), ht
+    return o.view(B, T, H, V), ht, (KeptTiles(G, Ai, flags) if keep else None)
+
+
+class KeptTiles(tuple):
+    """What KDA's forward keeps for its backward (KEEP_FORWARD_TILES): G [Ntok, H, K] (the in-chunk
+    gate sums), T [Ntok, H, 64] fp32 (each chunk's (I + A)^-1, row t of its chunk) and the span
+    flags int8 [NC, H] (which chunks stage 3 left to its 16-row blocks)."""
+
+    def __new__(cls, G, T, flags):
+        return super().__new__(cls, (G, T, flags))
+
+
+def chunk_wu_from_t_kda(T, k, v, beta, G, plan, input_dtype: torch.dtype, keys_normalised: bool):
+    """The backward's W [Ntok, H, K] and U [Ntok, H, V] (fp32) from its forward's T, as its
+    recompute of stage 3 forms them (EXACT_WU: fp32 operands, products at the recompute's
+    precision): W = T (diag(beta) (exp(G) * K)), U = T diag(beta) V; GDN's `_wu_from_t_kernel`
+    with PER_CHANNEL, grid (NC * D / BC, H) per output."""
+    Ntok, H, K = k.shape
+    V = v.shape[-1]
+    w = new_empty((Ntok, H, K), _F32, k.device)
+    u = new_empty((Ntok, H, V), _F32, k.device)
+    if not plan.NC:
+        return w, u
+    prec, _ = _tile_precisions(input_dtype, False, True, True, keys_normalised)
+    for x, out, gated in ((k, w, True), (v, u, False)):
+        D = x.shape[-1]
+        BC = min(64, max(16, next_pow2(D)))
+        _wu_from_t_kernel[(plan.NC * cdiv(D, BC), H)](T, x, beta, G, out, plan.chunks, H, D, BC, cdiv(D, BC), BT,
+                                                      _F32, _F32, gated, PER_CHANNEL=True, PREC=prec,
+                                                      **WU_FROM_T_KDA_LAUNCH)
+    return w, u
+
+
+# `chunk_wu_from_t_kda`'s launch: one [64, 64] fp32 T and a [64, BC] tile per program. Untimed.
+WU_FROM_T_KDA_LAUNCH = dict(num_warps=4, num_stages=1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1119,12 +1169,13 @@ def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtyp
 
 
 def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                        states=None, dstates=None):
+                        states=None, dstates=None, kept=None):
     """(dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype: recomputes the
     forward's stages 1-5 (T stored, fp32 intermediates), then 7, 8 (GDN's, per-channel), 9, 9b, 10, 10b.
     states, dstates: the recompute's stage 5 and stage 8 (another backend's, e.g. the gluon
     backend's on GDN's Gluon recurrence kernel; `chunk_states`' and `chunk_dstates`' contracts; None:
-    those two)."""
+    those two). kept: the forward's `KeptTiles` (KEEP_FORWARD_TILES): G, T and the flags are its,
+    and W and U are formed from T (`chunk_wu_from_t_kda`) instead of recomputing stage 3."""
     states = states or chunk_states
     dstates = dstates or chunk_dstates
     B, T, H, K = q.shape
@@ -1136,16 +1187,20 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     dt = q.dtype
     l2 = use_qk_l2norm_in_kernel
     if l2:
-        kept = _F32 if _products(dt, True)[2] != "ieee" else dt
-        qn, kn = l2norm_fwd(qf, kept), l2norm_fwd(kf, kept)
+        normed = _F32 if _products(dt, True)[2] != "ieee" else dt
+        qn, kn = l2norm_fwd(qf, normed), l2norm_fwd(kf, normed)
     else:
         qn, kn = qf, kf
     # with BACKWARD_WHOLE_CHUNKS the recompute's stage 3 in whole-chunk tiles too, its flags routing 7, 9b, 10b
-    flags = _span_flags(plan, H, q, BACKWARD_WHOLE_CHUNKS)
-    G, g_in_3 = _gate_sums(gf, plan, flags, dt)
-    Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
-                              factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
-                              g=g_in_3, span_flags=flags)
+    if kept is not None and BACKWARD_WHOLE_CHUNKS:
+        G, Ai, flags = kept
+        w, u = chunk_wu_from_t_kda(Ai, kn, vf, bf, G, plan, dt, keys_normalised=l2)
+    else:
+        flags = _span_flags(plan, H, q, BACKWARD_WHOLE_CHUNKS)
+        G, g_in_3 = _gate_sums(gf, plan, flags, dt)
+        Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
+                                  factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
+                                  g=g_in_3, span_flags=flags)
     h, vn, _ = states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
     fused_stages = _fused_pairs() if flags is not None else ()
     dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags)
