@@ -14,16 +14,17 @@ then runs through the torch.library custom ops `tileport::kda_forward` / `tilepo
                same (kda/triton_kernels.py says which); also the CPU path under TRITON_INTERPRET=1
     gluon      (Hopper, bf16, K = V of 64 or 128) Triton's stages with the output of every chunk
                stage 3 did not flag on a Gluon TMA + WGMMA kernel (kda/gluon_kernels.py); the
-               backward is Triton's
+               backward is Triton's with its two state recurrences on GDN's Gluon tf32 kernel
     reference  float64 PyTorch (reference.py): the step-by-step recurrence forward, and its
                closed-form reverse sweep backward
 
-Status (fourteenth session, docs/perf/kda.md):
-- Triton forward and backward pass the parity gate on the CPU (interpreter) and on the H200 (loop 3
-  at 38ae388: 158 passed); the gluon backend's cases passed there at 151d1b4 (67 passed with the
-  parity and chunk-flag files).
-- S1 on the H200: forward 1.559 ms (gluon) / 1.998 (triton) against FLA's 1.892; backward 11.77
-  (Triton's, in both backends) against FLA's 7.79. Issue 6's goals (0.90 and 5.0 fwd+bwd) not met.
+Status (sixteenth session, docs/perf/kda.md):
+- Triton and gluon pass the whole parity gate on the CPU (interpreter) and on the H200 (213 passed
+  at 8dc64de; the kept-tiles path of row 19 with the parity and gluon files at c0b5da6, 64 passed).
+- S1 on the H200 (bench at 366abfd, one run beside FLA): forward 1.581 ms (gluon) / 2.007 (triton)
+  against FLA's 1.892; backward 8.61 (gluon) against 7.83; with the forward's tiles kept for the
+  backward (row 19, kda_ab.py at c0b5da6) forward+backward 9.605 against FLA's 9.717 (another run).
+  Issue 6's goals (0.90 and 5.0 fwd+bwd) not met.
 - Head dims above 128 are refused by the Triton backend and fall back to the reference.
 """
 
@@ -103,9 +104,9 @@ def _gluon_refusal(call: KDACall) -> str | None:
 _triton_impl = lazy_stages("tileport.ops.kda.triton_kernels", "kda_forward_triton", "kda_backward_triton")
 
 # Preference: gluon (Hopper, bf16, K = V of 64 or 128: Triton's stages with the output's whole
-# chunks on a Gluon TMA + WGMMA kernel; H200 at 151d1b4, scripts/kda_ab.py "gluon", S1: forward
-# 1.559 ms against Triton's 1.998, o equal to Triton's there; the backward is Triton's), then
-# triton, then the float64 reference.
+# chunks on a Gluon TMA + WGMMA kernel and the backward's two state recurrences on GDN's Gluon tf32
+# kernel; H200 bench at 366abfd, S1: forward 1.581 ms against Triton's 2.007, backward 8.61
+# against 9.86), then triton, then the float64 reference.
 DISPATCHER = register(
     OpDispatcher(
         "kda",
