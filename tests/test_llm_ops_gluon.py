@@ -7,6 +7,13 @@ frozen gate's checker (tests/test_llm_ops_parity.py, `run_and_check`), on the sh
   rows TMA cannot read (an unaligned row stride) run Triton's forward: checked too; softmax's
   three forward forms (FORM) on every D class their plans differ in, with its statistics and
   with -inf chunks;
+- their Gluon backwards (x and dy through a paired TMA ring; rms_norm's weight gradient in
+  per-program partial rows summed by a second kernel), selected by each module's BACKWARD switch
+  ("triton" by default until these cases and the A/B have run on the H200, llm_ops.md row 9):
+  every D class from 64 to 8192 in each dtype, M of 1, of fewer tiles than programs and of many
+  tiles per program with a ragged last one, weight None / same dtype / fp32, the weight gradient
+  not wanted, strided rows (Triton's backward where TMA can't read them), each with a spy that
+  sees which kernels ran;
 - grouped GEMM (the forward on a persistent pipelined TMA + WGMMA kernel; the backward Triton's),
   16-bit: the gate's cases (groups of 0 and 1 rows, K and N not multiples of the tiles; those with
   rows TMA cannot read run Triton's forward), ones where the items outnumber the programs (the
@@ -235,6 +242,119 @@ def test_grouped_gemm_warp_specialized_masked_store(shape, device, seed, monkeyp
 
     monkeypatch.setattr(gluon_kernels, "TMA_STORE", False)
     _run_warp_specialized(shape, torch.bfloat16, device, seed, monkeypatch)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Gluon backwards (BACKWARD = "gluon"; docs/perf/llm_ops.md row 9)
+# ------------------------------------------------------------------------------------------------
+BWD_DS = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def _bwd_rows(D: int) -> list[int]:
+    """M = 1; 37 (fewer tiles than programs at every D: one to 37); and about 10 tiles a program on
+    132 SMs at 16-bit (20 at fp32), odd, so the last tile is ragged wherever a tile holds more than
+    one row and each program's ring wraps its phases more than once."""
+    return [1, 37, 10 * 132 * max(1, 16384 // (2 * D)) + 3]
+
+
+def _bwd_params():
+    for D in BWD_DS:
+        for M in _bwd_rows(D):
+            for dt in parity.DTYPES:
+                yield pytest.param((M, D), dt, id=f"{M}x{D}-{dt}")
+
+
+def _gluon_backward_on(op, monkeypatch):
+    """Select the Gluon backward of `op` and spy on its kernels' launches: {kernel name: spy}."""
+    import importlib
+
+    from tileport import gluon_rows
+
+    gk = importlib.import_module(f"tileport.ops.{op}.gluon_kernels")
+    assert "gluon" in gk.BACKWARDS
+    monkeypatch.setattr(gk, "BACKWARD", "gluon")
+    spies = {"bwd": _LaunchSpy(getattr(gk, f"_{op}_bwd_kernel"))}
+    monkeypatch.setattr(gk, f"_{op}_bwd_kernel", spies["bwd"])
+    spies["sum"] = _LaunchSpy(gluon_rows._sum_partial_rows_kernel)
+    monkeypatch.setattr(gluon_rows, "_sum_partial_rows_kernel", spies["sum"])
+    return spies
+
+
+@pytest.mark.parametrize("shape,dt", list(_bwd_params()))
+@pytest.mark.parametrize("op", OPS)
+def test_gluon_backward(op, shape, dt, device, seed, monkeypatch):
+    """The Gluon backward (forward on the gluon backend too) against the float64 reference: dx, and
+    rms_norm's weight gradient (a weight in x's dtype)."""
+    parity._skip_unless_runs(op, "gluon", device)
+    dtype = parity.DTYPES[dt]
+    spies = _gluon_backward_on(op, monkeypatch)
+    parity.run_and_check(op, "gluon", MAKERS[op](shape, dtype, device), dtype, seed)
+    assert len(spies["bwd"].grids) == 1, f"{op} {shape}: the Gluon backward kernel ran {len(spies['bwd'].grids)} times"
+    assert len(spies["sum"].grids) == (op == "rms_norm"), "the weight gradient's sum of partial rows"
+
+
+@pytest.mark.parametrize("weight", [None, "fp32", "same"])
+@pytest.mark.parametrize("shape", [(37, 1024), (20003, 1024), (531, 4096), (267, 8192)], ids=parity._shape_id)
+@pytest.mark.parametrize("dt", list(parity.DTYPES))
+def test_rms_norm_gluon_backward_weights(weight, shape, dt, device, seed, monkeypatch):
+    """No weight (HAS_WEIGHT and the weight gradient off: no second kernel), an fp32 weight beside
+    16-bit rows (dw summed into fp32), and one in x's dtype."""
+    parity._skip_unless_runs("rms_norm", "gluon", device)
+    dtype = parity.DTYPES[dt]
+    spies = _gluon_backward_on("rms_norm", monkeypatch)
+    parity.run_and_check("rms_norm", "gluon", parity._rms_case(shape, dtype, device, weight=weight), dtype, seed)
+    assert len(spies["bwd"].grids) == 1
+    assert len(spies["sum"].grids) == (weight is not None)
+
+
+@pytest.mark.parametrize("dt", list(parity.DTYPES))
+def test_rms_norm_gluon_backward_without_dw(dt, device, seed, monkeypatch):
+    """The stage function with want_dw False (a frozen weight): no weight gradient, no second kernel,
+    dx as with it, against the float64 reference."""
+    parity._skip_unless_runs("rms_norm", "gluon", device)
+    from tileport.ops.rms_norm import gluon_kernels
+    from tileport.testing import check
+
+    dtype = parity.DTYPES[dt]
+    spies = _gluon_backward_on("rms_norm", monkeypatch)
+    torch.manual_seed(seed)
+    x = torch.randn(1003, 2048, device=device).to(dtype)
+    w = (0.5 + torch.rand(2048, device=device)).to(dtype)
+    dy = torch.randn_like(x)
+    dx, dw = gluon_kernels.rms_norm_backward_gluon(dy, x, w, 1e-5, False)
+    assert dw is None and len(spies["sum"].grids) == 0 and len(spies["bwd"].grids) == 1
+    x64 = x.double().requires_grad_(True)
+    (ref_dx,) = torch.autograd.grad(rms_norm_reference(x64, w.double(), 1e-5), x64, dy.double())
+    check("dx without dw", dx, ref_dx, dtype)
+
+
+@pytest.mark.parametrize("layout", list(STRIDED))
+@pytest.mark.parametrize("op", OPS)
+def test_gluon_backward_strided_rows(op, layout, device, seed, monkeypatch):
+    """Strided x with the Gluon backward on: aligned rows through the paired ring (its descriptors
+    take each input's row stride), unaligned ones through Triton's backward (a spy on each)."""
+    parity._skip_unless_runs(op, "gluon", device)
+    import importlib
+
+    spies = _gluon_backward_on(op, monkeypatch)
+    width, cols, aligned = STRIDED[layout]
+    x = torch.randn(33, width, device=device).to(torch.bfloat16)[:, cols]
+    triton_kernels = importlib.import_module(f"tileport.ops.{op}.triton_kernels")
+    name = f"{op}_backward_triton"
+    calls = []
+    real = getattr(triton_kernels, name)
+    monkeypatch.setattr(triton_kernels, name, lambda *args: calls.append(1) or real(*args))
+    parity.run_and_check(op, "gluon", _rows_case(op, x, device), torch.bfloat16, seed)
+    assert bool(calls) != aligned, f"{layout}: Triton's backward {'ran' if calls else 'did not run'}"
+    assert bool(spies["bwd"].grids) == aligned, f"{layout}: the Gluon backward {'ran' if spies['bwd'].grids else 'did not run'}"
+
+
+def test_gluon_backward_default_is_triton():
+    """Until the H200 has gated and timed the Gluon backwards, the gluon backends run Triton's."""
+    from tileport.ops.rms_norm import gluon_kernels as rms
+    from tileport.ops.softmax import gluon_kernels as sm
+
+    assert rms.BACKWARD == "triton" and sm.BACKWARD == "triton"
 
 
 def test_refusals_name_the_reason():

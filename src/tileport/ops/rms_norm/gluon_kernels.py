@@ -1,10 +1,17 @@
 """RMSNorm, Gluon backend for Hopper (sm_90): the forward streams row tiles through a ring of TMA
-buffers (tileport/gluon_rows.py) in one persistent program per SM; the backward is Triton's.
+buffers (tileport/gluon_rows.py) in one persistent program per SM. The backward is Triton's by
+default (`BACKWARD = "triton"`); `BACKWARD = "gluon"` selects the Gluon backward written here
+(x and dy through a paired ring, the weight gradient reduced by a second small kernel), which has
+compiled for sm_90a but not yet run or been timed on the H200 (docs/perf/llm_ops.md row 9): the
+switch flips once the GPU gate (tests/test_llm_ops_gluon.py) and scripts/rows_backward_ab.py
+have passed and timed it.
 
 Per row (fp32 math, y in x's dtype, as triton_kernels.py): rstd = rsqrt(sum(x^2) / D + eps),
-y = x * rstd * w. Rows of a power-of-two D from 16 (bf16/fp16) or 8 (fp32) to 8192 elements
+y = x * rstd * w; backward g = dy * w, dx = rstd * g - x * rstd^3 * sum(g * x) / D, and
+dw = sum over rows of dy * x * rstd (fp32, then weight's dtype). Rows of a power-of-two D from 16 (bf16/fp16) or 8 (fp32) to 8192 elements
 (`gluon_rows.rows_refusal`); rows whose base or stride is not 16-byte aligned, which TMA cannot
-read, run Triton's forward.
+read, run Triton's forward (and, with the Gluon backward on, Triton's backward where x or dy can't
+be read by TMA).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tileport import gluon_rows
-from tileport.gluon_rows import _GLUON_ERROR, rows_aligned, rows_refusal, row_stream_plan
+from tileport.gluon_rows import _GLUON_ERROR, pair_stream_plan, rows_aligned, rows_refusal, row_stream_plan, sum_partial_rows
 from tileport.memory import as_rows, new_empty
 from tileport.ops.rms_norm import triton_kernels
 
@@ -20,7 +27,8 @@ if _GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from tileport.gluon_rows import ring_open, ring_stop, ring_take, row_sums, row_tile_offsets, row_vector
+    from tileport.gluon_rows import (pair_ring_open, pair_ring_take, ring_open, ring_stop, ring_take, row_sum_pair,
+                                     row_sums, row_tile_offsets, row_vector, row_vector_offsets)
 
 __all__ = ["gluon_refusal", "rms_norm_forward_gluon", "rms_norm_backward_gluon", "compile_cases"]
 
@@ -75,8 +83,89 @@ def rms_norm_forward_gluon(x: torch.Tensor, weight: torch.Tensor | None, eps: fl
     return y.view(x.shape)
 
 
-# the backward is Triton's (one persistent launch already; the forward is where the ring pays first)
-rms_norm_backward_gluon = triton_kernels.rms_norm_backward_triton
+# Which backward the gluon backend runs, read at each call: "triton" (Triton's kernel, the default
+# until the H200 has gated and timed the Gluon one: docs/perf/llm_ops.md row 9) or "gluon".
+BACKWARD = "triton"
+BACKWARDS = ("triton", "gluon")
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _rms_norm_bwd_kernel(x_desc, dy_desc, w_ptr, dx_ptr, part_ptr, M, row_stride_dx, eps, n_tiles,
+                             HAS_WEIGHT: gl.constexpr, WANT_DW: gl.constexpr, STAGES: gl.constexpr,
+                             L: gl.constexpr):
+        """dx = rstd * g - x * rstd^3 * sum(g * x) / D (g = dy * w, rstd = rsqrt(mean(x^2) + eps)
+        recomputed from x) for the row tiles pid, pid + P, ... (grid (P,), one program per SM), and
+        with WANT_DW this program's partial weight gradient, sum over its rows of dy * x * rstd,
+        as row pid of part [P, D] fp32 (summed by `gluon_rows.sum_partial_rows`). The tiles of x
+        and dy arrive together by TMA into a paired ring of STAGES slots (one mbarrier a slot);
+        dx is stored from registers with a row mask. Explicit here (Triton would choose): the ring
+        and its depth, the persistent grid, the host descriptors, the tile's layout; both row sums
+        (x^2 and g * x) in one reduction across warps; the weight gradient accumulated per element
+        of the tile, in registers, over all the program's tiles, and reduced over rows once at the
+        end (a reduction over rows each tile would cross lanes or warps wherever a warp holds
+        several rows)."""
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        NCB: gl.constexpr = x_desc.block_type.shape[1]
+        CB: gl.constexpr = x_desc.block_type.shape[2]
+        D: gl.constexpr = NCB * CB
+        xbufs, dybufs, bars, pid, P, my_n = pair_ring_open(x_desc, dy_desc, n_tiles, STAGES)
+        if HAS_WEIGHT:
+            w = row_vector(w_ptr, NCB, CB, L)
+        dw_acc = gl.zeros([BM, NCB, CB], gl.float32, L)
+        for i in range(my_n):
+            x, dy = pair_ring_take(x_desc, dy_desc, xbufs, dybufs, bars, i, pid, P, my_n, L)
+            if HAS_WEIGHT:
+                g = dy * w
+            else:
+                g = dy
+            ss, gx = row_sum_pair(x * x, g * x)
+            rstd = gl.rsqrt(ss / D + eps)
+            dx = g * rstd - x * (gx * (rstd * rstd * rstd) / D)
+            offs, row_ok = row_tile_offsets(pid + i * P, M, row_stride_dx, BM, NCB, CB, L)
+            # lint: allow TP001 -- rows past M are masked; a TMA store would need a staging buffer per tile for no fewer bytes
+            gl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=row_ok)
+            if WANT_DW:
+                # rows past M came in as zeros (TMA's padding): they add 0
+                dw_acc += dy * x * rstd
+        ring_stop(bars)
+        if WANT_DW:
+            gl.store(part_ptr + pid.to(gl.int64) * D + row_vector_offsets(NCB, CB, L), gl.sum(dw_acc, axis=0))
+
+
+def _rms_norm_backward_ring(grad_y, x, weight, eps, want_dw):
+    """The Gluon backward (`triton_kernels.rms_norm_backward_triton`'s contract), or None where TMA
+    can't read x or dy (the caller runs Triton's)."""
+    D = x.shape[-1]
+    x2 = as_rows(x)
+    dy2 = as_rows(grad_y)
+    if not (rows_aligned(x2) and rows_aligned(dy2)):
+        return None
+    M = x2.shape[0]
+    dx = new_empty((M, D), x.dtype, x.device)
+    plan = pair_stream_plan(x2, dy2)
+    want_dw = want_dw and weight is not None
+    partials = new_empty((plan.programs, D), torch.float32, x.device) if want_dw else dx
+    w = weight.contiguous() if weight is not None else x2
+    _rms_norm_bwd_kernel[(plan.programs,)](plan.a_desc, plan.b_desc, w, dx, partials, M, dx.stride(0), float(eps),
+                                           plan.n_tiles, weight is not None, want_dw, plan.stages, plan.layout,
+                                           num_warps=gluon_rows.NUM_WARPS)
+    dw = sum_partial_rows(partials, new_empty((D,), weight.dtype, x.device)) if want_dw else None
+    return dx.view(x.shape), dw
+
+
+def rms_norm_backward_gluon(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                            want_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx with x's shape and dtype, d weight in weight's dtype or None): Triton's backward unless
+    BACKWARD is "gluon" (then the Gluon kernels above, and Triton's still for rows TMA can't read).
+    grad_y comes in x's dtype (the op's `_backward_impl`)."""
+    if BACKWARD not in BACKWARDS:
+        raise ValueError(f"rms_norm gluon BACKWARD {BACKWARD!r} is not one of {BACKWARDS}")
+    if BACKWARD == "gluon":
+        out = _rms_norm_backward_ring(grad_y, x, weight, eps, want_dw)
+        if out is not None:
+            return out
+    return triton_kernels.rms_norm_backward_triton(grad_y, x, weight, eps, want_dw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,10 +173,14 @@ rms_norm_backward_gluon = triton_kernels.rms_norm_backward_triton
 # --------------------------------------------------------------------------------------------
 def compile_cases():
     """The forward at D = 4096 and 8192 (bf16, with a weight), 64 (bf16, a tile of many rows) and
-    4096 in fp32 without a weight."""
+    4096 in fp32 without a weight; the backward (`_rms_norm_bwd_kernel`) at D = 4096 bf16 with the
+    weight gradient (the standard shape; and in a 6-deep ring of 16 KB tiles, the A/B's other
+    ring), 8192 bf16 and fp32 (one row a tile; fp32's ring 3 deep), 64 bf16 (128 rows a tile,
+    rows inside warps), 4096 fp16, 4096 fp32 without a weight; and the weight gradient's sum of
+    132 partial rows into bf16 and fp32."""
     if _GLUON_ERROR is None:
         from tileport.compile_check import CompileCase, TensorStandIn
-        from tileport.gluon_rows import descriptor_stand_in_for
+        from tileport.gluon_rows import descriptor_stand_in_for, pair_descriptor_stand_in_for, partial_rows_compile_args
 
         cases = []
         M = 8192
@@ -103,5 +196,36 @@ def compile_cases():
                                      # the ring's 3 CTA barriers a tile, and 2 for the sum of squares
                                      # across warps (none at D = 64: a row inside one warp)
                                      expect_loop_barriers=3 if D <= 256 else 5))
+        bf16 = torch.bfloat16
+        for D, dtype, weight, ring in ((4096, bf16, True, None), (4096, bf16, True, (16 * 1024, 6)),
+                                       (8192, bf16, True, None), (8192, torch.float32, True, None),
+                                       (64, bf16, True, None), (4096, torch.float16, True, None),
+                                       (4096, torch.float32, False, None)):
+            saved = gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES
+            if ring is not None:
+                gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES = ring
+            try:
+                plan = pair_descriptor_stand_in_for(M, D, dtype)
+            finally:
+                gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES = saved
+            args = dict(x_desc=plan.a_desc, dy_desc=plan.b_desc, w_ptr=TensorStandIn([D], dtype),
+                        dx_ptr=TensorStandIn([M, D], dtype), part_ptr=TensorStandIn([132, D], torch.float32), M=M,
+                        row_stride_dx=D, eps=1e-6, n_tiles=plan.n_tiles, HAS_WEIGHT=weight, WANT_DW=weight,
+                        STAGES=plan.stages, L=plan.layout)
+            tag = (f"D{D}_{str(dtype).removeprefix('torch.')}{'_w' if weight else ''}"
+                   f"{f'_{ring[0] // 1024}kx{ring[1]}' if ring else ''}")
+            cases.append(CompileCase(name=f"rms_norm_bwd_{tag}", kernel=_rms_norm_bwd_kernel, args=args,
+                                     num_warps=gluon_rows.NUM_WARPS,
+                                     expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"], expect_max_spills=0,
+                                     # the paired ring's 4 CTA barriers a tile (the single ring's 3, and
+                                     # one Triton's membar pass puts between the two TMA copies that
+                                     # complete on the same mbarrier), and 2 for the two row sums'
+                                     # one reduction across warps (none at D = 64)
+                                     expect_loop_barriers=4 if D <= 256 else 6))
+        for dtype in (bf16, torch.float32):
+            cases.append(CompileCase(name=f"rms_norm_dw_sum_D4096_{str(dtype).removeprefix('torch.')}",
+                                     kernel=gluon_rows._sum_partial_rows_kernel,
+                                     args=partial_rows_compile_args(132, 4096, dtype), num_warps=gluon_rows._PARTIAL_WARPS,
+                                     expect_max_spills=0))
         return cases
     return []

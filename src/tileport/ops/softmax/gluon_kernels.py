@@ -1,12 +1,17 @@
 """Softmax over the last dimension, Gluon backend for Hopper (sm_90): the forward streams row tiles
-through a ring of TMA buffers (tileport/gluon_rows.py) in one persistent program per SM; the
-backward is Triton's, which recomputes y from x and the forward's row statistics (max, 1/sum)
-[M, 2] fp32, written here in Triton's layout.
+through a ring of TMA buffers (tileport/gluon_rows.py) in one persistent program per SM and writes
+the row statistics (max, 1/sum) [M, 2] fp32 in Triton's layout. The backward recomputes y from x
+and those statistics: Triton's by default (`BACKWARD = "triton"`); `BACKWARD = "gluon"` selects the
+Gluon backward written here (x and dy through a paired ring), which has compiled for sm_90a but
+not yet run or been timed on the H200 (docs/perf/llm_ops.md row 9): the switch flips once the GPU
+gate (tests/test_llm_ops_gluon.py) and scripts/rows_backward_ab.py have passed and timed it.
 
-Per row (fp32 math): m = max(x), r = 1 / sum(exp(x - m)), y = exp(x - m) * r, in x's dtype. Rows
+Per row (fp32 math): m = max(x), r = 1 / sum(exp(x - m)), y = exp(x - m) * r, in x's dtype;
+backward dx = y * (dy - sum(y * dy)) with y recomputed in fp32. Rows
 of a power-of-two D from 16 (bf16/fp16) or 8 (fp32) to 8192 elements (`gluon_rows.rows_refusal`:
 one TMA box per tile, no padded columns); rows whose base or stride is not 16-byte aligned, which
-TMA cannot read, run Triton's forward.
+TMA cannot read, run Triton's forward (and, with the Gluon backward on, Triton's backward where x
+or dy can't be read by TMA).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tileport import gluon_rows
-from tileport.gluon_rows import _GLUON_ERROR, rows_aligned, rows_refusal, row_stream_plan
+from tileport.gluon_rows import _GLUON_ERROR, pair_stream_plan, rows_aligned, rows_refusal, row_stream_plan
 from tileport.memory import as_rows, new_empty
 from tileport.ops.softmax import triton_kernels
 
@@ -22,7 +27,7 @@ if _GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from tileport.gluon_rows import ring_open, ring_stop, ring_take, row_tile_offsets
+    from tileport.gluon_rows import pair_ring_open, pair_ring_take, ring_open, ring_stop, ring_take, row_sums, row_tile_offsets
 
 __all__ = ["gluon_refusal", "softmax_forward_gluon", "softmax_backward_gluon", "compile_cases"]
 
@@ -132,8 +137,71 @@ def softmax_forward_gluon(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.view(x.shape), stats
 
 
-# the backward is Triton's (it reads the statistics written above)
-softmax_backward_gluon = triton_kernels.softmax_backward_triton
+# Which backward the gluon backend runs, read at each call: "triton" (Triton's kernel, the default
+# until the H200 has gated and timed the Gluon one: docs/perf/llm_ops.md row 9) or "gluon".
+BACKWARD = "triton"
+BACKWARDS = ("triton", "gluon")
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _softmax_bwd_kernel(x_desc, dy_desc, stats_ptr, dx_ptr, M, row_stride_dx, n_tiles, STAGES: gl.constexpr,
+                            L: gl.constexpr):
+        """dx = y * (dy - sum(y * dy)) per row, y = exp(x - m) * r recomputed in fp32 from x and the
+        forward's statistics (m, r) [M, 2] fp32, for the row tiles pid, pid + P, ... (grid (P,), one
+        program per SM): the tiles of x and dy arrive together by TMA into a paired ring of STAGES
+        slots (one mbarrier a slot), the tile's two statistics per row by plain loads (8 bytes a
+        row, issued before the ring's wait), dx stored from registers with a row mask. Explicit
+        here (Triton would choose): the ring and its depth, the persistent grid, the host
+        descriptors, the tile's register layout (a row's 256-element chunks over the warps: one
+        reduction across warps a tile, the sum of y * dy)."""
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        NCB: gl.constexpr = x_desc.block_type.shape[1]
+        CB: gl.constexpr = x_desc.block_type.shape[2]
+        xbufs, dybufs, bars, pid, P, my_n = pair_ring_open(x_desc, dy_desc, n_tiles, STAGES)
+        r = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        for i in range(my_n):
+            tile = pid + i * P
+            rows = tile * BM + r
+            # rows past M: m = r = 0, so y = exp(0 - 0) * 0 = 0 on their zero padding (never stored)
+            m = gl.load(stats_ptr + 2 * rows.to(gl.int64), mask=rows < M, other=0.0)
+            inv = gl.load(stats_ptr + 2 * rows.to(gl.int64) + 1, mask=rows < M, other=0.0)
+            x, dy = pair_ring_take(x_desc, dy_desc, xbufs, dybufs, bars, i, pid, P, my_n, L)
+            y = gl.exp(x - gl.expand_dims(gl.expand_dims(m, 1), 2)) * gl.expand_dims(gl.expand_dims(inv, 1), 2)
+            dx = y * (dy - row_sums(y * dy))
+            offs, row_ok = row_tile_offsets(tile, M, row_stride_dx, BM, NCB, CB, L)
+            # lint: allow TP001 -- rows past M are masked; a TMA store would need a staging buffer per tile for no fewer bytes
+            gl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=row_ok)
+        ring_stop(bars)
+
+
+def _softmax_backward_ring(grad_y, x, stats):
+    """The Gluon backward (`triton_kernels.softmax_backward_triton`'s contract), or None where TMA
+    can't read x or dy (the caller runs Triton's)."""
+    D = x.shape[-1]
+    x2 = as_rows(x)
+    dy2 = as_rows(grad_y)
+    if not (rows_aligned(x2) and rows_aligned(dy2)):
+        return None
+    M = x2.shape[0]
+    dx = new_empty((M, D), x.dtype, x.device)
+    plan = pair_stream_plan(x2, dy2)
+    _softmax_bwd_kernel[(plan.programs,)](plan.a_desc, plan.b_desc, stats, dx, M, dx.stride(0), plan.n_tiles,
+                                          plan.stages, plan.layout, num_warps=gluon_rows.NUM_WARPS)
+    return dx.view(x.shape)
+
+
+def softmax_backward_gluon(grad_y: torch.Tensor, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """dx with x's shape and dtype from x and the forward's statistics [M, 2] fp32 (contiguous, as
+    both forwards write them): Triton's backward unless BACKWARD is "gluon" (then the Gluon kernel
+    above, and Triton's still for rows TMA can't read). grad_y comes in x's dtype."""
+    if BACKWARD not in BACKWARDS:
+        raise ValueError(f"softmax gluon BACKWARD {BACKWARD!r} is not one of {BACKWARDS}")
+    if BACKWARD == "gluon":
+        dx = _softmax_backward_ring(grad_y, x, stats)
+        if dx is not None:
+            return dx
+    return triton_kernels.softmax_backward_triton(grad_y, x, stats)
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +211,8 @@ def compile_cases():
     """The forward in each form at D = 4096 (bf16: the standard shape; fp16: the most registers, 254
     of 255 with 128 fp32 values a thread), 8192 and 64 (bf16), 2048 and 4096 (fp32), with the CTA
     barriers each tile costs: the ring's 3 (`ring_take`: one before the refill, one around the TMA
-    issue, one at the loop's head), 2 per reduction across warps."""
+    issue, one at the loop's head), 2 per reduction across warps; the backward at D = 4096 (bf16,
+    fp16, fp32), 8192 (bf16, fp32) and 64 (bf16)."""
     if _GLUON_ERROR is not None:
         return []
     from tileport.compile_check import CompileCase, TensorStandIn
@@ -168,4 +237,18 @@ def compile_cases():
         cases.append(CompileCase(name=f"softmax_fwd_{tag}", kernel=_softmax_fwd_kernel, args=args,
                                  num_warps=gluon_rows.NUM_WARPS, expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"],
                                  expect_max_spills=0, expect_loop_barriers=barriers))
+    # the backward (`_softmax_bwd_kernel`): the paired ring's 4 CTA barriers a tile (the single
+    # ring's 3, and one Triton's membar pass puts between the two TMA copies that complete on one
+    # mbarrier), 2 for the sum of y * dy across warps (none at D = 64); 8192 fp32's ring is 3 deep
+    from tileport.gluon_rows import pair_descriptor_stand_in_for
+
+    for D, dtype in ((4096, bf16), (4096, torch.float16), (8192, bf16), (64, bf16), (4096, fp32), (8192, fp32)):
+        plan = pair_descriptor_stand_in_for(M, D, dtype)
+        args = dict(x_desc=plan.a_desc, dy_desc=plan.b_desc, stats_ptr=TensorStandIn([M, 2], torch.float32),
+                    dx_ptr=TensorStandIn([M, D], dtype), M=M, row_stride_dx=D, n_tiles=plan.n_tiles,
+                    STAGES=plan.stages, L=plan.layout)
+        cases.append(CompileCase(name=f"softmax_bwd_D{D}_{str(dtype).removeprefix('torch.')}", kernel=_softmax_bwd_kernel,
+                                 args=args, num_warps=gluon_rows.NUM_WARPS,
+                                 expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"], expect_max_spills=0,
+                                 expect_loop_barriers=4 if D <= 256 else 6))
     return cases

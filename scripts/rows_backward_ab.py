@@ -1,0 +1,99 @@
+"""A/B of the rms_norm and softmax backwards on the H200, one process, same saved inputs
+(docs/perf/llm_ops.md row 9): Triton's backward (`*_backward_triton`; rms_norm's with its torch
+`.sum` and `.to` for the weight gradient) against the Gluon one (`*_backward_gluon` with
+BACKWARD = "gluon": x and dy through the paired TMA ring, rms_norm's weight gradient summed by
+`gluon_rows.sum_partial_rows`) in its default ring (16 KB tiles x 4 slots) and a deeper one
+(16 KB x 6), each called as the stage function directly and timed as a CUDA-graph replay
+(everything it launches, no host time): median (p20-p80) ms and the fraction of copy bandwidth at
+3 * M * D bytes (x and dy read, dx written). Each output is checked against float64 with the
+parity gate's bound for the dtype (`tileport.testing.check`, the relative error printed); a miss
+is reported as a MISMATCH and the script exits 1 after its table.
+
+    PYTHONPATH=src python3 scripts/rows_backward_ab.py [M,D[,dtype] ...]   (default 8192,4096,bf16)
+"""
+
+import sys
+
+import torch
+import triton.testing
+
+from tileport import gluon_rows
+from tileport.ops.rms_norm import gluon_kernels as rms_gk
+from tileport.ops.rms_norm import triton_kernels as rms_tk
+from tileport.ops.softmax import gluon_kernels as sm_gk
+from tileport.ops.softmax import triton_kernels as sm_tk
+from tileport.testing import ParityError, check
+
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COPY_TBS = 4.21  # the copy ceiling measured with row 3's bench (benchmarks/results/2026-11-30-h200-llm-gluon-26c97d1.json)
+RINGS = {"gluon 16KBx4": (16 * 1024, 4), "gluon 16KBx6": (16 * 1024, 6)}
+EPS = 1e-6
+
+
+def variants(op_tk, op_gk, fn_name):
+    """(label, ring or None, module whose BACKWARD to set or None, stage function)."""
+    yield "triton", None, None, getattr(op_tk, f"{fn_name}_triton")
+    for label, ring in RINGS.items():
+        yield label, ring, op_gk, getattr(op_gk, f"{fn_name}_gluon")
+
+
+def timed(label, fn, outputs, refs, dtype, floor_ms, ring, module):
+    saved = gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES
+    if ring is not None:
+        gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES = ring
+    if module is not None:
+        module.BACKWARD = "gluon"
+    try:
+        got = outputs(fn())  # compiles, and the outputs to check
+        ms, p20, p80 = triton.testing.do_bench_cudagraph(fn, rep=200, quantiles=[0.5, 0.2, 0.8])
+    finally:
+        gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES = saved
+        if module is not None:
+            module.BACKWARD = "triton"
+    errs, ok = [], True
+    for name, out, ref in zip(("dx", "dw"), got, refs):
+        try:
+            errs.append(f"{name} rel {check(name, out, ref, dtype):.2e}")
+        except ParityError as exc:
+            errs.append(f"{name} MISMATCH ({exc})")
+            ok = False
+    print(f"  {label:14}: {ms:.4f} ms ({p20:.4f}-{p80:.4f}), {100 * floor_ms / ms:.0f}% of copy; {', '.join(errs)}",
+          flush=True)
+    return ok
+
+
+def main() -> int:
+    ok = True
+    for arg in sys.argv[1:] or ["8192,4096,bf16"]:
+        M, D, *dt = arg.split(",")
+        M, D, dtype = int(M), int(D), DT[dt[0] if dt else "bf16"]
+        torch.manual_seed(0)
+        floor_ms = 3 * M * D * torch.empty((), dtype=dtype).element_size() / (COPY_TBS * 1e9)
+        x = torch.randn(M, D, device="cuda").to(dtype)
+        dy = torch.randn(M, D, device="cuda").to(dtype)
+        w = (0.5 + torch.rand(D, device="cuda")).to(dtype)
+
+        # rms_norm: dx and dw from float64 autograd
+        x64 = x.double().requires_grad_(True)
+        w64 = w.double().requires_grad_(True)
+        y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * w64
+        refs = torch.autograd.grad(y64, (x64, w64), dy.double())
+        print(f"rms_norm backward M={M} D={D} {str(dtype)[6:]} (floor {floor_ms:.4f} ms)", flush=True)
+        for label, ring, module, stage in variants(rms_tk, rms_gk, "rms_norm_backward"):
+            ok &= timed(label, lambda stage=stage: stage(dy, x, w, EPS, True), lambda out: out, refs, dtype, floor_ms,
+                        ring, module)
+        del x64, w64, y64, refs
+
+        # softmax: the statistics the forwards save (Triton's forward writes the layout both read)
+        _, stats = sm_tk.softmax_forward_triton(x)
+        x64 = x.double().requires_grad_(True)
+        refs = torch.autograd.grad(torch.softmax(x64, -1), x64, dy.double())
+        print(f"softmax backward M={M} D={D} {str(dtype)[6:]} (floor {floor_ms:.4f} ms)", flush=True)
+        for label, ring, module, stage in variants(sm_tk, sm_gk, "softmax_backward"):
+            ok &= timed(label, lambda stage=stage: stage(dy, x, stats), lambda out: (out,), refs, dtype, floor_ms, ring,
+                        module)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
