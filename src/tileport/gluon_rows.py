@@ -199,6 +199,17 @@ def pair_stream_plan(a2: torch.Tensor, b2: torch.Tensor) -> PairStreamPlan:
                           min(n_tiles, sm_count(a2.device)), stages)
 
 
+def backward_pair_plan(x: torch.Tensor, grad_y: torch.Tensor):
+    """(plan, x2, dx [M, D] in x's dtype) for a row-wise backward that streams x and grad_y as row
+    pairs (`pair_stream_plan`), or None where TMA can't read either (the caller runs Triton's)."""
+    from tileport.memory import as_rows, new_empty
+
+    x2, dy2 = as_rows(x), as_rows(grad_y)
+    if not (rows_aligned(x2) and rows_aligned(dy2)):
+        return None
+    return pair_stream_plan(x2, dy2), x2, new_empty(tuple(x2.shape), x.dtype, x.device)
+
+
 def pair_descriptor_stand_in_for(M: int, D: int, dtype: torch.dtype) -> PairStreamPlan:
     """`pair_stream_plan`'s plan for compile checks (no GPU): descriptor stand-ins, 132 programs."""
     from tileport.compile_check import descriptor_stand_in

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tileport import gluon_rows
-from tileport.gluon_rows import _GLUON_ERROR, pair_stream_plan, rows_aligned, rows_refusal, row_stream_plan, sum_partial_rows
+from tileport.gluon_rows import _GLUON_ERROR, backward_pair_plan, rows_aligned, rows_refusal, row_stream_plan, sum_partial_rows
 from tileport.memory import as_rows, new_empty
 from tileport.ops.rms_norm import triton_kernels
 
@@ -136,14 +136,11 @@ if _GLUON_ERROR is None:
 def _rms_norm_backward_ring(grad_y, x, weight, eps, want_dw):
     """The Gluon backward (`triton_kernels.rms_norm_backward_triton`'s contract), or None where TMA
     can't read x or dy (the caller runs Triton's)."""
-    D = x.shape[-1]
-    x2 = as_rows(x)
-    dy2 = as_rows(grad_y)
-    if not (rows_aligned(x2) and rows_aligned(dy2)):
+    setup = backward_pair_plan(x, grad_y)
+    if setup is None:
         return None
-    M = x2.shape[0]
-    dx = new_empty((M, D), x.dtype, x.device)
-    plan = pair_stream_plan(x2, dy2)
+    plan, x2, dx = setup
+    M, D = x2.shape
     want_dw = want_dw and weight is not None
     partials = new_empty((plan.programs, D), torch.float32, x.device) if want_dw else dx
     w = weight.contiguous() if weight is not None else x2

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tileport import gluon_rows
-from tileport.gluon_rows import _GLUON_ERROR, pair_stream_plan, rows_aligned, rows_refusal, row_stream_plan
+from tileport.gluon_rows import _GLUON_ERROR, backward_pair_plan, rows_aligned, rows_refusal, row_stream_plan
 from tileport.memory import as_rows, new_empty
 from tileport.ops.softmax import triton_kernels
 
@@ -178,14 +178,11 @@ if _GLUON_ERROR is None:
 def _softmax_backward_ring(grad_y, x, stats):
     """The Gluon backward (`triton_kernels.softmax_backward_triton`'s contract), or None where TMA
     can't read x or dy (the caller runs Triton's)."""
-    D = x.shape[-1]
-    x2 = as_rows(x)
-    dy2 = as_rows(grad_y)
-    if not (rows_aligned(x2) and rows_aligned(dy2)):
+    setup = backward_pair_plan(x, grad_y)
+    if setup is None:
         return None
+    plan, x2, dx = setup
     M = x2.shape[0]
-    dx = new_empty((M, D), x.dtype, x.device)
-    plan = pair_stream_plan(x2, dy2)
     _softmax_bwd_kernel[(plan.programs,)](plan.a_desc, plan.b_desc, stats, dx, M, dx.stride(0), plan.n_tiles,
                                           plan.stages, plan.layout, num_warps=gluon_rows.NUM_WARPS)
     return dx.view(x.shape)
