@@ -86,15 +86,17 @@ def test_gdn_split_solve_compiles_for_sm90a():
 
 def test_kda_wu_from_kept_t_compiles_for_sm90a():
     """KDA's backward from its forward's T (KEEP_FORWARD_TILES, `chunk_wu_from_t_kda`): the column-block
-    W/U kernel with PER_CHANNEL gates (G [Ntok, H, K] fp32) and fp32 operands at the recompute's
-    one-pass tf32 and three-pass tf32x3, at its launch: tensor-core products, no spills."""
+    W/U kernel with PER_CHANNEL gates (G [Ntok, H, K] fp32) and fp32 operands: the whole chunks at
+    the recompute's one-pass tf32 and three-pass tf32x3, the flagged ones at tf32x3, each route on
+    stage 3's flags, at its launch: tensor-core products, no spills."""
     from tileport.ops.kda import triton_kernels as kk
 
-    for prec in ("tf32", "tf32x3"):
+    for prec, chunks in (("tf32", "whole"), ("tf32x3", "whole"), ("tf32x3", "flagged")):
         args = dict(t_ptr=T([Ntok, H, 64], f32), x_ptr=T([Ntok, H, K], f32), beta_ptr=T([Ntok, H], bf),
                     G_ptr=T([Ntok, H, K], f32), out_ptr=T([Ntok, H, K], f32), chunks_ptr=T([2 * NC], idx), H=H, D=K,
-                    BC=64, NCB=K // 64, BT=64, DT=tl.float32, DA=tl.float32, GATED=True, PER_CHANNEL=True, PREC=prec)
-        report = compile_case(CompileCase(f"kda W/U from kept T ({prec})", tk._wu_from_t_kernel, args,
+                    BC=64, NCB=K // 64, BT=64, DT=tl.float32, DA=tl.float32, GATED=True, PER_CHANNEL=True, PREC=prec,
+                    CHUNKS=chunks, flags_ptr=T([NC, H], torch.int8))
+        report = compile_case(CompileCase(f"kda W/U from kept T ({prec}, {chunks})", tk._wu_from_t_kernel, args,
                                           num_warps=kk.WU_FROM_T_KDA_LAUNCH["num_warps"],
                                           options={"num_stages": kk.WU_FROM_T_KDA_LAUNCH["num_stages"]}))
         print(f"\n{report.summary()}")

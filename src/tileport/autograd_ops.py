@@ -74,7 +74,8 @@ def eager_function(name: str, forward_body, backward_body, setup_context, backwa
     """An autograd.Function class whose apply(*inputs) runs forward_body(*inputs). With keeps,
     forward_body returns (outputs, kept) and `kept` (what the forward formed that its backward
     reuses instead of recomputing: eager mode only, a custom op's outputs are its schema's) is
-    stored as ctx.kept for the op's backward to read."""
+    set as ctx.kept before setup_context runs, which saves it (ctx.save_for_backward) for the
+    op's backward."""
 
     setup, run_backward = carrying_forced_backends(setup_context, backward)
 

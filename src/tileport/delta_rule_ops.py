@@ -37,54 +37,51 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
     asked in eager mode when autograd will differentiate the call; under torch.compile the
     backward recomputes (a custom op returns only its schema's outputs)."""
 
+    def run_forward(backend, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                    use_qk_l2norm_in_kernel, keep: bool):
+        """((o, ht), what the backend kept or None): ht a one-element placeholder when not asked for."""
+        args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+        if keep:
+            o, ht, kept = backend.impl.forward(*args, keep_for_backward=True)
+        else:
+            (o, ht), kept = backend.impl.forward(*args), None
+        if ht is None:
+            ht = q.new_empty((1,), dtype=state_dtype(q.dtype))
+        return (o, ht), kept
+
+    def run_backward(backend, grad_o, grad_final_state, q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                     use_qk_l2norm_in_kernel, kept=None) -> list[torch.Tensor]:
+        """[dq, dk, dv, dg, dbeta, dh0] from backend (kept: what its forward kept, or None); dh0 a
+        one-element placeholder without an initial state."""
+        extra = {} if kept is None else {"kept": kept}
+        dq, dk, dv, dg, dbeta, dh0 = backend.impl.backward(
+            grad_o.to(q.dtype), grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
+            cu_seqlens, **extra)
+        if dh0 is None:
+            dh0 = q.new_zeros((1,))
+        return [dq, dk, dv, dg, dbeta, dh0]
+
     def forward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
                      output_final_state: bool, use_qk_l2norm_in_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        o, ht = forward_backend(q, v).impl.forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                   use_qk_l2norm_in_kernel, cu_seqlens)
-        if ht is None:
-            ht = q.new_empty((1,), dtype=state_dtype(q.dtype))
-        return o, ht
+        return run_forward(forward_backend(q, v), q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                           output_final_state, use_qk_l2norm_in_kernel, keep=False)[0]
 
     def backward_body(grad_o: torch.Tensor, grad_final_state: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
                       cu_seqlens: torch.Tensor | None, scale: float,
                       use_qk_l2norm_in_kernel: bool) -> list[torch.Tensor]:
-        dq, dk, dv, dg, dbeta, dh0 = backward_backend(q, v).impl.backward(
-            grad_o.to(q.dtype), grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
-            cu_seqlens)
-        if dh0 is None:
-            dh0 = q.new_zeros((1,))
-        return [dq, dk, dv, dg, dbeta, dh0]
+        return run_backward(backward_backend(q, v), grad_o, grad_final_state, q, k, v, g, beta, initial_state,
+                            cu_seqlens, scale, use_qk_l2norm_in_kernel)
 
     def forward_body_keeping(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
                              use_qk_l2norm_in_kernel):
-        """((o, ht), kept): forward_body's outputs, and (backend name, what it kept) or None."""
+        """((o, ht), (backend name, what it kept) or None): the eager forward autograd will
+        differentiate, where a keeping backend is asked to keep what its backward reuses."""
         backend = forward_backend(q, v)
-        if backend.name not in keeping_backends:
-            return forward_body(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                                use_qk_l2norm_in_kernel), None
-        o, ht, kept = backend.impl.forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                           use_qk_l2norm_in_kernel, cu_seqlens, keep_for_backward=True)
-        if ht is None:
-            ht = q.new_empty((1,), dtype=state_dtype(q.dtype))
-        return (o, ht), ((backend.name, kept) if kept is not None else None)
-
-    def backward_body_kept(grad_o, grad_final_state, q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                           use_qk_l2norm_in_kernel, kept) -> list[torch.Tensor]:
-        """backward_body, given what the forward's backend kept: handed to the backward backend only
-        when it is the one that kept it (a backend forced for the backward alone recomputes)."""
-        backend = backward_backend(q, v)
-        name, value = kept
-        if backend.name != name:
-            return backward_body(grad_o, grad_final_state, q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                                 use_qk_l2norm_in_kernel)
-        dq, dk, dv, dg, dbeta, dh0 = backend.impl.backward(
-            grad_o.to(q.dtype), grad_final_state, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
-            cu_seqlens, kept=value)
-        if dh0 is None:
-            dh0 = q.new_zeros((1,))
-        return [dq, dk, dv, dg, dbeta, dh0]
+        out, kept = run_forward(backend, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                                use_qk_l2norm_in_kernel, keep=backend.name in keeping_backends)
+        return out, (None if kept is None else (backend.name, kept))
 
     forward_op = torch.library.custom_op(f"tileport::{op}_forward", forward_body, mutates_args=())
     backward_op = torch.library.custom_op(f"tileport::{op}_backward", backward_body, mutates_args=())
@@ -111,6 +108,13 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
             saved.append(initial_state)
         if cu_seqlens is not None:
             saved.append(cu_seqlens)
+        # what the eager keeping forward kept (eager_function(keeps=True) sets ctx.kept first): saved
+        # like the inputs, so that autograd frees it after the backward and saved-tensor hooks
+        # (checkpointing, offloading) see it; ctx keeps only its backend's name and its type
+        kept, ctx.kept = getattr(ctx, "kept", None), None
+        if kept is not None:
+            ctx.kept_backend, ctx.kept_type = kept[0], type(kept[1])
+            saved.extend(kept[1])
         ctx.save_for_backward(*saved)
 
     def backward(ctx, grad_o, grad_final_state, backward_op=backward_op):
@@ -122,10 +126,12 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
         cu_seqlens = rest.pop(0) if ctx.has_cu else None
         if not ctx.output_final_state:
             grad_final_state = None  # the placeholder's gradient
-        kept = getattr(ctx, "kept", None)  # only the eager keeping path sets it
-        if kept is not None:
-            dq, dk, dv, dg, dbeta, dh0 = backward_body_kept(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
-                                                            cu_seqlens, ctx.scale, ctx.use_l2, kept)
+        if getattr(ctx, "kept_backend", None) is not None:  # the eager keeping path: rest is what was kept
+            backend = backward_backend(q, v)
+            # handed back only to the backend that kept it (one forced for the backward alone recomputes)
+            kept = ctx.kept_type(*rest) if backend.name == ctx.kept_backend else None
+            dq, dk, dv, dg, dbeta, dh0 = run_backward(backend, grad_o, grad_final_state, q, k, v, g, beta,
+                                                      initial_state, cu_seqlens, ctx.scale, ctx.use_l2, kept)
         else:
             dq, dk, dv, dg, dbeta, dh0 = backward_op(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
                                                      cu_seqlens, ctx.scale, ctx.use_l2)

@@ -819,7 +819,8 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
 @triton.jit
 def _wu_from_t_kernel(t_ptr, x_ptr, beta_ptr, G_ptr, out_ptr, chunks_ptr, H, D: tl.constexpr, BC: tl.constexpr,
                       NCB: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, GATED: tl.constexpr,
-                      PER_CHANNEL: tl.constexpr = False, PREC: tl.constexpr = None):
+                      PER_CHANNEL: tl.constexpr = False, PREC: tl.constexpr = None, CHUNKS: tl.constexpr = "all",
+                      flags_ptr=None):
     """3b (WU_FORM "split"): one [64, BC] column block of W = T diag(beta exp(G)) K (GATED) or of
     U = T diag(beta) V for a chunk, from the T that `_solve_wu_tile_kernel` stored in bf16 (WITH_WU
     = False); grid (NC * NCB, H), NCB blocks of BC columns of D. The same rounding as the fused form
@@ -830,10 +831,14 @@ def _wu_from_t_kernel(t_ptr, x_ptr, beta_ptr, G_ptr, out_ptr, chunks_ptr, H, D: 
     KDA's backward from the T its forward kept (docs/perf/kda.md row 19): PER_CHANNEL, G is
     [Ntok, H, D] and W = T (diag(beta) (exp(G) * K)), the gate per element; PREC (not None): T
     (fp32) and the scaled tile stay fp32 and the product is `_tile_dot` at PREC, as the backward's
-    recompute forms its W and U (EXACT_WU)."""
+    recompute forms its W and U (EXACT_WU); CHUNKS ("whole" / "flagged", `_not_this_route` on
+    stage 3's flags) launches it once per route, so that each route's chunks get about the
+    precision their recompute had (the tile kernel's PREC; tf32x3 for the block kernel's fp32)."""
     # the chunk program with D as its "V" and the column blocks as its V blocks: cols, m
     c, hh, bos, eos, r, tok, valid, row, _, cols, _, m = _chunk_program(chunks_ptr, H, D, D, BC, BC, NCB, BT,
                                                                         tl.program_id(0))
+    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
+        return
     t = tl.load(t_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     f = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)

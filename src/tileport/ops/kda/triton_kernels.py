@@ -45,6 +45,8 @@ Interpreter workarounds (bf16 dots and stores) are GDN's: `_op`, `_out`, `_done`
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -113,8 +115,9 @@ DIAGONAL_FORM = "chunk"
 # chunks' span flags; the backward then forms its exact W and U from T (`chunk_wu_from_t_kda`)
 # instead of recomputing stage 3 (the tile solve and G: 1.15 ms of the gluon backward's 8.6 at S1,
 # docs/perf/kda.md row 19). FLA's chunk_kda keeps its forward's gate sums and both in-chunk
-# matrices the same way. Costs the forward T's store (134 MB at S1) and keeps G and T alive
-# (402 MB at S1) until the backward. Only with whole-chunk flags (16-bit inputs); read at each call.
+# matrices (saved for backward). Costs the forward T's store (134 MB at S1) and keeps G and T
+# (402 MB at S1) as saved tensors until the backward. Only with whole-chunk flags (16-bit inputs)
+# and BACKWARD_WHOLE_CHUNKS (the blocks backward would not read them); read at each call.
 KEEP_FORWARD_TILES = True
 
 
@@ -366,7 +369,7 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     factored = _factored_diagonal()
     flags = _span_flags(plan, H, q, True)
     G, g_in_3 = _gate_sums(gf, plan, flags, q.dtype)  # G [Ntok, H, K], formed by stage 2 or by stage 3 from g
-    keep = keep_for_backward and KEEP_FORWARD_TILES and flags is not None
+    keep = keep_for_backward and KEEP_FORWARD_TILES and BACKWARD_WHOLE_CHUNKS and flags is not None
     Ai, w, u = chunk_solve_wu(kf, vf, bf, G, plan, store_T=keep, compact=True, factored_diagonal=factored,
                               keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
                               span_flags=flags)
@@ -377,20 +380,24 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     return o.view(B, T, H, V), ht, (KeptTiles(G, Ai, flags) if keep else None)
 
 
-class KeptTiles(tuple):
+class KeptTiles(NamedTuple):
     """What KDA's forward keeps for its backward (KEEP_FORWARD_TILES): G [Ntok, H, K] (the in-chunk
     gate sums), T [Ntok, H, 64] fp32 (each chunk's (I + A)^-1, row t of its chunk) and the span
-    flags int8 [NC, H] (which chunks stage 3 left to its 16-row blocks)."""
+    flags int8 [NC, H] (which chunks stage 3 left to its 16-row blocks). Saved for the backward
+    with ctx.save_for_backward (`tileport.delta_rule_ops`): freed after it, and seen by saved-tensor
+    hooks (activation checkpointing, offloading) as the op's inputs are."""
 
-    def __new__(cls, G, T, flags):
-        return super().__new__(cls, (G, T, flags))
+    G: torch.Tensor
+    T: torch.Tensor
+    flags: torch.Tensor
 
 
-def chunk_wu_from_t_kda(T, k, v, beta, G, plan, input_dtype: torch.dtype, keys_normalised: bool):
+def chunk_wu_from_t_kda(T, k, v, beta, G, flags, plan, input_dtype: torch.dtype, keys_normalised: bool):
     """The backward's W [Ntok, H, K] and U [Ntok, H, V] (fp32) from its forward's T, as its
-    recompute of stage 3 forms them (EXACT_WU: fp32 operands, products at the recompute's
-    precision): W = T (diag(beta) (exp(G) * K)), U = T diag(beta) V; GDN's `_wu_from_t_kernel`
-    with PER_CHANNEL, grid (NC * D / BC, H) per output."""
+    recompute of stage 3 forms them (EXACT_WU: fp32 operands): W = T (diag(beta) (exp(G) * K)),
+    U = T diag(beta) V; GDN's `_wu_from_t_kernel` with PER_CHANNEL, grid (NC * D / BC, H) per
+    output and route: the whole chunks' products at the tile kernel's precision, the flagged
+    chunks' at tf32x3 (the block kernel forms them in fp32)."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     w = new_empty((Ntok, H, K), _F32, k.device)
@@ -398,12 +405,15 @@ def chunk_wu_from_t_kda(T, k, v, beta, G, plan, input_dtype: torch.dtype, keys_n
     if not plan.NC:
         return w, u
     prec, _ = _tile_precisions(input_dtype, False, True, True, keys_normalised)
-    for x, out, gated in ((k, w, True), (v, u, False)):
-        D = x.shape[-1]
-        BC = min(64, max(16, next_pow2(D)))
-        _wu_from_t_kernel[(plan.NC * cdiv(D, BC), H)](T, x, beta, G, out, plan.chunks, H, D, BC, cdiv(D, BC), BT,
-                                                      _F32, _F32, gated, PER_CHANNEL=True, PREC=prec,
-                                                      **WU_FROM_T_KDA_LAUNCH)
+    # the flagged chunks at tf32x3 (three tf32 passes, error near fp32's): their recompute's block
+    # products are fp32 FMA ("ieee"), which as one [64, 64] product spill 536 B at 4 warps (sm_90a)
+    for route, route_prec in (("whole", prec), ("flagged", "tf32x3")):
+        for x, out, gated in ((k, w, True), (v, u, False)):
+            D = x.shape[-1]
+            BC = min(64, max(16, next_pow2(D)))
+            _wu_from_t_kernel[(plan.NC * cdiv(D, BC), H)](T, x, beta, G, out, plan.chunks, H, D, BC, cdiv(D, BC), BT,
+                                                          _F32, _F32, gated, PER_CHANNEL=True, PREC=route_prec,
+                                                          CHUNKS=route, flags_ptr=flags, **WU_FROM_T_KDA_LAUNCH)
     return w, u
 
 
@@ -1194,7 +1204,7 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     # with BACKWARD_WHOLE_CHUNKS the recompute's stage 3 in whole-chunk tiles too, its flags routing 7, 9b, 10b
     if kept is not None and BACKWARD_WHOLE_CHUNKS:
         G, Ai, flags = kept
-        w, u = chunk_wu_from_t_kda(Ai, kn, vf, bf, G, plan, dt, keys_normalised=l2)
+        w, u = chunk_wu_from_t_kda(Ai, kn, vf, bf, G, flags, plan, dt, keys_normalised=l2)
     else:
         flags = _span_flags(plan, H, q, BACKWARD_WHOLE_CHUNKS)
         G, g_in_3 = _gate_sums(gf, plan, flags, dt)
