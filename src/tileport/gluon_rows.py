@@ -192,8 +192,10 @@ def pair_stream_plan(a2: torch.Tensor, b2: torch.Tensor) -> PairStreamPlan:
     assert b2.shape == a2.shape and b2.dtype == a2.dtype, (a2.shape, a2.dtype, b2.shape, b2.dtype)
     BM, NCB, CB, stages = _pair_ring_shape(M, D, a2.element_size())
     layout = _smem_layout(a2.dtype)
-    a_desc = TensorDescriptor(a2, [M, NCB, CB], [a2.stride(0), CB, 1], [BM, NCB, CB], layout)
-    b_desc = TensorDescriptor(b2, [M, NCB, CB], [b2.stride(0), CB, 1], [BM, NCB, CB], layout)
+    # zero padding (the default, named): rows past M arrive as zeros, so the backwards' sums over
+    # rows (rms_norm's dw) add 0 for them (with eps > 0, which the ops check)
+    a_desc = TensorDescriptor(a2, [M, NCB, CB], [a2.stride(0), CB, 1], [BM, NCB, CB], layout, padding="zero")
+    b_desc = TensorDescriptor(b2, [M, NCB, CB], [b2.stride(0), CB, 1], [BM, NCB, CB], layout, padding="zero")
     n_tiles = cdiv(M, BM)
     return PairStreamPlan(a_desc, b_desc, _tile_layout(BM, NCB, CB, a2.element_size(), NUM_WARPS), n_tiles,
                           min(n_tiles, sm_count(a2.device)), stages)
@@ -238,7 +240,7 @@ def _partials_layout(BP: int, BD: int):
 
 
 def _partials_shape(P: int, D: int) -> tuple[int, int]:
-    return min(256, next_pow2(P)), min(D, PARTIAL_COLS)
+    return min(256, next_pow2(P)), min(next_pow2(D), PARTIAL_COLS)  # a power of two: the mask takes D's tail
 
 
 def sum_partial_rows(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

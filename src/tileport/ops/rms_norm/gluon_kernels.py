@@ -194,10 +194,11 @@ def compile_cases():
                                      # across warps (none at D = 64: a row inside one warp)
                                      expect_loop_barriers=3 if D <= 256 else 5))
         bf16 = torch.bfloat16
+        # weight: True (with its gradient), False (none), "frozen" (a weight, no gradient wanted)
         for D, dtype, weight, ring in ((4096, bf16, True, None), (4096, bf16, True, (16 * 1024, 6)),
                                        (8192, bf16, True, None), (8192, torch.float32, True, None),
                                        (64, bf16, True, None), (4096, torch.float16, True, None),
-                                       (4096, torch.float32, False, None)):
+                                       (4096, torch.float32, False, None), (4096, bf16, "frozen", None)):
             saved = gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES
             if ring is not None:
                 gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES = ring
@@ -207,9 +208,9 @@ def compile_cases():
                 gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES = saved
             args = dict(x_desc=plan.a_desc, dy_desc=plan.b_desc, w_ptr=TensorStandIn([D], dtype),
                         dx_ptr=TensorStandIn([M, D], dtype), part_ptr=TensorStandIn([132, D], torch.float32), M=M,
-                        row_stride_dx=D, eps=1e-6, n_tiles=plan.n_tiles, HAS_WEIGHT=weight, WANT_DW=weight,
-                        STAGES=plan.stages, L=plan.layout)
-            tag = (f"D{D}_{str(dtype).removeprefix('torch.')}{'_w' if weight else ''}"
+                        row_stride_dx=D, eps=1e-6, n_tiles=plan.n_tiles, HAS_WEIGHT=bool(weight),
+                        WANT_DW=weight is True, STAGES=plan.stages, L=plan.layout)
+            tag = (f"D{D}_{str(dtype).removeprefix('torch.')}{'_w' if weight is True else '_frozen_w' if weight else ''}"
                    f"{f'_{ring[0] // 1024}kx{ring[1]}' if ring else ''}")
             cases.append(CompileCase(name=f"rms_norm_bwd_{tag}", kernel=_rms_norm_bwd_kernel, args=args,
                                      num_warps=gluon_rows.NUM_WARPS,
