@@ -1,6 +1,6 @@
 """A/B of softmax's forward kernels on the H200, one process, same inputs (docs/perf/llm_ops.md,
 row 7): the Gluon forward in each form (`gluon_kernels.FORMS`: "warp_rows", the default;
-"one_exchange"; "two_exchanges", row 3's kernel) and Triton's, as CUDA-graph replays (kernel time,
+"two_exchanges", row 3's kernel) and Triton's, as CUDA-graph replays (kernel time,
 no host launch cost): medians (p20-p80), the fraction of copy bandwidth at 2 * M * D bytes, and
 each output's largest difference from torch.softmax (y in x's dtype; the statistics' max from
 x.max, their 1/sum in float64).

@@ -43,28 +43,20 @@ def gluon_refusal(D: int, dtype: torch.dtype) -> str | None:
 #   "warp_rows" (default): where a ring of tiles of at least one row per warp fits (rows up to
 #       8 KB: 16-bit D <= 4096, fp32 D <= 2048; at 4096 bf16, 3 buffers of 64 KB of 8 rows), every
 #       row lives inside one warp: both reductions are registers and warp shuffles, no exchange
-#       and no CTA barrier beyond the ring's. Wider rows run "two_exchanges": on the H200 at
-#       8192 x 8192 bf16 it took 0.078 ms against one_exchange's 0.082 (llm_ops.md row 7).
-#   "one_exchange": row 3's tile and layout; each 256-element chunk reduced to a (max, sum of exp)
-#       pair inside its warp, and the pairs combined across warps in one reduction.
+#       and no CTA barrier beyond the ring's. Wider rows run "two_exchanges".
 #   "two_exchanges": row 3's kernel as it was.
+# Tried and removed (llm_ops.md row 7, H200 A/B at 8dc64de): one exchange across warps of each
+# 256-element chunk's (max, sum of exp) pair, slower at both widths timed (8192 x 4096 bf16 0.050 ms
+# against two exchanges' 0.047; 8192 x 8192 0.082 against 0.078): its extra exp per chunk and the
+# pair combine cost more than the barriers it saved.
 FORM = "warp_rows"
-FORMS = ("warp_rows", "one_exchange", "two_exchanges")
+FORMS = ("warp_rows", "two_exchanges")
 
 if _GLUON_ERROR is None:
 
     @gluon.jit
-    def _max_and_sum_exp(m1, s1, m2, s2):
-        """Combine two (max, sum of exp(x - max)) pairs of parts of a row into the pair of both."""
-        m = gl.maximum(m1, m2)
-        # a side whose max is the new max keeps its sum unscaled: exact, and no exp(-inf - -inf) = NaN
-        # when both sides are all -inf (their sums are 0 and stay 0)
-        s = gl.where(m1 == m, s1, s1 * gl.exp(m1 - m)) + gl.where(m2 == m, s2, s2 * gl.exp(m2 - m))
-        return m, s
-
-    @gluon.jit
     def _softmax_fwd_kernel(x_desc, y_ptr, stats_ptr, M, row_stride_y, n_tiles, STAGES: gl.constexpr,
-                            L: gl.constexpr, ROWS_IN_WARPS: gl.constexpr, ONE_EXCHANGE: gl.constexpr):
+                            L: gl.constexpr, ROWS_IN_WARPS: gl.constexpr):
         """y = exp(x - max) / sum(exp(x - max)) per row, and the row statistics (max, 1/sum), for the
         row tiles pid, pid + P, ... of x (grid (P,), one program per SM): each tile [BM, NCB, CB]
         arrives by TMA into a ring of STAGES shared buffers, is reduced in registers (layout L)
@@ -74,9 +66,8 @@ if _GLUON_ERROR is None:
         ROWS_IN_WARPS, L holds every row inside one warp (the host's plan), so both reductions are
         a thread's registers then warp shuffles: no shared memory, no CTA barrier. Otherwise L
         keeps a 256-element chunk (axis 2) inside one warp and spreads a row's chunks (axis 1)
-        over the warps; with ONE_EXCHANGE each chunk's (max, sum of exp) pair is reduced within
-        its warp and only the pairs' combine goes through shared memory and CTA barriers, without
-        it (row 3's form) the row max and the row sum each do."""
+        over the warps (row 3's form): the row max and the row sum each cross warps through shared
+        memory and CTA barriers."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         NCB: gl.constexpr = x_desc.block_type.shape[1]
         CB: gl.constexpr = x_desc.block_type.shape[2]
@@ -95,15 +86,6 @@ if _GLUON_ERROR is None:
                 e = gl.exp(x - gl.expand_dims(gl.expand_dims(m, 1), 1))
                 inv = 1.0 / gl.sum(gl.sum(e, axis=1), axis=1)
                 y = e * gl.expand_dims(gl.expand_dims(inv, 1), 1)
-            elif ONE_EXCHANGE:
-                mc = gl.max(x, axis=2)  # [BM, NCB]: each chunk's max, within a warp
-                # a chunk of only -inf (masked logits) shifts by 0: its exps are 0, not exp(-inf + inf)
-                e = gl.exp(x - gl.expand_dims(gl.where(mc == float("-inf"), 0.0, mc), 2))
-                sc = gl.sum(e, axis=2)  # within a warp
-                m, s = gl.reduce((mc, sc), 1, _max_and_sum_exp)  # [BM]: the one exchange across warps
-                inv = 1.0 / s
-                # exp(x - m) = exp(x - mc) * exp(mc - m): one exp per element, as in the form below
-                y = e * gl.expand_dims(gl.exp(mc - gl.expand_dims(m, 1)) * gl.expand_dims(inv, 1), 2)
             else:
                 m = gl.max(gl.max(x, axis=2), axis=1)
                 e = gl.exp(x - gl.expand_dims(gl.expand_dims(m, 1), 2))
@@ -132,8 +114,7 @@ def softmax_forward_gluon(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"softmax gluon FORM {FORM!r} is not one of {FORMS}")
     plan = row_stream_plan(x2, rows_in_warps=FORM == "warp_rows")
     _softmax_fwd_kernel[(plan.programs,)](plan.desc, y, stats, M, y.stride(0), plan.n_tiles, plan.stages,
-                                          plan.layout, plan.rows_in_warps, FORM == "one_exchange",
-                                          num_warps=gluon_rows.NUM_WARPS)
+                                          plan.layout, plan.rows_in_warps, num_warps=gluon_rows.NUM_WARPS)
     return y.view(x.shape), stats
 
 
@@ -218,18 +199,17 @@ def compile_cases():
     bf16, fp32 = torch.bfloat16, torch.float32
     cases = []
     M = 8192
-    # (D, dtype, form, barriers per tile): rows inside warps 3, one exchange 5, row 3's two 8;
+    # (D, dtype, form, barriers per tile): rows inside warps 3, row 3's two exchanges 8;
     # D = 64 keeps a row inside one warp in every form
     for D, dtype, form, barriers in ((4096, bf16, "warp_rows", 3), (4096, torch.float16, "warp_rows", 3),
                                      (8192, bf16, "warp_rows", 8),
                                      (64, bf16, "warp_rows", 3), (2048, fp32, "warp_rows", 3),
-                                     (4096, fp32, "warp_rows", 8), (4096, bf16, "one_exchange", 5),
+                                     (4096, fp32, "warp_rows", 8),
                                      (4096, bf16, "two_exchanges", 8), (64, bf16, "two_exchanges", 3)):
         plan = descriptor_stand_in_for(M, D, dtype, rows_in_warps=form == "warp_rows")
         args = dict(x_desc=plan.desc, y_ptr=TensorStandIn([M, D], dtype),
                     stats_ptr=TensorStandIn([M, 2], torch.float32), M=M, row_stride_y=D, n_tiles=M,
-                    STAGES=plan.stages, L=plan.layout, ROWS_IN_WARPS=plan.rows_in_warps,
-                    ONE_EXCHANGE=form == "one_exchange")
+                    STAGES=plan.stages, L=plan.layout, ROWS_IN_WARPS=plan.rows_in_warps)
         tag = f"D{D}_{str(dtype).removeprefix('torch.')}_{form}"
         cases.append(CompileCase(name=f"softmax_fwd_{tag}", kernel=_softmax_fwd_kernel, args=args,
                                  num_warps=gluon_rows.NUM_WARPS, expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"],
