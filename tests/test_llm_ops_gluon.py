@@ -1,7 +1,7 @@
 """The LLM ops' "gluon" backends against the float64 references, forward and backward, through the
 frozen gate's checker (tests/test_llm_ops_parity.py, `run_and_check`), on the shapes they accept:
 - rms_norm and softmax (the forward as a persistent TMA ring over row tiles,
-  tileport/gluon_rows.py; the backward Triton's): the gate's own power-of-two rows, and rows chosen
+  tileport/gluon_rows.py; the backward below): the gate's own power-of-two rows, and rows chosen
   here for the ring's corners (one row; fewer tiles than programs; many tiles per program, with a
   ragged last tile; a tile of one row at D = 8192; a [B, T, D] input; fp32 with 4-byte elements);
   rows TMA cannot read (an unaligned row stride) run Triton's forward: checked too; softmax's
@@ -9,7 +9,7 @@ frozen gate's checker (tests/test_llm_ops_parity.py, `run_and_check`), on the sh
   with -inf chunks;
 - their Gluon backwards (x and dy through a paired TMA ring; rms_norm's weight gradient in
   per-program partial rows summed by a second kernel), selected by each module's BACKWARD switch
-  ("triton" by default until these cases and the A/B have run on the H200, llm_ops.md row 9):
+  ("gluon" by default since these cases and the A/B ran on the H200, llm_ops.md row 9):
   every D class from 64 to 8192 in each dtype, M of 1, of fewer tiles than programs and of many
   tiles per program with a ragged last one, weight None / same dtype / fp32, the weight gradient
   not wanted, strided rows (Triton's backward where TMA can't read them), each with a spy that
@@ -354,12 +354,13 @@ def test_gluon_backward_strided_rows(op, layout, device, seed, monkeypatch):
     assert bool(spies["bwd"].grids) == aligned, f"{layout}: the Gluon backward {'ran' if spies['bwd'].grids else 'did not run'}"
 
 
-def test_gluon_backward_default_is_triton():
-    """Until the H200 has gated and timed the Gluon backwards, the gluon backends run Triton's."""
+def test_gluon_backward_is_the_default():
+    """The H200 gated and timed the Gluon backwards (docs/perf/llm_ops.md row 9): the gluon
+    backends run them unless told otherwise."""
     from tileport.ops.rms_norm import gluon_kernels as rms
     from tileport.ops.softmax import gluon_kernels as sm
 
-    assert rms.BACKWARD == "triton" and sm.BACKWARD == "triton"
+    assert rms.BACKWARD == "gluon" and sm.BACKWARD == "gluon"
 
 
 def test_refusals_name_the_reason():

@@ -1,10 +1,8 @@
 """RMSNorm, Gluon backend for Hopper (sm_90): the forward streams row tiles through a ring of TMA
-buffers (tileport/gluon_rows.py) in one persistent program per SM. The backward is Triton's by
-default (`BACKWARD = "triton"`); `BACKWARD = "gluon"` selects the Gluon backward written here
-(x and dy through a paired ring, the weight gradient reduced by a second small kernel), which has
-compiled for sm_90a but not yet run or been timed on the H200 (docs/perf/llm_ops.md row 9): the
-switch flips once the GPU gate (tests/test_llm_ops_gluon.py) and scripts/rows_backward_ab.py
-have passed and timed it.
+buffers (tileport/gluon_rows.py) in one persistent program per SM. The backward (`BACKWARD =
+"gluon"`, the default since the H200 gated and timed it: docs/perf/llm_ops.md row 9) streams x and
+dy through a paired ring, the weight gradient reduced by a second small kernel;
+`BACKWARD = "triton"` runs Triton's backward instead.
 
 Per row (fp32 math, y in x's dtype, as triton_kernels.py): rstd = rsqrt(sum(x^2) / D + eps),
 y = x * rstd * w; backward g = dy * w, dx = rstd * g - x * rstd^3 * sum(g * x) / D, and
@@ -83,9 +81,11 @@ def rms_norm_forward_gluon(x: torch.Tensor, weight: torch.Tensor | None, eps: fl
     return y.view(x.shape)
 
 
-# Which backward the gluon backend runs, read at each call: "triton" (Triton's kernel, the default
-# until the H200 has gated and timed the Gluon one: docs/perf/llm_ops.md row 9) or "gluon".
-BACKWARD = "triton"
+# Which backward the gluon backend runs, read at each call: "gluon" (the kernels below) or
+# "triton" (Triton's kernel). "gluon" since the H200 gated it (tests/test_llm_ops_gluon.py, e5ba5b8)
+# and timed it at 8192 x 4096 bf16 as a graph: 0.112 -> 0.057 ms (43% -> 84% of copy), scripts/rows_backward_ab.py,
+# docs/perf/llm_ops.md row 9.
+BACKWARD = "gluon"
 BACKWARDS = ("triton", "gluon")
 
 if _GLUON_ERROR is None:

@@ -9,9 +9,9 @@ gradients their precision on peaked rows). Math in fp32 (float64 on the referenc
 autograd.Function in eager mode), whose bodies ask the dispatcher for a backend, in this order:
 
     gluon      (Hopper; rows of a power-of-two D up to 8192) the forward as a persistent TMA ring
-               over row tiles (tileport/gluon_rows.py); the backward Triton's unless
-               gluon_kernels.BACKWARD = "gluon" (a paired ring of x and dy, written and compiled,
-               not yet run on the H200: docs/perf/llm_ops.md row 9); gluon_kernels.py
+               over row tiles (tileport/gluon_rows.py), the backward a paired ring of x and dy
+               (gluon_kernels.BACKWARD, "gluon" since the H200 timed it: docs/perf/llm_ops.md
+               row 9); gluon_kernels.py
     triton     row kernels (tensor descriptors on sm_90), triton_kernels.py
     cutile     cuda.tile kernels, the source the Triton ones port (compiled for sm_90 in CI; run on
                the H200 with the toolchain of scripts/fetch_cutile), cutile_kernels.py
@@ -92,12 +92,12 @@ def _gluon_refusal(call: SoftmaxCall) -> str | None:
 
     if call.capability != (9, 0):
         return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
-    # the backward (unless gluon_kernels.BACKWARD = "gluon") and the forward and backward of rows
+    # the backward with gluon_kernels.BACKWARD = "triton" and the forward and backward of rows
     # TMA cannot read are Triton's: its refusal applies
     return _triton_refusal(call) or gluon_refusal(call.D, call.dtype)
 
 
-# Preference: gluon (its forward; the backward Triton's by default, gluon_kernels.BACKWARD), triton, cutile, then the float64
+# Preference: gluon (forward and backward; gluon_kernels.BACKWARD), triton, cutile, then the float64
 # reference. H200 (docs/perf/llm_ops.md row 7), bench at 366abfd, 8192 x 4096 bf16: the Gluon
 # forward with rows inside warps 0.039 ms as a CUDA graph (81% of copy) and 0.057 eager, against
 # Triton's 0.054 and 0.058 (row 3's Gluon kernel had been 0.047 and a noisy 0.128 eager, so Triton

@@ -1,10 +1,9 @@
 """Softmax over the last dimension, Gluon backend for Hopper (sm_90): the forward streams row tiles
 through a ring of TMA buffers (tileport/gluon_rows.py) in one persistent program per SM and writes
 the row statistics (max, 1/sum) [M, 2] fp32 in Triton's layout. The backward recomputes y from x
-and those statistics: Triton's by default (`BACKWARD = "triton"`); `BACKWARD = "gluon"` selects the
-Gluon backward written here (x and dy through a paired ring), which has compiled for sm_90a but
-not yet run or been timed on the H200 (docs/perf/llm_ops.md row 9): the switch flips once the GPU
-gate (tests/test_llm_ops_gluon.py) and scripts/rows_backward_ab.py have passed and timed it.
+and those statistics, x and dy through a paired ring (`BACKWARD = "gluon"`, the default since
+the H200 gated and timed it: docs/perf/llm_ops.md row 9); `BACKWARD = "triton"` runs Triton's
+backward instead.
 
 Per row (fp32 math): m = max(x), r = 1 / sum(exp(x - m)), y = exp(x - m) * r, in x's dtype;
 backward dx = y * (dy - sum(y * dy)) with y recomputed in fp32. Rows
@@ -118,9 +117,11 @@ def softmax_forward_gluon(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.view(x.shape), stats
 
 
-# Which backward the gluon backend runs, read at each call: "triton" (Triton's kernel, the default
-# until the H200 has gated and timed the Gluon one: docs/perf/llm_ops.md row 9) or "gluon".
-BACKWARD = "triton"
+# Which backward the gluon backend runs, read at each call: "gluon" (the kernels below) or
+# "triton" (Triton's kernel). "gluon" since the H200 gated it (tests/test_llm_ops_gluon.py, e5ba5b8)
+# and timed it at 8192 x 4096 bf16 as a graph: 0.091 -> 0.063 ms (52% -> 76% of copy), scripts/rows_backward_ab.py,
+# docs/perf/llm_ops.md row 9.
+BACKWARD = "gluon"
 BACKWARDS = ("triton", "gluon")
 
 if _GLUON_ERROR is None:
