@@ -689,7 +689,7 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
                       dp_ptr, chunks_ptr, H, scale,
                       K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                       BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
-                      PAIRS: tl.constexpr = False, flags_ptr=None, dp_stride=0):
+                      PAIRS: tl.constexpr = False, flags_ptr=None, dp_stride=0, CHUNKS: tl.constexpr = "all"):
     """9 (per-channel gates), per chunk, head and block of BKS key columns (grid (NC * K/BKS, H)),
     summing over V blocks:
         dQh = scale dO h_c^T,  dKd = Vn dh^T,  dW = -dVn h_c^T,  hdh = rowsum(h_c * dh) [K],
@@ -704,11 +704,14 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
     own slice of dp_ptr (dp_stride apart; 9b's flagged launch reads slice 0), and a chunk stage 3
     left unflagged (flags_ptr) takes 9b's whole-chunk pair terms for this block's columns here,
     after a CTA barrier, from that slice (`_gated_pair_chunk` reads M^T from memory: never tl.trans
-    of a dot result into a dot), before dQ', dK', dG' are stored once."""
+    of a dot result into a dot), before dQ', dK', dG' are stored once.
+    CHUNKS "flagged": the flagged chunks only (another kernel took the others); "all" every chunk."""
     NK: tl.constexpr = (K + BKS - 1) // BKS
     kb = tl.program_id(0) % NK
     c, hh, bos, eos, r, tok, valid, row, kc0, vc0, mk0, mv0 = _chunk_program(chunks_ptr, H, K, V, BKS, BV, 1, BT,
                                                                              tl.program_id(0) // NK)
+    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
+        return
     kc = kb * BKS + tl.arange(0, BKS)
     mk = valid[:, None] & (kc < K)[None, :]
     sbase = (c.to(tl.int64) * H + hh) * (K * V)
@@ -884,7 +887,7 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                        BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                        CB: tl.constexpr = 64, PAIRS: tl.constexpr = False, flags_ptr=None, dk_ptr=None,
-                       dbeta_ptr=None, dg_ptr=None):
+                       dbeta_ptr=None, dg_ptr=None, CHUNKS: tl.constexpr = "all"):
     """10 (per-channel gates), first half, per chunk and head (grid (NC, H)): back through W, U and T,
         dXw = T^T dW,  dXu = T^T dVn,  dA = strict_lower(-(dXw W^T + dXu U^T))  (stored for 10b),
         dV = diag(beta) dXu,  dbeta' = rowsum(V * dXu) + rowsum(exp(G) * K * dXw)  (stored),
@@ -896,9 +899,13 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
     again (dW's block comes from L2) and, with R and C from dA (`_gated_pair_chunk`, which reads
     dA^T from memory rather than transposing a dot result), finishes as 10b's whole route does,
     beta (R + exp(G) dXw) standing for beta R + beta exp(G) dXw. 9's partials dK', dG' are then
-    read once and never written back; flagged chunks run as without PAIRS, for 10b's flagged launch."""
+    read once and never written back; flagged chunks run as without PAIRS, for 10b's flagged launch.
+    CHUNKS "flagged": the flagged chunks only (another kernel took the others, e.g. the gluon
+    backend's `_kda_wy_bwd_wgmma_kernel`); "all" every chunk."""
     c, hh, bos, eos, r, tok, valid, row, kc0, vc0, mk0, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT,
                                                                              tl.program_id(0))
+    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
+        return
     flagged = True
     if PAIRS:
         flagged = tl.load(flags_ptr + c * H + hh) != 0
@@ -1097,20 +1104,27 @@ def _by_route(kernel, grid, args, span_flags, whole: bool = True, whole_launch=N
 
 
 def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None,
-                    fuse_9b: bool = False):
+                    fuse_9b: bool = False, outputs=None):
     """9: fp32 partials dQ', dK', dW, dG' [Ntok, H, K] and dP [Ntok, H, 64]. fuse_9b (needs
     span_flags): 9b's whole-chunk pair terms fused here (BACKWARD_FUSED_PAIRS): the chunks the flags
-    leave unflagged come out with them added, and 9b launches only the flagged ones."""
-    if fuse_9b and span_flags is None:
+    leave unflagged come out with them added, and 9b launches only the flagged ones. outputs: the
+    five buffers (dq, dk, dw, dG, dp with its slices), whose unflagged chunks another kernel has
+    already written (fuse_9b's contract): only the flagged chunks are launched here, into them."""
+    if (fuse_9b or outputs is not None) and span_flags is None:
         raise ValueError("chunk_dqkwg_kda: fuse_9b needs span_flags (the recompute's per-chunk flags)")
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
     BKS, NK = _key_split(K)
-    dq, dk, dw, dG = (new_empty((Ntok, H, K), _F32, q.device) for _ in range(4))
-    # fused: one dP slice per block of key columns, each written by its own programs
-    dp = new_empty((NK if fuse_9b else 1, Ntok, H, BT), _F32, q.device)
+    if outputs is None:
+        dq, dk, dw, dG = (new_empty((Ntok, H, K), _F32, q.device) for _ in range(4))
+        # fused: one dP slice per block of key columns, each written by its own programs
+        dp = new_empty((NK if fuse_9b else 1, Ntok, H, BT), _F32, q.device)
+    else:
+        dq, dk, dw, dG, dp = outputs
     pair_args = dict(PAIRS=True, flags_ptr=span_flags, dp_stride=Ntok * H * BT) if fuse_9b else {}
+    if outputs is not None:
+        pair_args["CHUNKS"] = "flagged"
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_dqkwg_kernel[(plan.NC * NK, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, dp, plan.chunks, H, scale,
@@ -1130,22 +1144,29 @@ def chunk_dp_apply_kda(dp, q, k, G, dq, dk, dG, plan, input_dtype: torch.dtype, 
 
 
 def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
-                     input_dtype: torch.dtype, span_flags=None, outputs_10b=None):
+                     input_dtype: torch.dtype, span_flags=None, outputs_10b=None, only_flagged: bool = False,
+                     dv=None):
     """10a: (dA [Ntok, H, 64] fp32, dbeta' [Ntok, H] fp32, dv [Ntok, H, V] in dv_dtype); adds into dk, dG.
     outputs_10b: 10b's outputs (dk, dbeta, dg; `_da_apply_outputs`) where 10b's whole-chunk route is
     fused here (needs span_flags): the chunks the flags leave unflagged get their final values in
     them here; for those chunks dA is still written (this kernel reads it back), dbeta' is not
-    written at all, and 9's partials dk, dG are read but left as they were."""
+    written at all, and 9's partials dk, dG are read but left as they were. only_flagged (with
+    outputs_10b): another kernel has finished the unflagged chunks (their dk, dbeta, dg, and dv in
+    `dv`, which this launch completes): only the flagged chunks are launched here."""
     if outputs_10b is not None and span_flags is None:
         raise ValueError("chunk_wy_bwd_kda: outputs_10b needs span_flags (the recompute's per-chunk flags)")
+    if only_flagged and (outputs_10b is None or dv is None):
+        raise ValueError("chunk_wy_bwd_kda: only_flagged needs outputs_10b and dv (the other kernel's outputs)")
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
     da = new_empty((Ntok, H, BT), _F32, k.device)
     dbp = new_empty((Ntok, H), _F32, k.device)
-    dv = _out((Ntok, H, V), dv_dtype, k.device)
+    dv = _out((Ntok, H, V), dv_dtype, k.device) if dv is None else dv
     pair_args = {} if outputs_10b is None else dict(PAIRS=True, flags_ptr=span_flags, dk_ptr=outputs_10b[0],
                                                     dbeta_ptr=outputs_10b[1], dg_ptr=outputs_10b[2])
+    if only_flagged:
+        pair_args["CHUNKS"] = "flagged"
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _kda_wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, da, dbp, dv, plan.chunks, H,
@@ -1179,15 +1200,18 @@ def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtyp
 
 
 def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                        states=None, dstates=None, kept=None):
+                        states=None, dstates=None, kept=None, dqkwg=None, wy_bwd=None):
     """(dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype: recomputes the
     forward's stages 1-5 (T stored, fp32 intermediates), then 7, 8 (GDN's, per-channel), 9, 9b, 10, 10b.
     states, dstates: the recompute's stage 5 and stage 8 (another backend's, e.g. the gluon
     backend's on GDN's Gluon recurrence kernel; `chunk_states`' and `chunk_dstates`' contracts; None:
-    those two). kept: the forward's `KeptTiles` (KEEP_FORWARD_TILES): G, T and the flags are its,
+    those two). dqkwg, wy_bwd: stages 9 and 10 likewise (`chunk_dqkwg_kda`'s and `chunk_wy_bwd_kda`'s
+    contracts). kept: the forward's `KeptTiles` (KEEP_FORWARD_TILES): G, T and the flags are its,
     and W and U are formed from T (`chunk_wu_from_t_kda`) instead of recomputing stage 3."""
     states = states or chunk_states
     dstates = dstates or chunk_dstates
+    dqkwg = dqkwg or chunk_dqkwg_kda
+    wy_bwd = wy_bwd or chunk_wy_bwd_kda
     B, T, H, K = q.shape
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
@@ -1215,13 +1239,13 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     fused_stages = _fused_pairs() if flags is not None else ()
     dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags)
     dh, dvn, dh0 = dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
-    dq, dkp, dw, dGp, dp = chunk_dqkwg_kda(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt, span_flags=flags,
-                                           fuse_9b="9b" in fused_stages)
+    dq, dkp, dw, dGp, dp = dqkwg(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt, span_flags=flags,
+                                 fuse_9b="9b" in fused_stages)
     chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt, span_flags=flags, whole="9b" not in fused_stages)
     outputs_10b = (_da_apply_outputs(kn, _F32 if l2 else k.dtype, beta.dtype, g.dtype) if "10b" in fused_stages
                    else None)
-    da, dbp, dv = chunk_wy_bwd_kda(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan, v.dtype, dt, span_flags=flags,
-                                   outputs_10b=outputs_10b)
+    da, dbp, dv = wy_bwd(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan, v.dtype, dt, span_flags=flags,
+                         outputs_10b=outputs_10b)
     dk, dbeta, dg = chunk_da_apply_kda(da, kn, bf, G, dkp, dGp, dbp, plan, _F32 if l2 else k.dtype, beta.dtype,
                                        g.dtype, dt, span_flags=flags, outputs_10b=outputs_10b)
     if l2:
