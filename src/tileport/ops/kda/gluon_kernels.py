@@ -29,16 +29,19 @@ from __future__ import annotations
 import torch
 
 from tileport.memory import new_empty
-from tileport.ops.gdn.gluon_kernels import (SMEM_PER_SM, _GLUON_ERROR, _smem_layout, chunk_dstates_gluon,
-                                            chunk_states_recompute_gluon, chunk_tile_descriptors)
+from tileport.ops.gdn.gluon_kernels import (SMEM_PER_SM, _GLUON_ERROR, _descriptor, _smem_layout,
+                                            chunk_dstates_gluon, chunk_states_recompute_gluon,
+                                            chunk_tile_descriptors)
 from tileport.ops.kda import triton_kernels as kk
 
 if _GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 
-    from tileport.ops.gdn.gluon_kernels import _chunk_bounds, _issue_chunk_tiles
+    from tileport.ops.gdn.gluon_kernels import (_chunk_bounds, _dv_rows, _issue_chunk_tiles, _store_transposed,
+                                                _sum_combine, _transposed_rows)
 
 BT = 64  # the chunk: M of every WGMMA here, one warpgroup of 4 warps
 HEAD_DIMS = (64, 128)
@@ -138,6 +141,214 @@ if _GLUON_ERROR is None:
             mbarrier.invalidate(bar)
 
 
+# --------------------------------------------------------------------------------------------
+# Stage 10 (back through W, U, T and A, with 10b's pair terms) on TMA and tf32 WGMMA
+# --------------------------------------------------------------------------------------------
+# Which kernel takes stage 10's unflagged chunks in the gluon backend's backward: "triton"
+# (`_kda_wy_bwd_kernel` with PAIRS, every chunk) or "gluon" (`_kda_wy_bwd_wgmma_kernel` the
+# unflagged chunks, Triton's kernel the flagged ones). Read at each call.
+BACKWARD_WY = "triton"
+_KERNEL_CHOICES = ("triton", "gluon")
+CB = 64  # key (and value) channels per block: every tile of the stage-10 kernel is [64, 64] fp32
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _kda_wy_bwd_wgmma_kernel(u_desc, w_desc, t_ptr, dw_ptr, dvn_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, dkp_ptr,
+                                 dGp_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, flags_ptr, H,
+                                 K: gl.constexpr, V: gl.constexpr):
+        """10 and 10b for one chunk and head whose flag (stage 3's, int8 [NC, H]) is clear, as
+        Triton's `_kda_wy_bwd_kernel` with PAIRS computes it for such a chunk; grid (NC, H), 8 warps
+        (two warpgroups side by side along N); a flagged chunk's program returns (Triton's kernel
+        takes it, CHUNKS "flagged"). Every product a tf32 WGMMA on fp32 [64, 64] operands, by
+        blocks b of 64 channels (K == V, so block b of the keys and of the values pair up):
+            dXu_b = T^T dVn_b,  dXw_b = T^T dW_b,  dA = -sum_b (dXu_b U_b^T + dXw_b W_b^T)
+            dV_b = diag(beta) dXu_b,  M = strict_lower(dA) on the chunk's rows
+        then with d = G - G_m (m the chunk's middle row, |d| <= 60 where the chunk is unflagged):
+            R_b = e^d (M (K_b e^-d)) + exp(G) dXw_b,  C_b = e^-d (M^T (diag(beta) K_b e^d))
+            dk_b = dK'_b + diag(beta) R_b + C_b,  dG_b = dG'_b + diag(beta) K_b R_b - K_b C_b
+            dg_b = dG_b summed in reverse over the chunk,  dbeta = rowsum(V dXu) + rowsum(K R)
+        (dK', dG': stage 9's fp32 partials). dA never leaves the program (only flagged chunks'
+        dA is read, by 10b's block launch).
+        Explicit here (Triton would choose): tf32 WGMMA reads both operands K-major, so U_b and
+        W_b come by TMA as stored (the B operands of dA's products, contracting over channels);
+        T^T, dXu_b and dXw_b are register A operands (T^T loaded transposed); M and M^T are
+        stored to shared memory as A operands (M^T a register transpose on its way there, where
+        Triton's kernel must store dA and load it back; both in registers spilled 88 B per thread
+        at K = 128); dVn_b, dW_b and the gated K_b e^-d and diag(beta) K_b e^d, which contract
+        over the chunk's tokens, are written to shared memory transposed. dXw_b is formed twice (for dA, then for
+        R_b), which costs one [64, 64] product and keeps no [64, K] tile live across the two
+        phases. Rows past the chunk's sequence (a varlen tail: the TMA rows of the next sequence,
+        finite) meet only masked factors: T's, dVn's, dW's and K's rows are loaded masked and
+        M's rows and columns by the strict-lower mask; every store is row-masked."""
+        BT: gl.constexpr = u_desc.block_type.shape[0]
+        CB: gl.constexpr = u_desc.block_type.shape[1]
+        gl.static_assert(K == V and K % CB == 0, "the blocks of K and V pair up")
+        gl.static_assert(CB == BT, "one column index serves T's rows and a block's")
+        NB: gl.constexpr = K // CB
+        NW: gl.constexpr = gl.num_warps()
+        WG: gl.constexpr = NW // 4
+        c = gl.program_id(0)
+        hh = gl.program_id(1)
+        A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, CB // WG, 8])  # every tile is [64, 64]
+        OP_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1)
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        # dg's scan over the chunk's rows: each column's 64 rows inside one warp (triton 3.6 lowers no
+        # scan over the WGMMA layout)
+        SCAN_L: gl.constexpr = gl.BlockedLayout([BT // 32, 1], [32, 1], [1, NW], [0, 1])
+        XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CB, BT], gl.float32)
+        u_s = gl.allocate_shared_memory(gl.float32, [NB, BT, CB], u_desc.layout)
+        w_s = gl.allocate_shared_memory(gl.float32, [NB, BT, CB], w_desc.layout)
+        dvnT_s = gl.allocate_shared_memory(gl.float32, [NB, CB, BT], XT_SL)
+        dwT_s = gl.allocate_shared_memory(gl.float32, [NB, CB, BT], XT_SL)
+        xT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)  # (K_b e^-d)^T
+        yT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)  # (diag(beta) K_b e^d)^T
+        m_s = gl.allocate_shared_memory(gl.float32, [2, BT, BT], XT_SL)  # M and M^T, A operands of R and C
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if gl.load(flags_ptr + c * H + hh) == 0:
+            bos, eos = _chunk_bounds(chunks_ptr, c)
+            mbarrier.init(bar, count=1)
+            fence_async_shared()
+            mbarrier.expect(bar, NB * (u_desc.block_type.nbytes + w_desc.block_type.nbytes))
+            for b in gl.static_range(NB):
+                tma.async_copy_global_to_shared(u_desc, [bos, hh * V + b * CB], bar, u_s.index(b))
+                tma.async_copy_global_to_shared(w_desc, [bos, hh * K + b * CB], bar, w_s.index(b))
+
+            # under the TMA loads: T^T as a register operand (kept for both phases), dVn^T and dW^T
+            rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+            cc = gl.arange(0, CB, layout=gl.SliceLayout(0, ROWS_L))
+            r_ok = (bos + rr < eos)[:, None]
+            rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
+            a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)
+            for b in gl.static_range(NB):
+                _store_transposed(dvnT_s.index(b), dvn_ptr, rows, b * CB + cc, r_ok, V)
+                _store_transposed(dwT_s.index(b), dw_ptr, rows, b * CB + cc, r_ok, K)
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of dVn^T and dW^T, before the WGMMAs read them
+
+            ro = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
+            co = gl.arange(0, CB, layout=gl.SliceLayout(0, A_L))
+            o_ok = bos + ro < eos
+            orows = (bos + ro).to(gl.int64) * H + hh
+            beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
+            zero = gl.zeros([BT, CB], gl.float32, A_L)
+            mbarrier.wait(bar, 0)
+
+            # phase 1: dA (and dV, rowsum(V dXu)) block by block
+            dA = zero
+            vdu = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
+            for b in gl.static_range(NB):
+                dxu = warpgroup_mma(a_tT, dvnT_s.index(b).permute((1, 0)), zero, is_async=True)
+                dxw = warpgroup_mma(a_tT, dwT_s.index(b).permute((1, 0)), zero, is_async=True)
+                dxu, dxw, _t, _x, _w = warpgroup_mma_wait(0, deps=[dxu, dxw, a_tT, dvnT_s.index(b),
+                                                                   dwT_s.index(b)])
+                if NW > 4:
+                    # the layout conversions below go through shared-memory scratch, which may take
+                    # a buffer this warpgroup is done with while the other still reads it (triton 11047)
+                    gl.thread_barrier()
+                # lint: allow TP001 -- dV and V's rows in the accumulator layout they are combined in (TMA would add a shared-memory round trip); a varlen tail's rows masked
+                vdu += _dv_rows(dxu, beta, dv_ptr, v_ptr, orows[:, None] * V + (b * CB + co)[None, :], o_ok)
+                a_dxu = gl.convert_layout(dxu, OP_L)
+                a_dxw = gl.convert_layout(dxw, OP_L)
+                dA = warpgroup_mma(a_dxu, u_s.index(b).permute((1, 0)), dA, is_async=True)
+                dA = warpgroup_mma(a_dxw, w_s.index(b).permute((1, 0)), dA, is_async=True)
+                dA, _a, _b, _u, _w2 = warpgroup_mma_wait(0, deps=[dA, a_dxu, a_dxw, u_s.index(b), w_s.index(b)])
+                if NW > 4:
+                    gl.thread_barrier()  # as above
+
+            keep = (ro[:, None] > co[None, :]) & o_ok[:, None] & (bos + co < eos)[None, :]
+            M = gl.where(keep, -dA, 0.0)
+            m_s.index(0).store(M)
+            m_s.index(1).store(gl.permute(M, (1, 0)))
+
+            # phase 2: the pair terms and the final dk, dg by blocks of key channels
+            m = bos + (gl.minimum(eos - bos, BT) - 1) // 2  # the middle row as `_chunk_gate_offsets` takes it
+            betar = gl.load(beta_ptr + (bos + rr).to(gl.int64) * H + hh, mask=bos + rr < eos, other=0.0).to(gl.float32)
+            kr = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
+            for b in gl.static_range(NB):
+                # lint: allow TP001 -- K's and G's rows, masked past the sequence, are gated in registers on their way to shared memory transposed, which TMA cannot give
+                kt = gl.load(k_ptr + rows * K + (b * CB + cc)[None, :], mask=r_ok, other=0.0).to(gl.float32)
+                Gm = gl.load(G_ptr + (m.to(gl.int64) * H + hh) * K + b * CB + cc)
+                # lint: allow TP001 -- as K's rows
+                Gt = gl.load(G_ptr + rows * K + (b * CB + cc)[None, :], mask=r_ok, other=0.0)
+                d = gl.where(r_ok, (Gt - Gm[None, :]).to(gl.float32), 0.0)
+                xT_s.store(gl.permute(kt * gl.exp(-d), (1, 0)))
+                yT_s.store(gl.permute(kt * betar[:, None] * gl.exp(d), (1, 0)))
+                fence_async_shared()
+                gl.thread_barrier()  # every warp's part of both (and of M, M^T), before the WGMMAs read them
+                dxw = warpgroup_mma(a_tT, dwT_s.index(b).permute((1, 0)), zero, is_async=True)
+                R = warpgroup_mma(m_s.index(0), xT_s.permute((1, 0)), zero, is_async=True)
+                C = warpgroup_mma(m_s.index(1), yT_s.permute((1, 0)), zero, is_async=True)
+
+                offs = orows[:, None] * K + (b * CB + co)[None, :]
+                Gm2 = gl.load(G_ptr + (m.to(gl.int64) * H + hh) * K + b * CB + co)
+                # lint: allow TP001 -- G, K and 9's partials in the accumulator layout they are combined in; a varlen tail's rows masked
+                G2 = gl.load(G_ptr + offs, mask=o_ok[:, None], other=0.0)
+                d2 = gl.where(o_ok[:, None], (G2 - Gm2[None, :]).to(gl.float32), 0.0)
+                eg = gl.exp(gl.where(o_ok[:, None], G2.to(gl.float32), float("-inf")))
+                # lint: allow TP001 -- as G
+                k2 = gl.load(k_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32)
+                dxw, R, C, _t2, _m, _mt, _dw, _x2, _y2 = warpgroup_mma_wait(
+                    0, deps=[dxw, R, C, a_tT, m_s.index(0), m_s.index(1), dwT_s.index(b), xT_s, yT_s])
+                if NW > 4:
+                    gl.thread_barrier()  # every warpgroup is done with xT_s and yT_s before the next block's (triton 11047)
+                R = R * gl.exp(d2) + eg * dxw
+                C = C * gl.exp(-d2)
+                # lint: allow TP001 -- as G
+                dk = gl.load(dkp_ptr + offs, mask=o_ok[:, None], other=0.0) + beta[:, None] * R + C
+                # lint: allow TP001 -- as G
+                dG = gl.load(dGp_ptr + offs, mask=o_ok[:, None], other=0.0) + (beta[:, None] * R - C) * k2
+                kr += gl.sum(k2 * R, axis=1)
+                # lint: allow TP001 -- as G
+                gl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
+                dg = gl.associative_scan(gl.convert_layout(dG, SCAN_L), 0, _sum_combine, reverse=True)
+                rs = gl.arange(0, BT, layout=gl.SliceLayout(1, SCAN_L))
+                cs = gl.arange(0, CB, layout=gl.SliceLayout(0, SCAN_L))
+                # lint: allow TP001 -- dg's rows in the scan's layout; a varlen tail's rows masked
+                gl.store(dg_ptr + ((bos + rs).to(gl.int64) * H + hh)[:, None] * K + (b * CB + cs)[None, :],
+                         dg.to(dg_ptr.dtype.element_ty), mask=(bos + rs < eos)[:, None])
+            gl.store(dbeta_ptr + orows, (vdu + kr).to(dbeta_ptr.dtype.element_ty), mask=o_ok)
+            mbarrier.invalidate(bar)
+
+
+def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
+    """"gluon" or "triton": which kernel takes stage 10's unflagged chunks on these operands
+    (BACKWARD_WY): the Gluon kernel where the products are tf32 (`kk._products`), every
+    operand but k (any float dtype, loaded into registers) and v, beta fp32, G per channel in
+    fp32, K == V of HEAD_DIMS, stage 3's flags given and 10b fused here (outputs_10b), on the GPU."""
+    if kk._checked("BACKWARD_WY", BACKWARD_WY, _KERNEL_CHOICES) == "triton" or _GLUON_ERROR is not None:
+        return "triton"
+    if span_flags is None or outputs_10b is None or not G.is_cuda:
+        return "triton"
+    k, v = operands[0], operands[1]
+    K, V = k.shape[-1], v.shape[-1]
+    tf32 = kk._products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"
+    fp32 = all(x.dtype == torch.float32 for x in operands[2:]) and G.dtype == torch.float32 and G.dim() == 3
+    return "gluon" if tf32 and fp32 and K == V and K in HEAD_DIMS else "triton"
+
+
+def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
+                           input_dtype: torch.dtype, span_flags=None, outputs_10b=None):
+    """Stage 10 (`triton_kernels.chunk_wy_bwd_kda`'s contract, 10b's whole route fused as there):
+    the chunks stage 3 left unflagged on `_kda_wy_bwd_wgmma_kernel` where `wy_bwd_kernel_for`
+    says so, the flagged ones on Triton's kernel (only_flagged); Triton's for every chunk
+    otherwise."""
+    if wy_bwd_kernel_for((k, v, Ai, w, u, dw, dvn, dk, dG), G, input_dtype, span_flags, outputs_10b) == "triton":
+        return kk.chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype, input_dtype,
+                                   span_flags=span_flags, outputs_10b=outputs_10b)
+    Ntok, H, K = k.shape
+    V = v.shape[-1]
+    dv = new_empty((Ntok, H, V), dv_dtype, k.device)
+    if plan.NC:
+        dk_out, dbeta_out, dg_out = outputs_10b
+        _kda_wy_bwd_wgmma_kernel[(plan.NC, H)](
+            _descriptor(u.view(Ntok, H * V), [BT, CB]), _descriptor(w.view(Ntok, H * K), [BT, CB]), Ai, dw, dvn,
+            k, v, beta, G, dk, dG, dk_out, dv, dbeta_out, dg_out, plan.chunks, span_flags, H, K, V, num_warps=8)
+    return kk.chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype, input_dtype,
+                               span_flags=span_flags, outputs_10b=outputs_10b, only_flagged=True, dv=dv)
+
+
 def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, span_flags=None):
     """Stage 6 (`triton_kernels.chunk_output_kda`'s contract): the unflagged chunks on the Gluon kernel,
     the flagged ones on Triton's block kernel; Triton's stage 6 whole where stage 3 made no flags
@@ -169,7 +380,7 @@ def kda_backward_gluon(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l
     kept: what the forward kept (`triton_kernels.KeptTiles`), as there."""
     return kk.kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
                                   cu_seqlens, states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon,
-                                  kept=kept)
+                                  kept=kept, wy_bwd=chunk_wy_bwd_kda_gluon)
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,4 +411,34 @@ def compile_cases():
         tag = f"K{K}_V{V}_G{'fp32' if g_dtype == torch.float32 else 'fp64'}"
         cases.append(CompileCase(name=f"kda_output_{tag}", kernel=_kda_output_wgmma_kernel, args=args, num_warps=4,
                                  expect_ptx=expect, expect_max_spills=0, expect_max_shared=SMEM_PER_SM // 2))
+    cases += _wy_bwd_compile_cases(Ntok, H, NC)
+    return cases
+
+
+def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
+    """Stage 10's kernel at K = V = 128 and 64 with l2-normalised keys (fp32 k, fp32 dk: the bench's
+    case) and, at 128, raw bf16 keys (bf16 dk) and a bf16 g (its dg)."""
+    from tileport.compile_check import CompileCase, TensorStandIn, descriptor_stand_in
+
+    f32, bf = torch.float32, torch.bfloat16
+    cases = []
+    for K, k_dtype, g_dtype in ((128, f32, f32), (64, f32, f32), (128, bf, bf)):
+        V = K
+
+        def t(*shape, dtype=f32):
+            return TensorStandIn(list(shape), dtype)
+
+        def desc():
+            return descriptor_stand_in([Ntok, H * K], f32, [BT, CB], _smem_layout((BT, CB), f32))
+
+        args = dict(u_desc=desc(), w_desc=desc(), t_ptr=t(Ntok, H, BT), dw_ptr=t(Ntok, H, K), dvn_ptr=t(Ntok, H, V),
+                    k_ptr=t(Ntok, H, K, dtype=k_dtype), v_ptr=t(Ntok, H, V, dtype=bf), beta_ptr=t(Ntok, H, dtype=bf),
+                    G_ptr=t(Ntok, H, K), dkp_ptr=t(Ntok, H, K), dGp_ptr=t(Ntok, H, K),
+                    dk_ptr=t(Ntok, H, K, dtype=k_dtype), dv_ptr=t(Ntok, H, V, dtype=bf), dbeta_ptr=t(Ntok, H, dtype=bf),
+                    dg_ptr=t(Ntok, H, K, dtype=g_dtype), chunks_ptr=t(2 * NC, dtype=torch.int64),
+                    flags_ptr=t(NC, H, dtype=torch.int8), H=H, K=K, V=V)
+        tag = f"K{K}_V{V}_k{'fp32' if k_dtype == f32 else 'bf16'}_g{'fp32' if g_dtype == f32 else 'bf16'}"
+        cases.append(CompileCase(name=f"kda_wy_bwd_{tag}", kernel=_kda_wy_bwd_wgmma_kernel, args=args, num_warps=8,
+                                 expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                 expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     return cases
