@@ -15,10 +15,11 @@ forward on the gluon backend against Triton's, and its per-kernel times. "fused"
 "dv-local": the gluon backward with stage 7's whole chunks in 64 value columns or all (DV_LOCAL_WHOLE_BV).
 "kept": the forward keeping G, T and the flags for its backward (KEEP_FORWARD_TILES) or not.
 "wy": the gluon backward with stage 10's unflagged chunks on Triton's kernel or on the Gluon one
-(gluon_kernels.BACKWARD_WY), from kept tiles as training runs it, and its kernels.
+(gluon_kernels.BACKWARD_WY), from kept tiles as training runs it, and its kernels. "dqkwg": the
+same for stage 9 (gluon_kernels.BACKWARD_DQKWG).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -277,25 +278,28 @@ if "kept" in SECTIONS:
     if dev == "cuda":
         kernel_table(lambda: bwd_gluon(*bargs, kept=kept), "kda backward (gluon) from kept tiles", calls=3, rows=14)
 
-# "wy": stage 10's unflagged chunks on Triton's kernel (PAIRS) or the Gluon one (BACKWARD_WY, kda.md
-# row 20), the gluon backward from kept tiles, same inputs, with both gate kinds; then its kernels
-if "wy" in SECTIONS and dev == "cuda":
+# "wy" / "dqkwg": stage 10's (9's) unflagged chunks on Triton's kernel (PAIRS) or the Gluon one
+# (BACKWARD_WY, kda.md row 20; BACKWARD_DQKWG, row 21), the gluon backward from kept tiles, same
+# inputs, with both gate kinds; then its kernels
+for section, switch in (("wy", "BACKWARD_WY"), ("dqkwg", "BACKWARD_DQKWG")):
+    if section not in SECTIONS or dev != "cuda":
+        continue
     from tileport.ops.kda import gluon_kernels as kg
 
     do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
-    default_wy = kg.BACKWARD_WY
+    default_choice = getattr(kg, switch)
     for name, g in gates.items():
         fargs = (q, k, v, g, beta, K ** -0.5, None, False, True, None)
         _, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
         bargs = (do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
         base = None
-        for wy in ("triton", "gluon"):
-            kg.BACKWARD_WY = wy
+        for choice in ("triton", "gluon"):
+            setattr(kg, switch, choice)
             grads, ms, err = timed_gradients(lambda: kg.kda_backward_gluon(*bargs, kept=kept), base)
             base = grads if base is None else base
-            print(f"kda backward (gluon, kept) gates={name:10} BACKWARD_WY {wy:6}: {ms:.3f} ms, worst gradient vs "
+            print(f"kda backward (gluon, kept) gates={name:10} {switch} {choice:6}: {ms:.3f} ms, worst gradient vs "
                   f"triton {err:.2e}", flush=True)
         if name == "logsigmoid":
             kernel_table(lambda: kg.kda_backward_gluon(*bargs, kept=kept),
-                         "kda backward (gluon, kept), BACKWARD_WY gluon", calls=3, rows=14)
-    kg.BACKWARD_WY = default_wy
+                         f"kda backward (gluon, kept), {switch} gluon", calls=3, rows=14)
+        setattr(kg, switch, default_choice)

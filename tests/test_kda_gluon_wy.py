@@ -73,10 +73,15 @@ def _normwise(a, b) -> float:
 
 
 # The Gluon kernel and Triton's form the same tf32 products of the same fp32 operands (the gate
-# factors applied in fp32 the same way), accumulating in another order: fp32 outputs agree to
-# ~1e-6 normwise, 16-bit ones to their rounding (an element off by at most one unit in its last
-# place, 2^-8 relative for bf16).
-BOUND = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+# factors applied in fp32 the same way) but sum them in other orders: dA's four [64, 64] products
+# accumulate in the WGMMA here, where Triton subtracts each from dA in turn, and dA's terms cancel;
+# the pair terms carry that rounding into dk and dg. First written as 1e-5 normwise for fp32
+# outputs (the bound of "the same products in another order" elsewhere in the tests); the H200
+# measured dk at 1.17e-5 in T65-bf16-l2-near0 (dada13b) and the whole backward's worst gradient at
+# 2.1e-5 from Triton's (kda_ab "wy", S1): 1e-4, still an order of magnitude below any term left
+# out or masked wrongly. 16-bit outputs: their rounding (an element off by at most one unit in its
+# last place, 2^-8 relative for bf16).
+BOUND = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 def _run_stage10(fn, args, kwargs, **extra):

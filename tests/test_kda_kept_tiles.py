@@ -123,7 +123,12 @@ def test_fp32_inputs_recompute(device, seed, monkeypatch):
 def test_torch_compile_recomputes_and_matches_eager(device, seed, monkeypatch):
     """Under torch.compile (fullgraph; the aot_eager backend, which runs on the CPU too) the op is
     the custom ops and nothing is kept: the backward runs stage 3 again, and its gradients are the
-    eager recompute's."""
+    eager recompute's: bitwise under the interpreter; on the H200 (3c5dbb3) dq, dk, dv and dbeta
+    bitwise too but dg off by up to 1.5e-8 in some elements (an fp32 rounding of the same sums;
+    three eager runs were bitwise equal, and the custom op sees the same strides and alignments:
+    the cause is not found). So o bitwise, the gradients within 1e-6 normwise: far below the kept
+    path's distance from the recompute (3e-5 to 1.3e-3, docs/perf/kda.md row 19), which a compiled
+    call that kept tiles would show."""
     parity._backend_or_skip("triton", device)
     monkeypatch.setattr(kk, "KEEP_FORWARD_TILES", False)  # eager recomputes too: the same kernels
     q, k, v, g, beta = _inputs(device, True)
@@ -142,8 +147,9 @@ def test_torch_compile_recomputes_and_matches_eager(device, seed, monkeypatch):
         g_comp = torch.autograd.grad(out, (q, k, v, g, beta), do)
     assert calls == [("solve", False, False), ("solve", True, True)], calls
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
-    for a, b in zip(g_comp, g_eager):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g_comp, g_eager):
+        err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+        assert err <= 1e-6, f"{name}: the compiled path's gradient is {err:.2e} normwise from the eager recompute's"
 
 
 def test_custom_op_path_recomputes(device, seed, monkeypatch):

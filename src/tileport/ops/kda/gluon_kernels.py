@@ -11,7 +11,14 @@ Triton's 1.998, the kernel ~0.34 ms per forward against ~0.78 for Triton's whole
 (torch profiler); a persistent form with two TMA buffer sets, one program per SM, took ~0.47 (1.699
 ms forward) and was removed (docs/perf/kda.md row 14). The backward is Triton's
 (`kda_backward_triton`) with its two state recurrences on GDN's `_tf32_recurrence_kernel` in
-its PER_CHANNEL form (docs/perf/kda.md row 17).
+its PER_CHANNEL form (docs/perf/kda.md row 17), stage 10 with 10b's pair terms for the unflagged
+chunks on `_kda_wy_bwd_wgmma_kernel` (BACKWARD_WY, row 20: 2.49 -> 2.31 ms at S1, a tenth of what
+was predicted: one latency-bound CTA per SM) and, where BACKWARD_DQKWG says "gluon" (off until
+the H200 has gated and timed it: row 21), stage 9 with 9b's pair terms for the unflagged chunks on
+`_kda_dqkwg_wgmma_kernel`: TMA for h, dh, Vn, dVn, six tf32 WGMMAs on fp32 operands per chunk,
+head and block of 64 key channels (dP, dQh, dKd, dW over V; R and C over the chunk's tokens),
+Triton's exponents d = G - G_m and summation order (`chunk_dqkwg_kda_gluon`; the flagged chunks
+on Triton's `_kda_dqkwg_kernel`, CHUNKS "flagged", into the same buffers).
 
 Per chunk, with d = G - G_m (m the chunk's middle row, fp32) and factors that are finite where the
 chunk is not flagged (|d| <= 60):
@@ -146,8 +153,13 @@ if _GLUON_ERROR is None:
 # --------------------------------------------------------------------------------------------
 # Which kernel takes stage 10's unflagged chunks in the gluon backend's backward: "triton"
 # (`_kda_wy_bwd_kernel` with PAIRS, every chunk) or "gluon" (`_kda_wy_bwd_wgmma_kernel` the
-# unflagged chunks, Triton's kernel the flagged ones). Read at each call.
-BACKWARD_WY = "triton"
+# unflagged chunks, Triton's kernel the flagged ones). Read at each call. "gluon" since the H200
+# gated it (tests/test_kda_gluon_wy.py at 3c5dbb3) and timed it (kda_ab.py "wy" at dada13b, S1, from
+# kept tiles, one run): the kernel 2.31 ms per backward against Triton's 2.49, the backward 7.957 ->
+# 7.812 ms with logsigmoid gates; with steep gates (every chunk flagged) 22.33 -> 22.38 (the
+# launch whose programs all return). ncu: 1.13 TB/s, 12.9% issue slots busy, one CTA of 8 warps per
+# SM (255 registers, 213 KB), 87% of cycles with no eligible warp: latency-bound (docs/perf/kda.md row 20).
+BACKWARD_WY = "gluon"
 _KERNEL_CHOICES = ("triton", "gluon")
 CB = 64  # key (and value) channels per block: every tile of the stage-10 kernel is [64, 64] fp32
 
@@ -371,6 +383,280 @@ def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.
     return o
 
 
+# --------------------------------------------------------------------------------------------
+# Stage 9 (dQ', dK', dW, dG' with 9b's pair terms) on TMA and tf32 WGMMA, for unflagged chunks.
+# A self-contained block: its own imports, switch, kernel, host stage and compile cases.
+# --------------------------------------------------------------------------------------------
+from tileport.ops.gdn.gluon_kernels import _descriptor  # noqa: E402
+
+# Which kernel takes stage 9's unflagged chunks in the gluon backend's backward: "triton"
+# (`_kda_dqkwg_kernel` with PAIRS, every chunk) or "gluon" (`_kda_dqkwg_wgmma_kernel` the
+# unflagged chunks, Triton's kernel the flagged ones, CHUNKS "flagged"). "triton" until the H200
+# has gated and timed the Gluon kernel (docs/perf/kda.md row 21). Read at each call.
+BACKWARD_DQKWG = "triton"
+_DQKWG_CHOICES = ("triton", "gluon")
+DQKWG_BKS = 64  # key channels per block: every tile of the stage-9 kernel is [64, 64] fp32
+
+if _GLUON_ERROR is None:
+    from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma_wait
+
+    @gluon.jit
+    def _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, m_s, xT_s, yT_s, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr,
+                         bos, eos, hh, kb, H, scale, K: gl.constexpr, BKS: gl.constexpr):
+        """Stage 9's epilogue for key block kb (columns kb * BKS ..) of an unflagged chunk: Triton's
+        `_kda_dqkwg_kernel` with PAIRS after its V loop, for a chunk it takes whole, from the state
+        products dQh = dO h^T, dKd = Vn dh^T, dwa = dVn h^T ([64, BKS] fp32, one accumulator
+        layout), hdh = rowsum(h * dh) [BKS], dP's diagonal dd = scale dP_tt [64] and M =
+        strict_lower(scale dP) in m_s. The pair terms' operands go to shared memory transposed
+        (K e^-d and Q e^d contract over the chunk's tokens, and tf32 WGMMA reads K-major only); M
+        and M^T are register A operands made from m_s where used (M held in registers through the
+        epilogue instead: 255 registers at sm_90a, K = V = 128, against 246: no room left)."""
+        D_L: gl.constexpr = dqh.type.layout
+        BT: gl.constexpr = dqh.shape[0]
+        ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
+        kcol = kb * BKS + gl.arange(0, BKS, layout=gl.SliceLayout(0, D_L))
+        tok = bos + ro
+        valid = tok < eos
+        # int32 offsets from the chunk's first row (64 rows of H * K: far below 2^31), the int64
+        # part in the scalar base: an int64 [64, 64] offset tile is twice the registers
+        base = (bos.to(gl.int64) * H + hh) * K
+        offs = ro[:, None] * (H * K) + kcol[None, :]
+        mk = valid[:, None] & (kcol < K)[None, :]
+        # lint: allow TP001 -- dW leaves from its accumulator layout; a varlen tail's rows belong to the next sequence (masked)
+        gl.store(dw_ptr + base + offs, -dwa, mask=mk)
+
+        # the last valid row (G_L) and the middle row m of `_chunk_gate_offsets` (eos is the
+        # sequence's end, not the chunk's)
+        last = gl.minimum(bos + BT, eos) - 1
+        mid = bos + (gl.minimum(eos - bos, BT) - 1) // 2
+        GL = gl.load(G_ptr + (last.to(gl.int64) * H + hh) * K + kcol)
+        Gm = gl.load(G_ptr + (mid.to(gl.int64) * H + hh) * K + kcol)
+        # lint: allow TP001 -- G, q and k meet the accumulators in their layout, masked past the sequence (TMA would give the next sequence's rows unmasked and cost another 48 KB of shared memory)
+        G = gl.load(G_ptr + base + offs, mask=mk, other=0.0)
+        # lint: allow TP001 -- as G
+        q = gl.load(q_ptr + base + offs, mask=mk, other=0.0).to(gl.float32)
+        # lint: allow TP001 -- as G
+        k = gl.load(k_ptr + base + offs, mask=mk, other=0.0).to(gl.float32)
+        d = gl.where(mk, (G - Gm[None, :]).to(gl.float32), 0.0)  # |d| <= 60 on an unflagged chunk
+        # the state terms first, in Triton's order (exp with -inf past the mask: 0 there), so that
+        # G and the state accumulators retire before the pair products' operands are made
+        dqp = gl.exp(gl.where(mk, G.to(gl.float32), float("-inf"))) * dqh * scale
+        decay = gl.exp(gl.where(mk, (GL[None, :] - G).to(gl.float32), float("-inf")))
+        is_last = (tok == last)[:, None]
+        # Kd * dKd enters dG with - on its row and + (summed) on the last row; the last row's own
+        # term is left out of both (as Triton's kernel); rows past the sequence are 0 by select, not
+        # by their 0 factors alone (their Vn rows, hence dKd's, are the next sequence's)
+        x = gl.where(is_last | ~mk, 0.0, k * decay * dkd)
+        dG = q * dqp - x
+        dG += gl.where(is_last, (gl.exp(GL.to(gl.float32)) * hdh + gl.sum(x, axis=0))[None, :], 0.0)
+        dkp = decay * dkd
+
+        xT_s.store(gl.permute(k * gl.exp(-d), (1, 0)))
+        yT_s.store(gl.permute(q * gl.exp(d), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of (K e^-d)^T and (Q e^d)^T, before the WGMMAs read them
+        # R, then C: each product's register operand (32 registers per thread) and accumulator
+        # retire before the other's are made (both in flight: 255 registers and 8 B of spills, sm_90a)
+        zero = gl.zeros([BT, BKS], gl.float32, D_L)
+        a_M = gl.convert_layout(m_s.load(D_L), gl.DotOperandLayout(operand_index=0, parent=D_L, k_width=1))
+        R = warpgroup_mma(a_M, xT_s.permute((1, 0)), zero, is_async=True)
+        R, _m, _x = warpgroup_mma_wait(0, deps=[R, a_M, xT_s])
+        if gl.num_warps() > 4:
+            gl.thread_barrier()  # xT_s is free to the allocator now (M^T's conversion scratch): every warpgroup's read of it is done (triton 11047)
+        R = R * gl.exp(d)
+        # summed in 9b's order (`_dp_apply_rows`)
+        # lint: allow TP001 -- as dW
+        gl.store(dq_ptr + base + offs, dqp + R + dd[:, None] * k, mask=mk)
+        dG = dG + q * R
+        # M^T a transpose in registers, as GDN's 9a forms D^T (checked there on the H200)
+        a_Mt = gl.convert_layout(gl.permute(m_s.load(D_L), (1, 0)),
+                                 gl.DotOperandLayout(operand_index=0, parent=D_L, k_width=1))
+        C = warpgroup_mma(a_Mt, yT_s.permute((1, 0)), zero, is_async=True)
+        C, _mt, _y = warpgroup_mma_wait(0, deps=[C, a_Mt, yT_s])
+        C = C * gl.exp(-d)
+        # lint: allow TP001 -- as dW
+        gl.store(dk_ptr + base + offs, dkp + C + dd[:, None] * q, mask=mk)
+        # lint: allow TP001 -- as dW
+        gl.store(dG_ptr + base + offs, dG - k * C, mask=mk)
+
+    @gluon.jit
+    def _kda_dqkwg_wgmma_kernel(h_desc, dh_desc, vn_desc, dvn_desc, q_ptr, k_ptr, G_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr,
+                                dG_ptr, chunks_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr):
+        """Stage 9 with 9b's pair terms for one chunk and head whose flag (stage 3's, int8 [NC, H])
+        is clear, for one block of BKS = 64 key channels: what Triton's `_kda_dqkwg_kernel` with
+        PAIRS computes for such a chunk (fp32 dQ', dK', dW, dG' [Ntok, H, K]; its dP slices are
+        not written: only flagged chunks' are read, by 9b's flagged launch). Grid (NC * K / BKS, H)
+        as Triton's, 8 warps (two warpgroups side by side along N); a flagged chunk's programs
+        return (Triton's kernel takes it, CHUNKS "flagged"). Every product a tf32 WGMMA on fp32
+        operands (Triton's PREC "tf32" for 16-bit inputs):
+            dP = dO Vn^T,  dQh = dO h_b^T,  dKd = Vn dh_b^T,  dW = -dVn h_b^T   (over V, issued together)
+            hdh = rowsum(h_b * dh_b)   (under them)
+            R = e^d (M (K_b e^-d)),  C = e^-d (M^T (Q_b e^d)),  M = strict_lower(scale dP)
+            dQ' = exp(G) dQh scale + R + diag(dP) K_b,  dK' = exp(G_L - G) dKd + C + diag(dP) Q_b,
+            dG' = Q_b dQ'_state - x + Q_b R - K_b C (+ exp(G_L) hdh + colsum(x) on the last row)
+        with d = G - G_m (m the chunk's middle row: |d| <= 60 where the chunk is unflagged) and
+        x = K_b exp(G_L - G) dKd off the last row: Triton's exponents, masks and summation order,
+        so the two agree to the order of fp32 accumulation (both truncate fp32 operands to tf32:
+        Triton's sm_90a PTX has m64n32k8 tf32 WGMMAs and no cvt.rna).
+        Explicit here (Triton would choose): h_b, dh_b, Vn and dVn come by TMA as stored (all
+        four products contract over V, along which they are contiguous: the K-major B operands
+        tf32 needs, h_b and dh_b as transposed views); dO (16-bit) is widened into an fp32 shared
+        tile under those loads; M goes through shared memory and becomes the register A operands
+        of R and C there (M^T a register transpose), the pair operands K_b e^-d and Q_b e^d are
+        written to shared memory transposed; the four state products in flight together, then R,
+        then C. 208 KB of shared memory at K = V = 128 (one CTA per SM), 128 KB at 64.
+        Why a program per key block, not one per chunk looping over the blocks (Vn, dVn, dO loaded
+        and dP formed once): sm_90a at K = V = 128, the loop spilled 320-444 B per thread (the
+        compiler kept the blocks' loop-invariant tiles live across them) where the same epilogue,
+        one block per program, took 178 registers and none (246 now, with R's and C's gate
+        factors); the second block's rows come from L2.
+        Rows past the sequence (a varlen tail: the next sequence's TMA rows, finite; zeros past
+        the tensor) meet masks: dO's are loaded as 0, M's rows and columns and q, k, G are masked,
+        x by select, and the stores by row."""
+        BT: gl.constexpr = vn_desc.block_type.shape[0]
+        BKS: gl.constexpr = h_desc.block_type.shape[0]
+        NK: gl.constexpr = K // BKS
+        gl.static_assert(BKS == BT, "dP and the key block's tiles share one [64, 64] accumulator layout")
+        gl.static_assert(NK * BKS == K, "whole key blocks")
+        NW: gl.constexpr = gl.num_warps()
+        WG: gl.constexpr = NW // 4
+        c = gl.program_id(0) // NK
+        kb = gl.program_id(0) % NK  # a chunk's key blocks in adjacent programs: its rows' second read from L2
+        hh = gl.program_id(1)
+        D_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BKS // WG, 8])
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BKS, BT], gl.float32)
+        h_s = gl.allocate_shared_memory(gl.float32, [BKS, V], h_desc.layout)
+        dh_s = gl.allocate_shared_memory(gl.float32, [BKS, V], dh_desc.layout)
+        vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+        dvn_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
+        do_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+        xT_s = gl.allocate_shared_memory(gl.float32, [BKS, BT], XT_SL)  # (K_b e^-d)^T
+        yT_s = gl.allocate_shared_memory(gl.float32, [BKS, BT], XT_SL)  # (Q_b e^d)^T
+        m_s = gl.allocate_shared_memory(gl.float32, [BT, BT], XT_SL)  # M, read by generic loads only
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if gl.load(flags_ptr + c * H + hh) == 0:
+            bos, eos = _chunk_bounds(chunks_ptr, c)
+            mbarrier.init(bar, count=1)
+            fence_async_shared()
+            srow = (c * H + hh) * K + kb * BKS  # the block's first row of h_c in [NC * H * K, V]
+            mbarrier.expect(bar, vn_desc.block_type.nbytes + dvn_desc.block_type.nbytes + h_desc.block_type.nbytes
+                            + dh_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bar, vn_s)
+            tma.async_copy_global_to_shared(dvn_desc, [bos, hh * V], bar, dvn_s)
+            tma.async_copy_global_to_shared(h_desc, [srow, 0], bar, h_s)
+            tma.async_copy_global_to_shared(dh_desc, [srow, 0], bar, dh_s)
+            rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+            vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
+            # lint: allow TP001 -- dO (16-bit) is widened to fp32 on its way to shared memory (tf32 WGMMA takes fp32 operands), which TMA cannot do; rows past the sequence loaded as 0
+            do = gl.load(do_ptr + ((bos + rr).to(gl.int64) * H + hh)[:, None] * V + vc[None, :],
+                         mask=(bos + rr < eos)[:, None], other=0.0).to(gl.float32)
+            do_s.store(do)
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
+            mbarrier.wait(bar, 0)
+            zero = gl.zeros([BT, BKS], gl.float32, D_L)
+            dp = warpgroup_mma(do_s, vn_s.permute((1, 0)), zero, is_async=True)
+            dqh = warpgroup_mma(do_s, h_s.permute((1, 0)), zero, is_async=True)
+            dkd = warpgroup_mma(vn_s, dh_s.permute((1, 0)), zero, is_async=True)
+            dwa = warpgroup_mma(dvn_s, h_s.permute((1, 0)), zero, is_async=True)
+            # under them: rowsum(h_b * dh_b) from shared memory (the WGMMAs only read it)
+            hdh = gl.convert_layout(gl.sum(h_s.load(ROWS_L) * dh_s.load(ROWS_L), axis=1), gl.SliceLayout(0, D_L))
+            # every operand in deps (an operand's shared memory is otherwise free to the allocator)
+            dp, dqh, dkd, dwa, _do, _vn, _dvn, _h, _dh = warpgroup_mma_wait(
+                0, deps=[dp, dqh, dkd, dwa, do_s, vn_s, dvn_s, h_s, dh_s])
+            if NW > 4:
+                gl.thread_barrier()  # every warpgroup's WGMMAs are done before scratch reuses their operands (triton 11047)
+            # M = strict_lower(scale dP) on the chunk's rows and its diagonal, as Triton's kernel has
+            # them (scale dP's lower triangle stored, then read back strict, and dP_tt); M goes to
+            # shared memory (read there as both register operands after the barrier in the epilogue)
+            ri = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
+            cj = gl.arange(0, BT, layout=gl.SliceLayout(0, D_L))
+            i_ok = bos + ri < eos
+            dps = dp * scale
+            m_s.store(gl.where((ri[:, None] > cj[None, :]) & i_ok[:, None] & (bos + cj < eos)[None, :], dps, 0.0))
+            dd = gl.sum(gl.where((ri[:, None] == cj[None, :]) & i_ok[:, None], dps, 0.0), axis=1)
+            _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, m_s, xT_s, yT_s, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dw_ptr,
+                             dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
+            mbarrier.invalidate(bar)
+
+
+def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span_flags, fuse_9b: bool) -> str:
+    """"gluon" or "triton": which kernel takes stage 9's unflagged chunks (BACKWARD_DQKWG, validated
+    here). The Gluon kernel takes the whole-chunk route with 9b fused (span_flags and fuse_9b) where
+    Triton's stage 9 multiplies in tf32 (`_products` for its input dtype: KDA's stage 9 reads
+    BACKWARD_PRODUCTS, not a per-stage entry) on fp32 h, dh, Vn, dVn, with per-channel gates G in
+    fp32 or fp64, q and k both fp32 (l2-normalised) or both bf16 (raw), dO bf16, K == V of 64 or
+    128, every tensor contiguous on the GPU: the operands its compile cases cover."""
+    from tileport.ops.gdn.triton_kernels import _checked, _products
+
+    if _checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _DQKWG_CHOICES) == "triton" or span_flags is None or not fuse_9b:
+        return "triton"
+    K, V = q.shape[-1], do.shape[-1]
+    shapes = K == V and K in HEAD_DIMS and K % DQKWG_BKS == 0 and k.shape == q.shape == G.shape
+    dtypes = (q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and do.dtype == torch.bfloat16
+              and G.dtype in (torch.float32, torch.float64) and span_flags.dtype == torch.int8
+              and all(x.dtype == torch.float32 for x in (h, dh, vn, dvn)))
+    tensors = (q, k, G, h, dh, vn, dvn, do, span_flags)
+    placed = all(x.is_cuda and x.is_contiguous() for x in tensors)
+    tf32 = _products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
+    return "gluon" if shapes and dtypes and placed and tf32 else "triton"
+
+
+def chunk_dqkwg_kda_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None,
+                          fuse_9b: bool = False):
+    """Stage 9 (`triton_kernels.chunk_dqkwg_kda`'s contract and return value: dq, dk, dw, dG fp32
+    [Ntok, H, K] and dP's slice 0): where `dqkwg_kernel_for` says so, the unflagged chunks on
+    `_kda_dqkwg_wgmma_kernel` and the flagged ones on Triton's kernel into the same buffers; Triton's
+    stage 9 whole otherwise. dP's slices are allocated as Triton's fused launch has them; the Gluon
+    kernel writes none (only flagged chunks' slice 0 is read after stage 9, by 9b's flagged launch)."""
+    if dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype, span_flags, fuse_9b) == "triton":
+        return kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale, plan, input_dtype, span_flags=span_flags,
+                                  fuse_9b=fuse_9b)
+    Ntok, H, K = q.shape
+    V = do.shape[-1]
+    dq, dk, dw, dG = (new_empty((Ntok, H, K), torch.float32, q.device) for _ in range(4))
+    dp = new_empty((kk._key_split(K)[1], Ntok, H, BT), torch.float32, q.device)
+    if plan.NC:
+        _kda_dqkwg_wgmma_kernel[(plan.NC * (K // DQKWG_BKS), H)](
+            _descriptor(h.view(plan.NC * H * K, V), [DQKWG_BKS, V]), _descriptor(dh.view(plan.NC * H * K, V), [DQKWG_BKS, V]),
+            _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(dvn.view(Ntok, H * V), [BT, V]),
+            q, k, G, do, dq, dk, dw, dG, plan.chunks, span_flags, H, float(scale), K, V, num_warps=8)
+    return kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale, plan, input_dtype, span_flags=span_flags,
+                              fuse_9b=True, outputs=(dq, dk, dw, dG, dp))
+
+
+def _dqkwg_compile_cases():
+    """`_kda_dqkwg_wgmma_kernel` at K = V = 128 and 64, with the key operands the backward hands it:
+    fp32 (l2-normalised q and k) and bf16 (raw); G in fp32 (16-bit inputs' GATE_SUMS_16BIT default)
+    and, at 128, fp64 (GATE_SUMS_16BIT "fp64")."""
+    from tileport.compile_check import CompileCase, TensorStandIn, descriptor_stand_in
+
+    cases = []
+    Ntok, H, NC = 32768, 16, 512
+    f32, bf = torch.float32, torch.bfloat16
+    for K, keys, g_dtype in ((128, f32, f32), (128, bf, f32), (128, f32, torch.float64), (64, f32, f32), (64, bf, f32)):
+        V = K
+
+        def desc32(rows, cols, block):
+            return descriptor_stand_in([rows, cols], f32, block, _smem_layout(block, f32))
+
+        rows = TensorStandIn([Ntok, H, K], f32)
+        args = dict(h_desc=desc32(NC * H * K, V, [DQKWG_BKS, V]), dh_desc=desc32(NC * H * K, V, [DQKWG_BKS, V]),
+                    vn_desc=desc32(Ntok, H * V, [BT, V]), dvn_desc=desc32(Ntok, H * V, [BT, V]),
+                    q_ptr=TensorStandIn([Ntok, H, K], keys), k_ptr=TensorStandIn([Ntok, H, K], keys),
+                    G_ptr=TensorStandIn([Ntok, H, K], g_dtype), do_ptr=TensorStandIn([Ntok, H, V], bf), dq_ptr=rows,
+                    dk_ptr=rows, dw_ptr=rows, dG_ptr=rows, chunks_ptr=TensorStandIn([2 * NC], torch.int32),
+                    flags_ptr=TensorStandIn([NC, H], torch.int8), H=H, scale=0.1, K=K, V=V)
+        tag = f"K{K}_V{V}_keys{'fp32' if keys == f32 else 'bf16'}_G{'fp32' if g_dtype == f32 else 'fp64'}"
+        cases.append(CompileCase(name=f"kda_dqkwg_{tag}_w8", kernel=_kda_dqkwg_wgmma_kernel, args=args, num_warps=8,
+                                 expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32", "cp.async.bulk.tensor",
+                                             "mbarrier.try_wait"],
+                                 expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+    return cases
+
+
 def kda_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                       keep_for_backward: bool = False):
     """Triton's forward with stage 6 on `chunk_output_kda_gluon` (keep_for_backward as there)."""
@@ -386,7 +672,7 @@ def kda_backward_gluon(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l
     kept: what the forward kept (`triton_kernels.KeptTiles`), as there."""
     return kk.kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
                                   cu_seqlens, states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon,
-                                  kept=kept, wy_bwd=chunk_wy_bwd_kda_gluon)
+                                  kept=kept, dqkwg=chunk_dqkwg_kda_gluon, wy_bwd=chunk_wy_bwd_kda_gluon)
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,6 +704,7 @@ def compile_cases():
         cases.append(CompileCase(name=f"kda_output_{tag}", kernel=_kda_output_wgmma_kernel, args=args, num_warps=4,
                                  expect_ptx=expect, expect_max_spills=0, expect_max_shared=SMEM_PER_SM // 2))
     cases += _wy_bwd_compile_cases(Ntok, H, NC)
+    cases += _dqkwg_compile_cases()
     return cases
 
 
