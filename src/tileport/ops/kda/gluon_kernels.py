@@ -13,8 +13,8 @@ ms forward) and was removed (docs/perf/kda.md row 14). The backward is Triton's
 (`kda_backward_triton`) with its two state recurrences on GDN's `_tf32_recurrence_kernel` in
 its PER_CHANNEL form (docs/perf/kda.md row 17), stage 10 with 10b's pair terms for the unflagged
 chunks on `_kda_wy_bwd_wgmma_kernel` (BACKWARD_WY, row 20: 2.49 -> 2.31 ms at S1, a tenth of what
-was predicted: one latency-bound CTA per SM) and, where BACKWARD_DQKWG says "gluon" (off until
-the H200 has gated and timed it: row 21), stage 9 with 9b's pair terms for the unflagged chunks on
+was predicted: one latency-bound CTA per SM) and stage 9 with 9b's pair terms for the unflagged
+chunks (BACKWARD_DQKWG, row 21: 2.41 -> 1.39 ms at S1) on
 `_kda_dqkwg_wgmma_kernel`: TMA for h, dh, Vn, dVn, six tf32 WGMMAs on fp32 operands per chunk,
 head and block of 64 key channels (dP, dQh, dKd, dW over V; R and C over the chunk's tokens),
 Triton's exponents d = G - G_m and summation order (`chunk_dqkwg_kda_gluon`; the flagged chunks
@@ -385,20 +385,18 @@ def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.
 
 # --------------------------------------------------------------------------------------------
 # Stage 9 (dQ', dK', dW, dG' with 9b's pair terms) on TMA and tf32 WGMMA, for unflagged chunks.
-# A self-contained block: its own imports, switch, kernel, host stage and compile cases.
 # --------------------------------------------------------------------------------------------
-from tileport.ops.gdn.gluon_kernels import _descriptor  # noqa: E402
-
 # Which kernel takes stage 9's unflagged chunks in the gluon backend's backward: "triton"
 # (`_kda_dqkwg_kernel` with PAIRS, every chunk) or "gluon" (`_kda_dqkwg_wgmma_kernel` the
-# unflagged chunks, Triton's kernel the flagged ones, CHUNKS "flagged"). "triton" until the H200
-# has gated and timed the Gluon kernel (docs/perf/kda.md row 21). Read at each call.
-BACKWARD_DQKWG = "triton"
-_DQKWG_CHOICES = ("triton", "gluon")
+# unflagged chunks, Triton's kernel the flagged ones, CHUNKS "flagged"). Read at each call.
+# "gluon" since the H200 gated it (tests/test_kda_gluon_stage9.py and the whole KDA gate at
+# e3efcbc) and timed it (kda_ab.py "dqkwg" at e3efcbc, S1, from kept tiles, one run): the kernel
+# 1.39 ms per backward against Triton's 2.41, the backward 7.807 -> 6.862 ms with logsigmoid
+# gates, 22.34 -> 22.29 with steep ones (docs/perf/kda.md row 21).
+BACKWARD_DQKWG = "gluon"
 DQKWG_BKS = 64  # key channels per block: every tile of the stage-9 kernel is [64, 64] fp32
 
 if _GLUON_ERROR is None:
-    from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma_wait
 
     @gluon.jit
     def _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, m_s, xT_s, yT_s, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr,
@@ -591,7 +589,7 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
     128, every tensor contiguous on the GPU: the operands its compile cases cover."""
     from tileport.ops.gdn.triton_kernels import _checked, _products
 
-    if _checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _DQKWG_CHOICES) == "triton" or span_flags is None or not fuse_9b:
+    if _checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton" or span_flags is None or not fuse_9b:
         return "triton"
     K, V = q.shape[-1], do.shape[-1]
     shapes = K == V and K in HEAD_DIMS and K % DQKWG_BKS == 0 and k.shape == q.shape == G.shape
