@@ -64,15 +64,21 @@ def test_gluon_backward_falls_back_to_triton_off_the_gpu():
 
     if not interpreter_enabled():
         pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    args = plumbing_backward_args()
+    for ours, theirs in zip(gluon_kernels.kda_backward_gluon(*args), triton_kernels.kda_backward_triton(*args)):
+        assert torch.equal(ours, theirs)
+
+
+def plumbing_backward_args() -> tuple:
+    """`kda_backward_*`'s arguments for a small CPU call (l2norm, an initial state, one chunk and a
+    tail): the plumbing tests' case, here and in tests/test_kda_gluon_stage9.py."""
     torch.manual_seed(0)
     B, T, H, K = 1, 70, 1, 64
     q, k, v = (torch.randn(B, T, H, K, dtype=torch.bfloat16) for _ in range(3))
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K))
     beta = torch.rand(B, T, H, dtype=torch.bfloat16)
     do = torch.randn(B, T, H, K, dtype=torch.bfloat16)
-    args = (do, None, q, k, v, g, beta, K ** -0.5, torch.randn(B, H, K, K), True, None)
-    for ours, theirs in zip(gluon_kernels.kda_backward_gluon(*args), triton_kernels.kda_backward_triton(*args)):
-        assert torch.equal(ours, theirs)
+    return (do, None, q, k, v, g, beta, K ** -0.5, torch.randn(B, H, K, K), True, None)
 
 
 def test_per_channel_gates_take_the_gluon_recurrences(monkeypatch):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
-from test_kda_gluon import ACCEPTED
+from test_kda_gluon import ACCEPTED, plumbing_backward_args
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 
 from tileport.testing import poisoned
@@ -224,13 +224,7 @@ def test_gluon_backward_runs_stage9_through_the_gluon_stage(monkeypatch):
     calls = []
     real = gk.chunk_dqkwg_kda_gluon
     monkeypatch.setattr(gk, "chunk_dqkwg_kda_gluon", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    torch.manual_seed(0)
-    B, T, H, K = 1, 70, 1, 64
-    q, k, v = (torch.randn(B, T, H, K, dtype=torch.bfloat16) for _ in range(3))
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K))
-    beta = torch.rand(B, T, H, dtype=torch.bfloat16)
-    do = torch.randn(B, T, H, K, dtype=torch.bfloat16)
-    args = (do, None, q, k, v, g, beta, K ** -0.5, torch.randn(B, H, K, K), True, None)
+    args = plumbing_backward_args()
     for ours, theirs in zip(gk.kda_backward_gluon(*args), kk.kda_backward_triton(*args)):
         assert torch.equal(ours, theirs)
     assert len(calls) == 1 and calls[0]["fuse_9b"] and calls[0]["span_flags"] is not None, calls
