@@ -1,8 +1,10 @@
 """Small KDA calls on the gluon backend for compute-sanitizer memcheck and racecheck (issue 6 asks
 for racecheck clean): the forward's Gluon output kernel (`_kda_output_wgmma_kernel`, whole
-chunks) and the backward's two state recurrences on GDN's `_tf32_recurrence_kernel` in its
+chunks), the backward's two state recurrences on GDN's `_tf32_recurrence_kernel` in its
 PER_CHANNEL form (the recompute forced onto it: BACKWARD_STATES "gluon"), at TF32_RECURRENCE_BV
-128 on 8 warps (the default) and 64 on 4.
+128 on 8 warps (the default) and 64 on 4, and the backward's stage 9 and 10 kernels
+(`_kda_dqkwg_wgmma_kernel`, `_kda_wy_bwd_wgmma_kernel`: BACKWARD_DQKWG and BACKWARD_WY "gluon",
+the defaults) on the chunks stage 3 leaves unflagged.
 
     python3 scripts/sanitize_kda.py [quick]
 
