@@ -16,10 +16,11 @@ forward on the gluon backend against Triton's, and its per-kernel times. "fused"
 "kept": the forward keeping G, T and the flags for its backward (KEEP_FORWARD_TILES) or not.
 "wy": the gluon backward with stage 10's unflagged chunks on Triton's kernel or on the Gluon one
 (gluon_kernels.BACKWARD_WY), from kept tiles as training runs it, and its kernels. "dqkwg": the
-same for stage 9 (gluon_kernels.BACKWARD_DQKWG).
+same for stage 9 (gluon_kernels.BACKWARD_DQKWG); "wy-staged": stage 10's Gluon kernel with its inputs
+staged through TMA or not (gluon_kernels.WY_STAGED).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-staged (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -281,7 +282,8 @@ if "kept" in SECTIONS:
 # "wy" / "dqkwg": stage 10's (9's) unflagged chunks on Triton's kernel (PAIRS) or the Gluon one
 # (BACKWARD_WY, kda.md row 20; BACKWARD_DQKWG, row 21), the gluon backward from kept tiles, same
 # inputs, with both gate kinds; then its kernels
-for section, switch in (("wy", "BACKWARD_WY"), ("dqkwg", "BACKWARD_DQKWG")):
+for section, switch, choices in (("wy", "BACKWARD_WY", ("triton", "gluon")), ("dqkwg", "BACKWARD_DQKWG", ("triton", "gluon")),
+                                 ("wy-staged", "WY_STAGED", (False, True))):
     if section not in SECTIONS or dev != "cuda":
         continue
     from tileport.ops.kda import gluon_kernels as kg
@@ -293,13 +295,13 @@ for section, switch in (("wy", "BACKWARD_WY"), ("dqkwg", "BACKWARD_DQKWG")):
         _, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
         bargs = (do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
         base = None
-        for choice in ("triton", "gluon"):
+        for choice in choices:
             setattr(kg, switch, choice)
             grads, ms, err = timed_gradients(lambda: kg.kda_backward_gluon(*bargs, kept=kept), base)
             base = grads if base is None else base
-            print(f"kda backward (gluon, kept) gates={name:10} {switch} {choice:6}: {ms:.3f} ms, worst gradient vs "
-                  f"triton {err:.2e}", flush=True)
+            print(f"kda backward (gluon, kept) gates={name:10} {switch} {choice!s:6}: {ms:.3f} ms, worst gradient vs "
+                  f"{choices[0]} {err:.2e}", flush=True)
         if name == "logsigmoid":
             kernel_table(lambda: kg.kda_backward_gluon(*bargs, kept=kept),
-                         f"kda backward (gluon, kept), {switch} gluon", calls=3, rows=14)
+                         f"kda backward (gluon, kept), {switch} {choices[-1]}", calls=3, rows=14)
         setattr(kg, switch, default_choice)

@@ -1,6 +1,7 @@
 """KDA's stage 10 (back through W, U, T and A, with 10b's whole-chunk pair terms) on the gluon
-backend's TMA + tf32 WGMMA kernel (`gluon_kernels._kda_wy_bwd_wgmma_kernel`, BACKWARD_WY "gluon")
-for the chunks stage 3 left unflagged, Triton's kernel (CHUNKS "flagged") for the others:
+backend's TMA + tf32 WGMMA kernel (`gluon_kernels._kda_wy_bwd_wgmma_kernel`, BACKWARD_WY "gluon",
+in both its forms: WY_STAGED) for the chunks stage 3 left unflagged, Triton's kernel (CHUNKS
+"flagged") for the others:
 - the parity gate's accepted cases (bf16, K = V of 64 or 128), forward and backward against the
   float64 reference, with the switch on;
 - stage 10 alone against Triton's on the same arguments (captured from a real backward), every
@@ -22,11 +23,13 @@ from standins import OnGPU
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)]
 
 
-def _wy_on(monkeypatch):
-    """BACKWARD_WY "gluon", and a spy on the Gluon kernel's launches (their grids)."""
+def _wy_on(monkeypatch, staged: bool = False):
+    """BACKWARD_WY "gluon" (in the staged form or not, WY_STAGED), and a spy on the Gluon kernel's
+    launches (their grids)."""
     from tileport.ops.kda import gluon_kernels as kg
 
     monkeypatch.setattr(kg, "BACKWARD_WY", "gluon")
+    monkeypatch.setattr(kg, "WY_STAGED", staged)
     launches = []
     real = kg._kda_wy_bwd_wgmma_kernel
 
@@ -39,10 +42,15 @@ def _wy_on(monkeypatch):
     return launches
 
 
-@pytest.mark.parametrize("case_id", ACCEPTED)
-def test_forward_backward(case_id, device, seed, monkeypatch):
+# the staged form (WY_STAGED) on the cases with a varlen tail, both head dims and flagged chunks
+STAGED_CASES = [c for c in ACCEPTED if c in ("varlen-bf16-l2-mixed", "K128-bf16-l2-split", "T65-bf16-l2-near0",
+                                             "gpu-varlen-T1500-H4-K128-bf16-split")]
+
+
+@pytest.mark.parametrize("case_id,staged", [(c, False) for c in ACCEPTED] + [(c, True) for c in STAGED_CASES])
+def test_forward_backward(case_id, staged, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
-    launches = _wy_on(monkeypatch)
+    launches = _wy_on(monkeypatch, staged)
     parity._run_and_check("gluon", case_id, device, seed)
     assert launches, f"{case_id}: stage 10's Gluon kernel did not run"
 
@@ -117,7 +125,8 @@ FOR_10B = ("dA", "dbeta'", "dK'", "dG'")  # what the flagged chunks hand to 10b'
 @pytest.mark.parametrize("case_id,flagged", [("T65-bf16-l2-near0", False), ("T200-bf16-split-binarybeta", True),
                                              ("varlen-bf16-l2-mixed", True), ("K128-bf16-l2-split", True),
                                              ("T1-bf16", False)])
-def test_stage10_matches_triton(case_id, flagged, device, seed, monkeypatch):
+@pytest.mark.parametrize("staged", [False, True], ids=["loads", "staged"])
+def test_stage10_matches_triton(case_id, flagged, staged, device, seed, monkeypatch):
     """Stage 10 on the Gluon kernel (and Triton's flagged launch) against Triton's one launch, same
     arguments: dv everywhere, the final dk, dbeta, dg of the unflagged chunks, and for the flagged
     chunks what 10b's launch reads (dA, dbeta', the partials)."""
@@ -129,7 +138,7 @@ def test_stage10_matches_triton(case_id, flagged, device, seed, monkeypatch):
     flags = kwargs["span_flags"]
     assert flags is not None and bool(flags.any()) == flagged, (case_id, flags)
     rows = _chunk_rows(kk.make_plan(*_plan_args(case_id, device)), flags)
-    launches = _wy_on(monkeypatch)
+    launches = _wy_on(monkeypatch, staged)
     ours = _run_stage10(kg.chunk_wy_bwd_kda_gluon, args, kwargs)
     assert launches, "the Gluon kernel did not run"
     theirs = _run_stage10(kk.chunk_wy_bwd_kda, args, kwargs)
