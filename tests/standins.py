@@ -4,13 +4,17 @@ from __future__ import annotations
 
 
 class OnGPU:
-    """A CUDA tensor as the Gluon backends' rules see it: they read dtype, dim() and is_cuda only."""
+    """A CUDA tensor (or, is_cuda False, a CPU one) as the Gluon backends' rules see it: dtype, dim(),
+    is_cuda, and where given shape and is_contiguous()."""
 
-    def __init__(self, dtype, dim: int, shape: tuple | None = None):
-        self.dtype, self._dim, self.is_cuda = dtype, dim, True
+    def __init__(self, dtype, dim: int, shape: tuple | None = None, contiguous: bool = True, is_cuda: bool = True):
+        self.dtype, self._dim, self.is_cuda, self._contiguous = dtype, dim, is_cuda, contiguous
         if shape is not None:  # for rules that read head dims
             assert len(shape) == dim
             self.shape = tuple(shape)
+
+    def is_contiguous(self) -> bool:
+        return self._contiguous
 
     def dim(self) -> int:
         return self._dim

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
+from kda_stage_cases import LAYOUTS, LaunchSpy, capture_stage, normwise, route_rows
 from test_kda_gluon import ACCEPTED, plumbing_backward_args
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 
@@ -24,57 +25,9 @@ def gluon_stage9(monkeypatch):
     from tileport.ops.kda import gluon_kernels as gk
 
     monkeypatch.setattr(gk, "BACKWARD_DQKWG", "gluon")
-
-    class Launches:
-        def __init__(self, kernel):
-            self.kernel, self.grids = kernel, []
-
-        def __getitem__(self, grid):
-            self.grids.append(grid)
-            return self.kernel[grid]
-
-    launches = Launches(gk._kda_dqkwg_wgmma_kernel)
+    launches = LaunchSpy(gk._kda_dqkwg_wgmma_kernel)
     monkeypatch.setattr(gk, "_kda_dqkwg_wgmma_kernel", launches)
     return launches
-
-
-# (layout, cu_seqlens, B, T, the tokens whose gates are steep in head 0: the chunk holding them is
-# flagged, the others' logsigmoid(randn) gates span ~26-40 about their middle rows, unflagged)
-LAYOUTS = {
-    "dense-B2-T200": (None, 2, 200, (64, 128)),  # batch 0's second chunk; T = 200: a tail chunk of 8
-    "varlen-empty-len1": ([0, 1, 1, 130, 200], 1, 200, (70, 120)),  # sequence [1, 130)'s chunk [65, 129)
-}
-
-
-def _stage9_call(layout: str, K: int, l2: bool, device: str):
-    """The arguments stage 9 gets in a real backward (`kda_backward_triton`, captured by a spy):
-    bf16 inputs, K = V, H = 2, an initial state; some chunks flagged and some not."""
-    from tileport.ops.kda import triton_kernels as kk
-
-    cu, B, T, (lo, hi) = LAYOUTS[layout]
-    q, k, v, g, beta, h0, cu_t = parity.make_inputs(B, T, 2, K, K, torch.bfloat16, cu, True, l2, "normal", "rand",
-                                                    device)
-    g[0, lo:hi, 0] = -20.0 - 10.0 * torch.rand(hi - lo, K, device=device)
-    captured = {}
-
-    def spy(*args, **kwargs):
-        captured["call"] = (args, kwargs)
-        return kk.chunk_dqkwg_kda(*args, **kwargs)
-
-    kk.kda_backward_triton(torch.randn_like(v), None, q, k, v, g, beta, K ** -0.5, h0, l2, cu_t, dqkwg=spy)
-    return captured["call"]
-
-
-def _route_rows(plan, flags) -> tuple[torch.Tensor, torch.Tensor]:
-    """[Ntok, H] masks of the rows of unflagged and of flagged chunks."""
-    H = flags.shape[1]
-    unflagged = torch.zeros(int(plan.cu[-1]), H, dtype=torch.bool)
-    flagged = torch.zeros_like(unflagged)
-    for c, (bos, eos) in enumerate(plan.chunks.view(-1, 2).tolist()):
-        rows = slice(bos, min(bos + 64, eos))
-        for hh in range(H):
-            (unflagged if int(flags[c, hh]) == 0 else flagged)[rows, hh] = True
-    return unflagged, flagged
 
 
 @pytest.mark.parametrize("l2", [False, True], ids=["raw-keys", "l2norm"])
@@ -100,7 +53,7 @@ def test_stage9_matches_triton_route_by_route(layout, K, l2, device, seed, gluon
     from tileport.ops.kda import gluon_kernels as gk
     from tileport.ops.kda import triton_kernels as kk
 
-    args, kwargs = _stage9_call(layout, K, l2, device)
+    args, kwargs = capture_stage("dqkwg", layout, K, l2, device)
     flags, plan = kwargs["span_flags"], args[9]
     assert kwargs["fuse_9b"] and flags is not None
     assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
@@ -116,13 +69,13 @@ def test_stage9_matches_triton_route_by_route(layout, K, l2, device, seed, gluon
     assert gluon_stage9.grids == [(plan.NC * K // gk.DQKWG_BKS, flags.shape[1])], gluon_stage9.grids
     assert flagged_launches == [True], flagged_launches  # Triton's kernel, flagged chunks only, into our buffers
 
-    unflagged, flagged = (m.to(args[0].device) for m in _route_rows(plan, flags.cpu()))
+    unflagged, flagged = (m.to(args[0].device) for m in route_rows(plan, flags))
     where = f"[{layout} K={K} l2={l2} seed={seed}]"
     for name, a, b in zip(("dq", "dk", "dw", "dG"), got[:4], want[:4]):
         for route, rows in (("unflagged", unflagged), ("flagged", flagged)):
-            err = ((a[rows].double() - b[rows].double()).norm() / b[rows].double().norm()).item()
+            err = normwise(a[rows], b[rows])
             assert err < 1e-5, f"{name} on {route} chunks {where}: normwise difference {err:.2e} from Triton's"
-    err = ((got[4][flagged].double() - want[4][flagged].double()).norm() / want[4][flagged].double().norm()).item()
+    err = normwise(got[4][flagged], want[4][flagged])
     assert err < 1e-5, f"dP slice 0 on flagged chunks {where}: normwise difference {err:.2e} from Triton's"
 
 
@@ -190,12 +143,12 @@ def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
     for K in (64, 128):
         for keys in (f32, bf):
             assert _rule(_rule_operands(K, K, keys)) == "gluon", (K, keys)
-    assert _rule(_rule_operands(G=_Operand([256, 2, 128], torch.float64))) == "gluon"
     refused = {
         "no flags": _rule_operands(span_flags=None),
         "K != V": _rule_operands(128, 64),
         "K = 32": _rule_operands(32, 32),
         "q, k of two dtypes": _rule_operands(k=_Operand([256, 2, 128], bf)),
+        "fp64 G (compiled, never run on the GPU)": _rule_operands(G=_Operand([256, 2, 128], torch.float64)),
         "fp16 keys": _rule_operands(keys=torch.float16),
         "bf16 state": _rule_operands(h=_Operand([4, 2, 128, 128], bf)),
         "fp32 dO": _rule_operands(do=_Operand([256, 2, 128], f32)),
@@ -228,3 +181,16 @@ def test_gluon_backward_runs_stage9_through_the_gluon_stage(monkeypatch):
     for ours, theirs in zip(gk.kda_backward_gluon(*args), kk.kda_backward_triton(*args)):
         assert torch.equal(ours, theirs)
     assert len(calls) == 1 and calls[0]["fuse_9b"] and calls[0]["span_flags"] is not None, calls
+
+
+def test_flagged_only_launch_needs_the_fused_route():
+    """`chunk_dqkwg_kda(outputs=...)` (Triton's kernel on the flagged chunks only, beside the Gluon
+    kernel) is the fused route's (fuse_9b, span_flags): asked otherwise it says so."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    flags = torch.zeros(1, 1, dtype=torch.int8)
+    args = (None,) * 8 + (1.0, None, torch.bfloat16)
+    with pytest.raises(ValueError, match="needs fuse_9b"):
+        kk.chunk_dqkwg_kda(*args, span_flags=flags, fuse_9b=False, outputs=(None,) * 5)
+    with pytest.raises(ValueError, match="needs span_flags"):
+        kk.chunk_dqkwg_kda(*args, span_flags=None, fuse_9b=True, outputs=(None,) * 5)

@@ -17,28 +17,24 @@ from __future__ import annotations
 import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
+from kda_stage_cases import LAYOUTS, LaunchSpy, capture_stage, largest_unflagged_chunk, normwise, route_rows
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 from standins import OnGPU
+
+from tileport.testing import poisoned
 
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)]
 
 
-def _wy_on(monkeypatch, staged: bool = False):
+def _wy_on(monkeypatch, staged: bool = False) -> LaunchSpy:
     """BACKWARD_WY "gluon" (in the staged form or not, WY_STAGED), and a spy on the Gluon kernel's
-    launches (their grids)."""
+    launches."""
     from tileport.ops.kda import gluon_kernels as kg
 
     monkeypatch.setattr(kg, "BACKWARD_WY", "gluon")
     monkeypatch.setattr(kg, "WY_STAGED", staged)
-    launches = []
-    real = kg._kda_wy_bwd_wgmma_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(kg, "_kda_wy_bwd_wgmma_kernel", Spy())
+    launches = LaunchSpy(kg._kda_wy_bwd_wgmma_kernel)
+    monkeypatch.setattr(kg, "_kda_wy_bwd_wgmma_kernel", launches)
     return launches
 
 
@@ -52,32 +48,7 @@ def test_forward_backward(case_id, staged, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
     launches = _wy_on(monkeypatch, staged)
     parity._run_and_check("gluon", case_id, device, seed)
-    assert launches, f"{case_id}: stage 10's Gluon kernel did not run"
-
-
-def _stage10_args(case_id, device, backward):
-    """The arguments of stage 10 (`chunk_wy_bwd_kda`'s) in one backward of the case's inputs through
-    `backward` (a stage-parameterised KDA backward), with the flags of the recompute."""
-    from tileport.ops.kda import triton_kernels as kk
-
-    B, T, H, K, V, dt, cu, with_h0, l2, gates, beta_kind, scale = parity.CASES[case_id]
-    q, k, v, g, beta, h0, cu_t = parity.make_inputs(B, T, H, K, V, parity.DTYPES[dt], cu, with_h0, l2, gates,
-                                                    beta_kind, device)
-    seen = []
-
-    def capture(*args, **kwargs):
-        # stage 9's partials (args 9 and 10) as they come in: the launch adds into the flagged chunks'
-        seen.append((args[:9] + (args[9].clone(), args[10].clone()) + args[11:], kwargs))
-        return kk.chunk_wy_bwd_kda(*args, **kwargs)
-
-    do = torch.randn(B, T, H, V, device=device, dtype=q.dtype)
-    backward(do, None, q, k, v, g, beta, scale or K ** -0.5, h0, l2, cu_t, wy_bwd=capture)
-    assert len(seen) == 1
-    return seen[0]
-
-
-def _normwise(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    assert launches.grids, f"{case_id}: stage 10's Gluon kernel did not run"
 
 
 # The Gluon kernel and Triton's form the same tf32 products of the same fp32 operands (the gate
@@ -86,16 +57,20 @@ def _normwise(a, b) -> float:
 # the pair terms carry that rounding into dk and dg. First written as 1e-5 normwise for fp32
 # outputs (the bound of "the same products in another order" elsewhere in the tests); the H200
 # measured dk at 1.17e-5 in T65-bf16-l2-near0 (dada13b) and the whole backward's worst gradient at
-# 2.1e-5 from Triton's (kda_ab "wy", S1): 1e-4, still an order of magnitude below any term left
-# out or masked wrongly. 16-bit outputs: their rounding (an element off by at most one unit in its
-# last place, 2^-8 relative for bf16).
+# 2.1e-5 from Triton's (kda_ab "wy", S1): 1e-4, still two orders of magnitude below a term left
+# out or a row masked wrongly in these cases. 16-bit outputs: their rounding (an element off by at
+# most one unit in its last place, 2^-8 relative for bf16).
 BOUND = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+NAMES = ("dv", "dk", "dbeta", "dg", "dA", "dbeta'", "dK'", "dG'")
+FINAL = ("dk", "dbeta", "dg")  # 10 writes them for the unflagged chunks; 10b's launch for the flagged
+FOR_10B = ("dA", "dbeta'", "dK'", "dG'")  # what the flagged chunks hand to 10b's launch
 
 
 def _run_stage10(fn, args, kwargs, **extra):
-    """fn (a stage-10 function) on the captured arguments, into NaN-filled 10b outputs and clones of
-    stage 9's partials: {name: tensor} of dv, the final dk, dbeta, dg (the unflagged chunks'), dA,
-    dbeta' and the partials dK', dG' as the flagged chunks leave them for 10b's launch."""
+    """fn (a stage-10 function) on the captured arguments, every buffer it allocates NaN-poisoned,
+    into NaN-filled 10b outputs and clones of stage 9's partials: {name: tensor} of NAMES (dv, the
+    final dk, dbeta, dg of the unflagged chunks, and dA, dbeta' and the partials dK', dG' as the
+    flagged chunks leave them for 10b's launch)."""
     from tileport.ops.kda import triton_kernels as kk
 
     outs = kk._da_apply_outputs(args[0], *(t.dtype for t in kwargs["outputs_10b"]))
@@ -103,59 +78,45 @@ def _run_stage10(fn, args, kwargs, **extra):
         t.fill_(float("nan"))
     a = list(args)
     a[9], a[10] = args[9].clone(), args[10].clone()
-    da, dbp, dv = fn(*a, **dict(kwargs, outputs_10b=outs), **extra)
-    return dict(zip(("dv", "dk", "dbeta", "dg", "dA", "dbeta'", "dK'", "dG'"), (dv,) + outs + (da, dbp, a[9], a[10])))
+    with poisoned():
+        da, dbp, dv = fn(*a, **dict(kwargs, outputs_10b=outs), **extra)
+    return dict(zip(NAMES, (dv,) + outs + (da, dbp, a[9], a[10])))
 
 
-def _chunk_rows(plan, flags):
-    """[Ntok, H] bool: the tokens of the flagged chunks, per head (a chunk is its plan entry's 64
-    tokens from bos, cut at its sequence's end)."""
-    pairs = plan.chunks.view(-1, 2).tolist()
-    Ntok = max((e for _, e in pairs), default=0)
-    rows = torch.zeros(Ntok, flags.shape[1], dtype=torch.bool, device=flags.device)
-    for c, (bos, eos) in enumerate(pairs):
-        rows[bos:min(bos + 64, eos)] |= flags[c].bool()
-    return rows
-
-
-FINAL = ("dk", "dbeta", "dg")  # 10 writes them for the unflagged chunks; 10b's launch for the flagged
-FOR_10B = ("dA", "dbeta'", "dK'", "dG'")  # what the flagged chunks hand to 10b's launch
-
-
-@pytest.mark.parametrize("case_id,flagged", [("T65-bf16-l2-near0", False), ("T200-bf16-split-binarybeta", True),
-                                             ("varlen-bf16-l2-mixed", True), ("K128-bf16-l2-split", True),
-                                             ("T1-bf16", False)])
 @pytest.mark.parametrize("staged", [False, True], ids=["loads", "staged"])
-def test_stage10_matches_triton(case_id, flagged, staged, device, seed, monkeypatch):
-    """Stage 10 on the Gluon kernel (and Triton's flagged launch) against Triton's one launch, same
-    arguments: dv everywhere, the final dk, dbeta, dg of the unflagged chunks, and for the flagged
-    chunks what 10b's launch reads (dA, dbeta', the partials)."""
+@pytest.mark.parametrize("l2", [False, True], ids=["raw-keys", "l2norm"])
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stage10_matches_triton_route_by_route(layout, K, l2, staged, device, seed, monkeypatch):
+    """Stage 10 on the Gluon kernel (and Triton's flagged launch beside it) against Triton's one
+    launch, same arguments (captured from a real backward), the rows of unflagged and of flagged
+    chunks apart so that an error in either route cannot hide in the other's mass: dv on both,
+    the final dk, dbeta, dg on the unflagged chunks (the Gluon kernel's), and on the flagged ones
+    what 10b's launch reads (dA, dbeta', the partials). The cases hold whole 64-row unflagged
+    chunks (the pair terms of a 1-row chunk are 0), K = 64 and 128, raw and l2-normalised keys, a
+    varlen batch with an empty and a length-1 sequence; every buffer NaN-poisoned."""
     parity._backend_or_skip("gluon", device)
     from tileport.ops.kda import gluon_kernels as kg
     from tileport.ops.kda import triton_kernels as kk
 
-    args, kwargs = _stage10_args(case_id, device, kk.kda_backward_triton)
-    flags = kwargs["span_flags"]
-    assert flags is not None and bool(flags.any()) == flagged, (case_id, flags)
-    rows = _chunk_rows(kk.make_plan(*_plan_args(case_id, device)), flags)
+    args, kwargs = capture_stage("wy_bwd", layout, K, l2, device)
+    flags, plan = kwargs["span_flags"], args[11]
+    assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
+    assert largest_unflagged_chunk(plan, flags) == 64, "no whole unflagged chunk: the pair terms would go untested"
+    unflagged, flagged = (m.to(args[0].device) for m in route_rows(plan, flags))
     launches = _wy_on(monkeypatch, staged)
     ours = _run_stage10(kg.chunk_wy_bwd_kda_gluon, args, kwargs)
-    assert launches, "the Gluon kernel did not run"
+    assert launches.grids == [(plan.NC, flags.shape[1])], launches.grids
     theirs = _run_stage10(kk.chunk_wy_bwd_kda, args, kwargs)
-    for name, a in ours.items():
-        b = theirs[name]
-        where = ~rows if name in FINAL else rows if name in FOR_10B else torch.ones_like(rows)
-        if not where.any():
-            continue
-        a, b = a[where], b[where]
-        assert not a.isnan().any(), f"{name}: rows left unwritten"
-        err = _normwise(a, b)
-        assert err <= BOUND[a.dtype], f"{name} {case_id}: normwise {err:.2e} from Triton's > {BOUND[a.dtype]:.1e}"
-
-
-def _plan_args(case_id, device):
-    B, T, _, _, _, _, cu, *_ = parity.CASES[case_id]
-    return B, T, None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device), device
+    where = f"[{layout} K={K} l2={l2} staged={staged} seed={seed}]"
+    for name in NAMES:
+        routes = (("unflagged", unflagged),) if name in FINAL else (("flagged", flagged),) if name in FOR_10B else (
+            ("unflagged", unflagged), ("flagged", flagged))
+        for route, rows in routes:
+            a, b = ours[name][rows], theirs[name][rows]
+            assert not a.isnan().any(), f"{name} on {route} chunks {where}: rows left unwritten"
+            err = normwise(a, b)
+            assert err <= BOUND[a.dtype], f"{name} on {route} chunks {where}: normwise {err:.2e} from Triton's"
 
 
 def test_flagged_route_leaves_the_other_chunks(device, seed):
@@ -167,11 +128,10 @@ def test_flagged_route_leaves_the_other_chunks(device, seed):
 
     if device == "cpu" and not interpreter_enabled():
         pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
-    case_id = "varlen-bf16-l2-mixed"
-    args, kwargs = _stage10_args(case_id, device, kk.kda_backward_triton)
-    flags = kwargs["span_flags"]
+    args, kwargs = capture_stage("wy_bwd", "varlen-empty-len1", 64, True, device)
+    flags, plan = kwargs["span_flags"], args[11]
     assert bool(flags.any()) and not bool(flags.all()), "the case should flag some chunks and not others"
-    rows = _chunk_rows(kk.make_plan(*_plan_args(case_id, device)), flags)
+    rows = route_rows(plan, flags)[1].to(args[0].device)
     whole = _run_stage10(kk.chunk_wy_bwd_kda, args, kwargs)
     dv = kk._out(args[1].shape, args[1].dtype, args[1].device).fill_(float("nan"))
     flagged_only = _run_stage10(kk.chunk_wy_bwd_kda, args, kwargs, only_flagged=True, dv=dv)
@@ -180,13 +140,14 @@ def test_flagged_route_leaves_the_other_chunks(device, seed):
     assert flagged_only["dv"][~rows].isnan().all(), "dv: the flagged-only launch wrote an unflagged chunk"
     for name in FINAL:
         assert flagged_only[name].isnan().all(), f"{name}: the flagged-only launch wrote a final output"
-    for name in ("dK'", "dG'"):  # left as stage 9 wrote them where the chunk is not flagged
-        assert torch.equal(flagged_only[name][~rows], args[9 if name == "dK'" else 10][~rows]), name
+    for name, i in (("dK'", 9), ("dG'", 10)):  # left as stage 9 wrote them where the chunk is not flagged
+        assert torch.equal(flagged_only[name][~rows], args[i][~rows]), name
 
 
 def test_rule(monkeypatch):
-    """The Gluon kernel takes stage 10 with the switch on, tf32 products, fp32 operands (k any
-    dtype), per-channel fp32 G, K == V of 64 or 128, the flags given and 10b fused, on the GPU."""
+    """The Gluon kernel takes stage 10 with the switch on, tf32 products, fp32 operands (k and v any
+    dtype), contiguous operands, per-channel fp32 G, K == V of 64 or 128, int8 flags given and 10b
+    fused, on the GPU; each condition refused alone."""
     from tileport.ops.kda import gluon_kernels as kg
 
     if kg._GLUON_ERROR is not None:
@@ -195,7 +156,7 @@ def test_rule(monkeypatch):
     G = OnGPU(torch.float32, 3, (64, 2, 128))
     k16 = OnGPU(torch.bfloat16, 3, (64, 2, 128))
     ops = (f32, f32) + (f32,) * 7
-    flags, outs = object(), object()
+    flags, outs = OnGPU(torch.int8, 2, (4, 2)), object()
     monkeypatch.setattr(kg, "BACKWARD_WY", "gluon")
     assert kg.wy_bwd_kernel_for(ops, G, torch.bfloat16, flags, outs) == "gluon"
     assert kg.wy_bwd_kernel_for((k16,) + ops[1:], G, torch.bfloat16, flags, outs) == "gluon"
@@ -203,6 +164,13 @@ def test_rule(monkeypatch):
     assert kg.wy_bwd_kernel_for(ops, G, torch.bfloat16, flags, None) == "triton"
     assert kg.wy_bwd_kernel_for(ops[:2] + (k16,) + ops[3:], G, torch.bfloat16, flags, outs) == "triton"
     assert kg.wy_bwd_kernel_for(ops, OnGPU(torch.float64, 3, (64, 2, 128)), torch.bfloat16, flags, outs) == "triton"
+    assert kg.wy_bwd_kernel_for(ops, G, torch.float32, flags, outs) == "triton"  # fp32 inputs: exact products
+    assert kg.wy_bwd_kernel_for(ops, OnGPU(torch.float32, 3, (64, 2, 128), is_cuda=False), torch.bfloat16, flags,
+                                outs) == "triton"
+    assert kg.wy_bwd_kernel_for(ops, G, torch.bfloat16, OnGPU(torch.bool, 2, (4, 2)), outs) == "triton"
+    strided = OnGPU(torch.float32, 3, (64, 2, 128), contiguous=False)
+    for i in range(len(ops)):
+        assert kg.wy_bwd_kernel_for(ops[:i] + (strided,) + ops[i + 1:], G, torch.bfloat16, flags, outs) == "triton", i
     for K, V in ((128, 64), (32, 32)):
         shaped = (OnGPU(torch.float32, 3, (64, 2, K)), OnGPU(torch.float32, 3, (64, 2, V))) + ops[2:]
         assert kg.wy_bwd_kernel_for(shaped, G, torch.bfloat16, flags, outs) == "triton", (K, V)

@@ -156,7 +156,8 @@ if _GLUON_ERROR is None:
 # Which kernel takes stage 10's unflagged chunks in the gluon backend's backward: "triton"
 # (`_kda_wy_bwd_kernel` with PAIRS, every chunk) or "gluon" (`_kda_wy_bwd_wgmma_kernel` the
 # unflagged chunks, Triton's kernel the flagged ones). Read at each call. "gluon" since the H200
-# gated it (tests/test_kda_gluon_wy.py at 3c5dbb3) and timed it (kda_ab.py "wy" at dada13b, S1, from
+# gated it (tests/test_kda_gluon_wy.py at 3c5dbb3 and dada13b, the whole KDA gate at e3efcbc)
+# and timed it (kda_ab.py "wy" at dada13b, S1, from
 # kept tiles, one run): the kernel 2.31 ms per backward against Triton's 2.49, the backward 7.957 ->
 # 7.812 ms with logsigmoid gates; with steep gates (every chunk flagged) 22.33 -> 22.38 (the
 # launch whose programs all return). ncu: 1.13 TB/s, 12.9% issue slots busy, one CTA of 8 warps per
@@ -408,18 +409,21 @@ if _GLUON_ERROR is None:
 
 def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
     """"gluon" or "triton": which kernel takes stage 10's unflagged chunks on these operands
-    (BACKWARD_WY): the Gluon kernel where the products are tf32 (`kk._products`), every
-    operand but k (any float dtype, loaded into registers) and v, beta fp32, G per channel in
-    fp32, K == V of HEAD_DIMS, stage 3's flags given and 10b fused here (outputs_10b), on the GPU."""
+    (k, v, then T, W, U, dW, dVn and stage 9's partials; BACKWARD_WY): the Gluon kernel where the
+    products are tf32 (`kk._products`), every operand after k and v fp32 (k and v, like beta, are
+    loaded into registers in any float dtype), every operand and G contiguous (the kernel's row
+    offsets assume it), G per channel in fp32, K == V of HEAD_DIMS, stage 3's int8 flags given and
+    10b fused here (outputs_10b), on the GPU."""
     if kk._checked("BACKWARD_WY", BACKWARD_WY, _KERNEL_CHOICES) == "triton" or _GLUON_ERROR is not None:
         return "triton"
-    if span_flags is None or outputs_10b is None or not G.is_cuda:
+    if span_flags is None or span_flags.dtype != torch.int8 or outputs_10b is None or not G.is_cuda:
         return "triton"
     k, v = operands[0], operands[1]
     K, V = k.shape[-1], v.shape[-1]
     tf32 = kk._products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"
     fp32 = all(x.dtype == torch.float32 for x in operands[2:]) and G.dtype == torch.float32 and G.dim() == 3
-    return "gluon" if tf32 and fp32 and K == V and K in HEAD_DIMS else "triton"
+    contiguous = all(x.is_contiguous() for x in operands) and G.is_contiguous()
+    return "gluon" if tf32 and fp32 and contiguous and K == V and K in HEAD_DIMS else "triton"
 
 
 def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
@@ -668,8 +672,9 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
     here). The Gluon kernel takes the whole-chunk route with 9b fused (span_flags and fuse_9b) where
     Triton's stage 9 multiplies in tf32 (`_products` for its input dtype: KDA's stage 9 reads
     BACKWARD_PRODUCTS, not a per-stage entry) on fp32 h, dh, Vn, dVn, with per-channel gates G in
-    fp32 or fp64, q and k both fp32 (l2-normalised) or both bf16 (raw), dO bf16, K == V of 64 or
-    128, every tensor contiguous on the GPU: the operands its compile cases cover."""
+    fp32 (GATE_SUMS_16BIT's default; fp64 G compiles, a case of its own, but no GPU test has run it:
+    Triton's kernel takes it), q and k both fp32 (l2-normalised) or both bf16 (raw), dO bf16, K == V
+    of 64 or 128, every tensor contiguous on the GPU."""
     from tileport.ops.gdn.triton_kernels import _checked, _products
 
     if _checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton" or span_flags is None or not fuse_9b:
@@ -677,7 +682,7 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
     K, V = q.shape[-1], do.shape[-1]
     shapes = K == V and K in HEAD_DIMS and K % DQKWG_BKS == 0 and k.shape == q.shape == G.shape
     dtypes = (q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and do.dtype == torch.bfloat16
-              and G.dtype in (torch.float32, torch.float64) and span_flags.dtype == torch.int8
+              and G.dtype == torch.float32 and span_flags.dtype == torch.int8
               and all(x.dtype == torch.float32 for x in (h, dh, vn, dvn)))
     tensors = (q, k, G, h, dh, vn, dvn, do, span_flags)
     placed = all(x.is_cuda and x.is_contiguous() for x in tensors)

@@ -1112,6 +1112,8 @@ def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype
     already written (fuse_9b's contract): only the flagged chunks are launched here, into them."""
     if (fuse_9b or outputs is not None) and span_flags is None:
         raise ValueError("chunk_dqkwg_kda: fuse_9b needs span_flags (the recompute's per-chunk flags)")
+    if outputs is not None and not fuse_9b:
+        raise ValueError("chunk_dqkwg_kda: outputs (another kernel took the unflagged chunks) needs fuse_9b")
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)

@@ -1,0 +1,80 @@
+"""Helpers of the KDA backward-stage tests (tests/test_kda_gluon_stage9.py, test_kda_gluon_wy.py):
+a stage's real arguments captured from a backward, the rows of each route (chunks stage 3 flags
+or not), a launch spy, the normwise distance. Not a test module."""
+
+from __future__ import annotations
+
+import test_kda_parity as parity
+import torch
+
+# (cu_seqlens, B, T, the tokens whose gates are steep in head 0: the chunk holding them is flagged,
+# the others' logsigmoid(randn) gates ("normal") span ~26-40 about their middle rows: unflagged,
+# whole 64-row chunks among them)
+LAYOUTS = {
+    "dense-B2-T200": (None, 2, 200, (64, 128)),  # batch 0's second chunk; T = 200: a tail chunk of 8
+    "varlen-empty-len1": ([0, 1, 1, 130, 200], 1, 200, (70, 120)),  # sequence [1, 130)'s chunk [65, 129)
+}
+
+
+def capture_stage(stage: str, layout: str, K: int, l2: bool, device: str):
+    """(args, kwargs) of stage 9 ("dqkwg", `chunk_dqkwg_kda`'s) or 10 ("wy_bwd", `chunk_wy_bwd_kda`'s)
+    in a real backward (`kda_backward_triton`, through its stage parameter): bf16 inputs, K = V,
+    H = 2, an initial state; some chunks flagged and some not. Stage 10's in-place inputs (stage 9's
+    partials dK', dG', args 9 and 10) are captured as they came in."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    cu, B, T, (lo, hi) = LAYOUTS[layout]
+    q, k, v, g, beta, h0, cu_t = parity.make_inputs(B, T, 2, K, K, torch.bfloat16, cu, True, l2, "normal", "rand",
+                                                    device)
+    g[0, lo:hi, 0] = -20.0 - 10.0 * torch.rand(hi - lo, K, device=device)
+    real = {"dqkwg": kk.chunk_dqkwg_kda, "wy_bwd": kk.chunk_wy_bwd_kda}[stage]
+    captured = []
+
+    def spy(*args, **kwargs):
+        if stage == "wy_bwd":
+            args = args[:9] + (args[9].clone(), args[10].clone()) + args[11:]
+        captured.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    kk.kda_backward_triton(torch.randn_like(v), None, q, k, v, g, beta, K ** -0.5, h0, l2, cu_t, **{stage: spy})
+    assert len(captured) == 1
+    return captured[0]
+
+
+def route_rows(plan, flags) -> tuple[torch.Tensor, torch.Tensor]:
+    """[Ntok, H] masks of the rows of unflagged and of flagged chunks (a chunk: its plan entry's 64
+    tokens from bos, cut at its sequence's end eos), on flags' device."""
+    pairs = plan.chunks.view(-1, 2).tolist()
+    flags = flags.cpu()
+    H = flags.shape[1]
+    unflagged = torch.zeros(int(plan.cu[-1]), H, dtype=torch.bool)
+    flagged = torch.zeros_like(unflagged)
+    for c, (bos, eos) in enumerate(pairs):
+        rows = slice(bos, min(bos + 64, eos))
+        for hh in range(H):
+            (unflagged if int(flags[c, hh]) == 0 else flagged)[rows, hh] = True
+    return unflagged, flagged
+
+
+def largest_unflagged_chunk(plan, flags) -> int:
+    """The most rows of any unflagged (chunk, head): a case whose unflagged chunks are all one or a
+    few rows long would leave the pair terms (zero below the diagonal of a 1-row chunk) untested."""
+    pairs = plan.chunks.view(-1, 2).tolist()
+    flags = flags.cpu()
+    return max((min(64, eos - bos) for c, (bos, eos) in enumerate(pairs) for hh in range(flags.shape[1])
+                if int(flags[c, hh]) == 0), default=0)
+
+
+class LaunchSpy:
+    """Stands in for a Gluon kernel: records each launch's grid and launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
