@@ -12,8 +12,8 @@ Triton's 1.998, the kernel ~0.34 ms per forward against ~0.78 for Triton's whole
 ms forward) and was removed (docs/perf/kda.md row 14). The backward is Triton's
 (`kda_backward_triton`) with its two state recurrences on GDN's `_tf32_recurrence_kernel` in
 its PER_CHANNEL form (docs/perf/kda.md row 17), stage 10 with 10b's pair terms for the unflagged
-chunks on `_kda_wy_bwd_wgmma_kernel` (BACKWARD_WY, row 20: 2.49 -> 2.31 ms at S1, a tenth of what
-was predicted: one latency-bound CTA per SM) and stage 9 with 9b's pair terms for the unflagged
+chunks on `_kda_wy_bwd_wgmma_kernel` (BACKWARD_WY, row 20: 2.49 -> 2.31 ms at S1 against ~1.2
+predicted: one latency-bound CTA per SM) and stage 9 with 9b's pair terms for the unflagged
 chunks (BACKWARD_DQKWG, row 21: 2.41 -> 1.39 ms at S1) on
 `_kda_dqkwg_wgmma_kernel`: TMA for h, dh, Vn, dVn, six tf32 WGMMAs on fp32 operands per chunk,
 head and block of 64 key channels (dP, dQh, dKd, dW over V; R and C over the chunk's tokens),
