@@ -1,6 +1,6 @@
 """Helpers of the KDA backward-stage tests (tests/test_kda_gluon_stage9.py, test_kda_gluon_wy.py):
 a stage's real arguments captured from a backward, the rows of each route (chunks stage 3 flags
-or not), a launch spy, the normwise distance. Not a test module."""
+or not), the normwise distance. Not a test module."""
 
 from __future__ import annotations
 
@@ -63,17 +63,6 @@ def largest_unflagged_chunk(plan, flags) -> int:
     flags = flags.cpu()
     return max((min(64, eos - bos) for c, (bos, eos) in enumerate(pairs) for hh in range(flags.shape[1])
                 if int(flags[c, hh]) == 0), default=0)
-
-
-class LaunchSpy:
-    """Stands in for a Gluon kernel: records each launch's grid and launches the kernel."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
 
 
 def normwise(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
-from kda_stage_cases import LAYOUTS, LaunchSpy, capture_stage, normwise, route_rows
+from kda_stage_cases import LAYOUTS, capture_stage, normwise, route_rows
+from standins import LaunchSpy
 from test_kda_gluon import ACCEPTED, plumbing_backward_args
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 

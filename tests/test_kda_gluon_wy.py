@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
-from kda_stage_cases import LAYOUTS, LaunchSpy, capture_stage, largest_unflagged_chunk, normwise, route_rows
+from kda_stage_cases import LAYOUTS, capture_stage, largest_unflagged_chunk, normwise, route_rows
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
-from standins import OnGPU
+from standins import LaunchSpy, OnGPU
 
 from tileport.testing import poisoned
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import pytest
 import test_llm_ops_parity as parity  # a module import: pytest would collect imported test functions
 import torch
+from standins import LaunchSpy
 
 import tileport
 from tileport.ops.rms_norm.reference import rms_norm_reference
@@ -84,17 +85,25 @@ def test_strided_rows(op, layout, device, seed, monkeypatch):
     """Strided rows: aligned ones through the ring (its descriptor takes the row stride), unaligned
     ones through Triton's forward, which a spy sees called or not."""
     parity._skip_unless_runs(op, "gluon", device)
+    _check_strided_rows(op, layout, "forward", device, seed, monkeypatch)
+
+
+def _check_strided_rows(op, layout, stage, device, seed, monkeypatch) -> bool:
+    """The gate's check of `op` on the gluon backend with the STRIDED layout's x, and that Triton's
+    `stage` ("forward" or "backward") ran exactly where TMA can't read the rows; returns whether
+    they were aligned."""
     import importlib
 
     width, cols, aligned = STRIDED[layout]
     x = torch.randn(33, width, device=device).to(torch.bfloat16)[:, cols]
     triton_kernels = importlib.import_module(f"tileport.ops.{op}.triton_kernels")
-    name = f"{op}_forward_triton"
+    name = f"{op}_{stage}_triton"
     calls = []
     real = getattr(triton_kernels, name)
     monkeypatch.setattr(triton_kernels, name, lambda *args: calls.append(1) or real(*args))
     parity.run_and_check(op, "gluon", _rows_case(op, x, device), torch.bfloat16, seed)
-    assert bool(calls) != aligned, f"{layout}: Triton's forward {'ran' if calls else 'did not run'}"
+    assert bool(calls) != aligned, f"{layout}: Triton's {stage} {'ran' if calls else 'did not run'}"
+    return aligned
 
 
 # softmax's forward forms (gluon_kernels.FORMS, docs/perf/llm_ops.md row 7): every D class
@@ -196,22 +205,11 @@ def test_grouped_gemm_masked_store(shape, device, seed, monkeypatch):
                          seed)
 
 
-class _LaunchSpy:
-    """Stands in for a Gluon kernel in its module: records each launch's grid and launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 def _run_warp_specialized(shape, dtype, device, seed, monkeypatch):
     from tileport.ops.grouped_gemm import gluon_kernels
 
     monkeypatch.setattr(gluon_kernels, "WARP_SPECIALIZED", True)
-    spy = _LaunchSpy(gluon_kernels._grouped_gemm_fwd_ws_kernel)
+    spy = LaunchSpy(gluon_kernels._grouped_gemm_fwd_ws_kernel)
     monkeypatch.setattr(gluon_kernels, "_grouped_gemm_fwd_ws_kernel", spy)
     parity.run_and_check("grouped_gemm", "gluon", parity._gg_case(shape, dtype, device), dtype, seed)
     _rows, K, N = shape
@@ -275,9 +273,9 @@ def _gluon_backward_on(op, monkeypatch):
     gk = importlib.import_module(f"tileport.ops.{op}.gluon_kernels")
     assert "gluon" in gk.BACKWARDS
     monkeypatch.setattr(gk, "BACKWARD", "gluon")
-    spies = {"bwd": _LaunchSpy(getattr(gk, f"_{op}_bwd_kernel"))}
+    spies = {"bwd": LaunchSpy(getattr(gk, f"_{op}_bwd_kernel"))}
     monkeypatch.setattr(gk, f"_{op}_bwd_kernel", spies["bwd"])
-    spies["sum"] = _LaunchSpy(gluon_rows._sum_partial_rows_kernel)
+    spies["sum"] = LaunchSpy(gluon_rows._sum_partial_rows_kernel)
     monkeypatch.setattr(gluon_rows, "_sum_partial_rows_kernel", spies["sum"])
     return spies
 
@@ -339,18 +337,8 @@ def test_gluon_backward_strided_rows(op, layout, device, seed, monkeypatch):
     """Strided x with the Gluon backward on: aligned rows through the paired ring (its descriptors
     take each input's row stride), unaligned ones through Triton's backward (a spy on each)."""
     parity._skip_unless_runs(op, "gluon", device)
-    import importlib
-
     spies = _gluon_backward_on(op, monkeypatch)
-    width, cols, aligned = STRIDED[layout]
-    x = torch.randn(33, width, device=device).to(torch.bfloat16)[:, cols]
-    triton_kernels = importlib.import_module(f"tileport.ops.{op}.triton_kernels")
-    name = f"{op}_backward_triton"
-    calls = []
-    real = getattr(triton_kernels, name)
-    monkeypatch.setattr(triton_kernels, name, lambda *args: calls.append(1) or real(*args))
-    parity.run_and_check(op, "gluon", _rows_case(op, x, device), torch.bfloat16, seed)
-    assert bool(calls) != aligned, f"{layout}: Triton's backward {'ran' if calls else 'did not run'}"
+    aligned = _check_strided_rows(op, layout, "backward", device, seed, monkeypatch)
     assert bool(spies["bwd"].grids) == aligned, f"{layout}: the Gluon backward {'ran' if spies['bwd'].grids else 'did not run'}"
 
 

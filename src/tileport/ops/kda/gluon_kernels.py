@@ -675,9 +675,7 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
     fp32 (GATE_SUMS_16BIT's default; fp64 G compiles, a case of its own, but no GPU test has run it:
     Triton's kernel takes it), q and k both fp32 (l2-normalised) or both bf16 (raw), dO bf16, K == V
     of 64 or 128, every tensor contiguous on the GPU."""
-    from tileport.ops.gdn.triton_kernels import _checked, _products
-
-    if _checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton" or span_flags is None or not fuse_9b:
+    if kk._checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton" or span_flags is None or not fuse_9b:
         return "triton"
     K, V = q.shape[-1], do.shape[-1]
     shapes = K == V and K in HEAD_DIMS and K % DQKWG_BKS == 0 and k.shape == q.shape == G.shape
@@ -686,7 +684,7 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
               and all(x.dtype == torch.float32 for x in (h, dh, vn, dvn)))
     tensors = (q, k, G, h, dh, vn, dvn, do, span_flags)
     placed = all(x.is_cuda and x.is_contiguous() for x in tensors)
-    tf32 = _products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
+    tf32 = kk._products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
     return "gluon" if shapes and dtypes and placed and tf32 else "triton"
 
 
