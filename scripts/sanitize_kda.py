@@ -4,7 +4,8 @@ chunks), the backward's two state recurrences on GDN's `_tf32_recurrence_kernel`
 PER_CHANNEL form (the recompute forced onto it: BACKWARD_STATES "gluon"), at TF32_RECURRENCE_BV
 128 on 8 warps (the default) and 64 on 4, and the backward's stage 9 and 10 kernels
 (`_kda_dqkwg_wgmma_kernel`, `_kda_wy_bwd_wgmma_kernel`: BACKWARD_DQKWG and BACKWARD_WY "gluon",
-the defaults) on the chunks stage 3 leaves unflagged.
+the defaults) on the chunks stage 3 leaves unflagged, stage 10 in its default form on the first
+pass and its staged form (WY_STAGED) on the second.
 
     python3 scripts/sanitize_kda.py [quick]
 
@@ -20,6 +21,7 @@ import torch
 import tileport
 from tileport.dispatch import use_backend
 from tileport.ops.gdn import gluon_kernels as gdn_gluon
+from tileport.ops.kda import gluon_kernels as kda_gluon
 
 torch.manual_seed(0)
 quick = "quick" in sys.argv[1:]
@@ -29,6 +31,7 @@ if not quick:
 gdn_gluon.BACKWARD_STATES = "gluon"
 for bv, warps in ((128, 8), (64, 4)):
     gdn_gluon.TF32_RECURRENCE_BV, gdn_gluon.TF32_RECURRENCE_WARPS = bv, warps
+    kda_gluon.WY_STAGED = bv == 64  # stage 10's staged form (its TMA-fed slots) on the second pass
     for c in cases:
         B, T, H, K = c["B"], c["T"], c["H"], c["K"]
         dev, bf = "cuda", torch.bfloat16
@@ -42,4 +45,4 @@ for bv, warps in ((128, 8), (64, 4)):
             o, _ = tileport.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
             o.backward(torch.randn_like(o))
         torch.cuda.synchronize()
-        print(f"gluon recurrences BV{bv} {warps}w B={B} T={T} H={H} K={K} varlen={cu is not None}: ok")
+        print(f"gluon recurrences BV{bv} {warps}w, stage 10 staged={kda_gluon.WY_STAGED} B={B} T={T} H={H} K={K} varlen={cu is not None}: ok")
