@@ -5,7 +5,7 @@ PER_CHANNEL form (the recompute forced onto it: BACKWARD_STATES "gluon"), at TF3
 128 on 8 warps (the default) and 64 on 4, and the backward's stage 9 and 10 kernels
 (`_kda_dqkwg_wgmma_kernel`, `_kda_wy_bwd_wgmma_kernel`: BACKWARD_DQKWG and BACKWARD_WY "gluon",
 the defaults) on the chunks stage 3 leaves unflagged, stage 10 in its default form on the first
-pass and its staged form (WY_STAGED) on the second.
+pass, its staged form (WY_STAGED) on the second and the split form's two kernels (WY_FORM) on the third.
 
     python3 scripts/sanitize_kda.py [quick]
 
@@ -29,9 +29,11 @@ cases = [dict(B=2, T=130, H=2, K=64, cu=None), dict(B=1, T=200, H=2, K=128, cu=[
 if not quick:
     cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
 gdn_gluon.BACKWARD_STATES = "gluon"
-for bv, warps in ((128, 8), (64, 4)):
+# stage 10's staged form (its TMA-fed slots) on the second pass, its split form on the third
+for bv, warps, wy_form in ((128, 8, "one-kernel"), (64, 4, "staged"), (128, 8, "split")):
     gdn_gluon.TF32_RECURRENCE_BV, gdn_gluon.TF32_RECURRENCE_WARPS = bv, warps
-    kda_gluon.WY_STAGED = bv == 64  # stage 10's staged form (its TMA-fed slots) on the second pass
+    kda_gluon.WY_STAGED = wy_form == "staged"
+    kda_gluon.WY_FORM = "split" if wy_form == "split" else "one-kernel"
     for c in cases:
         B, T, H, K = c["B"], c["T"], c["H"], c["K"]
         dev, bf = "cuda", torch.bfloat16
@@ -45,4 +47,4 @@ for bv, warps in ((128, 8), (64, 4)):
             o, _ = tileport.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
             o.backward(torch.randn_like(o))
         torch.cuda.synchronize()
-        print(f"gluon recurrences BV{bv} {warps}w, stage 10 staged={kda_gluon.WY_STAGED} B={B} T={T} H={H} K={K} varlen={cu is not None}: ok")
+        print(f"gluon recurrences BV{bv} {warps}w, stage 10 {wy_form} B={B} T={T} H={H} K={K} varlen={cu is not None}: ok")

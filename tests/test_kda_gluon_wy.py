@@ -1,7 +1,8 @@
 """KDA's stage 10 (back through W, U, T and A, with 10b's whole-chunk pair terms) on the gluon
-backend's TMA + tf32 WGMMA kernel (`gluon_kernels._kda_wy_bwd_wgmma_kernel`, BACKWARD_WY "gluon",
-in both its forms: WY_STAGED) for the chunks stage 3 left unflagged, Triton's kernel (CHUNKS
-"flagged") for the others:
+backend's TMA + tf32 WGMMA kernels (BACKWARD_WY "gluon", in each of its forms:
+`gluon_kernels._kda_wy_bwd_wgmma_kernel` alone, loading its inputs or staging them (WY_STAGED), and
+the split form's `_kda_wy_dA_kernel` and `_kda_wy_pairs_kernel`, WY_FORM "split") for the chunks
+stage 3 left unflagged, Triton's kernel (CHUNKS "flagged") for the others:
 - the parity gate's accepted cases (bf16, K = V of 64 or 128), forward and backward against the
   float64 reference, with the switch on;
 - stage 10 alone against Triton's on the same arguments (captured from a real backward), every
@@ -26,29 +27,35 @@ from tileport.testing import poisoned
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)]
 
 
-def _wy_on(monkeypatch, staged: bool = False) -> LaunchSpy:
-    """BACKWARD_WY "gluon" (in the staged form or not, WY_STAGED), and a spy on the Gluon kernel's
-    launches."""
+FORMS = ("loads", "staged", "split")  # the one kernel loading or staging its inputs, or the two kernels
+
+
+def _wy_on(monkeypatch, form: str = "loads") -> list[LaunchSpy]:
+    """BACKWARD_WY "gluon" in one of FORMS, and spies on the launches of that form's kernels."""
     from tileport.ops.kda import gluon_kernels as kg
 
     monkeypatch.setattr(kg, "BACKWARD_WY", "gluon")
-    monkeypatch.setattr(kg, "WY_STAGED", staged)
-    launches = LaunchSpy(kg._kda_wy_bwd_wgmma_kernel)
-    monkeypatch.setattr(kg, "_kda_wy_bwd_wgmma_kernel", launches)
-    return launches
+    monkeypatch.setattr(kg, "WY_STAGED", form == "staged")
+    monkeypatch.setattr(kg, "WY_FORM", "split" if form == "split" else "one-kernel")
+    names = ("_kda_wy_dA_kernel", "_kda_wy_pairs_kernel") if form == "split" else ("_kda_wy_bwd_wgmma_kernel",)
+    spies = [LaunchSpy(getattr(kg, name)) for name in names]
+    for name, spy in zip(names, spies):
+        monkeypatch.setattr(kg, name, spy)
+    return spies
 
 
-# the staged form (WY_STAGED) on the cases with a varlen tail, both head dims and flagged chunks
-STAGED_CASES = [c for c in ACCEPTED if c in ("varlen-bf16-l2-mixed", "K128-bf16-l2-split", "T65-bf16-l2-near0",
-                                             "gpu-varlen-T1500-H4-K128-bf16-split")]
+# the other forms on the cases with a varlen tail, both head dims and flagged chunks
+OTHER_FORM_CASES = [c for c in ACCEPTED if c in ("varlen-bf16-l2-mixed", "K128-bf16-l2-split", "T65-bf16-l2-near0",
+                                                 "gpu-varlen-T1500-H4-K128-bf16-split")]
 
 
-@pytest.mark.parametrize("case_id,staged", [(c, False) for c in ACCEPTED] + [(c, True) for c in STAGED_CASES])
-def test_forward_backward(case_id, staged, device, seed, monkeypatch):
+@pytest.mark.parametrize("case_id,form", [(c, "loads") for c in ACCEPTED]
+                         + [(c, f) for f in FORMS[1:] for c in OTHER_FORM_CASES])
+def test_forward_backward(case_id, form, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)
-    launches = _wy_on(monkeypatch, staged)
+    spies = _wy_on(monkeypatch, form)
     parity._run_and_check("gluon", case_id, device, seed)
-    assert launches.grids, f"{case_id}: stage 10's Gluon kernel did not run"
+    assert all(spy.grids for spy in spies), f"{case_id}: stage 10's Gluon kernels ({form}) did not all run"
 
 
 # The Gluon kernel and Triton's form the same tf32 products of the same fp32 operands (the gate
@@ -83,11 +90,11 @@ def _run_stage10(fn, args, kwargs, **extra):
     return dict(zip(NAMES, (dv,) + outs + (da, dbp, a[9], a[10])))
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["loads", "staged"])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("l2", [False, True], ids=["raw-keys", "l2norm"])
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stage10_matches_triton_route_by_route(layout, K, l2, staged, device, seed, monkeypatch):
+def test_stage10_matches_triton_route_by_route(layout, K, l2, form, device, seed, monkeypatch):
     """Stage 10 on the Gluon kernel (and Triton's flagged launch beside it) against Triton's one
     launch, same arguments (captured from a real backward), the rows of unflagged and of flagged
     chunks apart so that an error in either route cannot hide in the other's mass: dv on both,
@@ -104,11 +111,12 @@ def test_stage10_matches_triton_route_by_route(layout, K, l2, staged, device, se
     assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
     assert largest_unflagged_chunk(plan, flags) == 64, "no whole unflagged chunk: the pair terms would go untested"
     unflagged, flagged = (m.to(args[0].device) for m in route_rows(plan, flags))
-    launches = _wy_on(monkeypatch, staged)
+    spies = _wy_on(monkeypatch, form)
     ours = _run_stage10(kg.chunk_wy_bwd_kda_gluon, args, kwargs)
-    assert launches.grids == [(plan.NC, flags.shape[1])], launches.grids
+    for spy in spies:
+        assert spy.grids == [(plan.NC, flags.shape[1])], spy.grids
     theirs = _run_stage10(kk.chunk_wy_bwd_kda, args, kwargs)
-    where = f"[{layout} K={K} l2={l2} staged={staged} seed={seed}]"
+    where = f"[{layout} K={K} l2={l2} form={form} seed={seed}]"
     for name in NAMES:
         routes = (("unflagged", unflagged),) if name in FINAL else (("flagged", flagged),) if name in FOR_10B else (
             ("unflagged", unflagged), ("flagged", flagged))

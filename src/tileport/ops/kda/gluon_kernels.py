@@ -169,6 +169,12 @@ CB = 64  # key (and value) channels per block: every tile of the stage-10 kernel
 # False until the H200 has gated and timed it (written after the seventeenth session's device
 # time: compiled for sm_90a only). Read at each call.
 WY_STAGED = False
+# How stage 10's unflagged chunks run on Gluon: "one-kernel" (`_kda_wy_bwd_wgmma_kernel`: both
+# phases in one program of 8 warps, 213 KB, one an SM) or "split" (`_kda_wy_dA_kernel` for dA, dV
+# and M, then `_kda_wy_pairs_kernel` for the pair terms, dk, dg, dbeta: 4 warps and <= 80 KB each,
+# M and M^T through global memory, 268 MB at S1). Read at each call. Written after the seventeenth
+# session's profile (docs/perf/kda.md row 23); "one-kernel" until the H200 has gated and timed it.
+WY_FORM = "one-kernel"
 
 if _GLUON_ERROR is None:
 
@@ -406,6 +412,197 @@ if _GLUON_ERROR is None:
             if STAGED:
                 mbarrier.invalidate(bar2)
 
+    @gluon.jit
+    def _kda_wy_dA_kernel(u_desc, w_desc, t_ptr, dw_ptr, dvn_ptr, v_ptr, beta_ptr, dv_ptr, vdu_ptr, dxw_ptr, mm_desc,
+                          chunks_ptr, flags_ptr, H, K: gl.constexpr, V: gl.constexpr):
+        """Stage 10's first half (WY_FORM "split") for one chunk and head whose flag is clear; grid
+        (NC, H), 4 warps (one warpgroup), a flagged chunk's program returns. By blocks b of 64
+        channels, in `_kda_wy_bwd_wgmma_kernel`'s order:
+            dXu_b = T^T dVn_b,  dXw_b = T^T dW_b,  dA = -sum_b (dXu_b U_b^T + dXw_b W_b^T)
+            dV_b = diag(beta) dXu_b,  vdu = rowsum(V dXu)   (vdu and dXw fp32, for the second half)
+        then M = strict_lower(dA) on the chunk's rows, stored fp32 twice side by side, M and M^T
+        (mm [NC * H * 64, 128] by TMA, row-major: the second half reads each as a K-major tf32 A
+        operand, which a transposed view of one tile cannot be).
+        Explicit here (Triton would choose): one block's U_b and W_b by TMA and its dVn_b, dW_b
+        written transposed into one set of shared slots reused block after block (64 KB at any
+        K), so that 3 programs fit an SM (the one-kernel form holds every block and both phases'
+        tiles, 213 KB: one program of 8 warps per SM, latency-bound); T^T, dXu_b and dXw_b are
+        register A operands."""
+        BT: gl.constexpr = u_desc.block_type.shape[0]
+        CB: gl.constexpr = u_desc.block_type.shape[1]
+        gl.static_assert(K == V and K % CB == 0, "the blocks of K and V pair up")
+        gl.static_assert(CB == BT, "one column index serves T's rows and a block's")
+        NB: gl.constexpr = K // CB
+        NW: gl.constexpr = gl.num_warps()
+        gl.static_assert(NW == 4, "one warpgroup: no scratch shared between warpgroups (triton 11047)")
+        c = gl.program_id(0)
+        hh = gl.program_id(1)
+        A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CB, 8])
+        OP_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A_L, k_width=1)
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CB, BT], gl.float32)
+        u_s = gl.allocate_shared_memory(gl.float32, [BT, CB], u_desc.layout)
+        w_s = gl.allocate_shared_memory(gl.float32, [BT, CB], w_desc.layout)
+        dvnT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)
+        dwT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if gl.load(flags_ptr + c * H + hh) == 0:
+            bos, eos = _chunk_bounds(chunks_ptr, c)
+            mbarrier.init(bar, count=1)
+            fence_async_shared()
+            rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+            cc = gl.arange(0, CB, layout=gl.SliceLayout(0, ROWS_L))
+            r_ok = (bos + rr < eos)[:, None]
+            rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
+            ro = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
+            co = gl.arange(0, CB, layout=gl.SliceLayout(0, A_L))
+            o_ok = bos + ro < eos
+            orows = (bos + ro).to(gl.int64) * H + hh
+            zero = gl.zeros([BT, CB], gl.float32, A_L)
+            dA = zero
+            vdu = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
+            for b in gl.static_range(NB):
+                mbarrier.expect(bar, u_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(u_desc, [bos, hh * V + b * CB], bar, u_s)
+                tma.async_copy_global_to_shared(w_desc, [bos, hh * K + b * CB], bar, w_s)
+                if b == 0:
+                    a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)  # under the first loads
+                    beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
+                _store_transposed(dvnT_s, dvn_ptr, rows, b * CB + cc, r_ok, V)
+                _store_transposed(dwT_s, dw_ptr, rows, b * CB + cc, r_ok, K)
+                fence_async_shared()
+                gl.thread_barrier()  # every warp's part of dVn_b^T and dW_b^T, before the WGMMAs read them
+                dxu = warpgroup_mma(a_tT, dvnT_s.permute((1, 0)), zero, is_async=True)
+                dxw = warpgroup_mma(a_tT, dwT_s.permute((1, 0)), zero, is_async=True)
+                voffs = orows[:, None] * V + (b * CB + co)[None, :]
+                # lint: allow TP001 -- V's rows in the accumulator layout they are combined in (TMA would add a shared-memory round trip); a varlen tail's rows masked
+                vt = gl.load(v_ptr + voffs, mask=o_ok[:, None], other=0.0).to(gl.float32)
+                dxu, dxw, _t, _x, _w = warpgroup_mma_wait(0, deps=[dxu, dxw, a_tT, dvnT_s, dwT_s])
+                # lint: allow TP001 -- as V
+                gl.store(dv_ptr + voffs, (dxu * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
+                vdu += gl.sum(vt * dxu, axis=1)
+                # lint: allow TP001 -- as V (fp32 dXw_b for the second half's R_b, in the layout it is formed in)
+                gl.store(dxw_ptr + orows[:, None] * K + (b * CB + co)[None, :], dxw, mask=o_ok[:, None])
+                a_dxu = gl.convert_layout(dxu, OP_L)
+                a_dxw = gl.convert_layout(dxw, OP_L)
+                mbarrier.wait(bar, b % 2)
+                dA = warpgroup_mma(a_dxu, u_s.permute((1, 0)), dA, is_async=True)
+                dA = warpgroup_mma(a_dxw, w_s.permute((1, 0)), dA, is_async=True)
+                dA, _a, _b, _u, _w2 = warpgroup_mma_wait(0, deps=[dA, a_dxu, a_dxw, u_s, w_s])
+                if b + 1 < NB:
+                    gl.thread_barrier()  # every warp is done with this block's slots before the next block's writes
+            keep = (ro[:, None] > co[None, :]) & o_ok[:, None] & (bos + co < eos)[None, :]
+            M = gl.where(keep, -dA, 0.0)
+            gl.store(vdu_ptr + orows, vdu, mask=o_ok)
+            # M and M^T out by TMA through the last block's U and W slots (free once dA's products retired)
+            gl.thread_barrier()
+            u_s.store(M)
+            w_s.store(gl.permute(M, (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(mm_desc, [(c * H + hh) * BT, 0], u_s)
+            tma.async_copy_shared_to_global(mm_desc, [(c * H + hh) * BT, BT], w_s)
+            tma.store_wait(0)
+            mbarrier.invalidate(bar)
+
+    @gluon.jit
+    def _kda_wy_pairs_kernel(m_desc, dxw_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, vdu_ptr, dk_ptr,
+                             dbeta_ptr, dg_ptr, chunks_ptr, flags_ptr, H, K: gl.constexpr):
+        """Stage 10's second half (WY_FORM "split"): 10b's pair terms and the final dk, dg and dbeta
+        for one chunk and head whose flag is clear, from M and M^T (`_kda_wy_dA_kernel`'s, by TMA);
+        grid (NC, H), 4 warps, a flagged chunk's program returns. By blocks b of 64 key channels,
+        with d = G - G_m (m the chunk's middle row), in `_kda_wy_bwd_wgmma_kernel`'s order:
+            R_b = e^d (M (K_b e^-d)) + exp(G) dXw_b,  C_b = e^-d (M^T (diag(beta) K_b e^d))
+            dk_b = dK'_b + diag(beta) R_b + C_b,  dG_b = dG'_b + diag(beta) K_b R_b - K_b C_b
+            dg_b = dG_b summed in reverse over the chunk,  dbeta = vdu + rowsum(K R)
+        (dXw_b: the first half's, read back instead of formed again from T and dW: fewer bytes, and
+        without T^T's and dXw_b's registers the loop does not spill.)
+        Explicit here (Triton would choose): M and M^T come by TMA as shared A operands; the gated
+        keys, which contract over the chunk's tokens, are written to one set of shared slots
+        transposed, reused block after block (64 KB at any K: 2 programs an SM); G, K, dXw and
+        stage 9's partials are loaded in the accumulator layout."""
+        BT: gl.constexpr = m_desc.block_type.shape[0]
+        CB: gl.constexpr = BT
+        gl.static_assert(K % CB == 0, "whole blocks of key channels")
+        NB: gl.constexpr = K // CB
+        NW: gl.constexpr = gl.num_warps()
+        gl.static_assert(NW == 4, "one warpgroup: no scratch shared between warpgroups (triton 11047)")
+        c = gl.program_id(0)
+        hh = gl.program_id(1)
+        A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CB, 8])
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+        SCAN_L: gl.constexpr = gl.BlockedLayout([BT // 32, 1], [32, 1], [1, NW], [0, 1])
+        XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CB, BT], gl.float32)
+        m_s = gl.allocate_shared_memory(gl.float32, [2, BT, BT], m_desc.layout)  # M and M^T
+        xT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)  # (K_b e^-d)^T
+        yT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)  # (diag(beta) K_b e^d)^T
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if gl.load(flags_ptr + c * H + hh) == 0:
+            bos, eos = _chunk_bounds(chunks_ptr, c)
+            mbarrier.init(bar, count=1)
+            fence_async_shared()
+            tile = (c * H + hh) * BT
+            mbarrier.expect(bar, 2 * m_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(m_desc, [tile, 0], bar, m_s.index(0))
+            tma.async_copy_global_to_shared(m_desc, [tile, BT], bar, m_s.index(1))
+
+            rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+            cc = gl.arange(0, CB, layout=gl.SliceLayout(0, ROWS_L))
+            r_ok = (bos + rr < eos)[:, None]
+            rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
+            ro = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
+            co = gl.arange(0, CB, layout=gl.SliceLayout(0, A_L))
+            o_ok = bos + ro < eos
+            orows = (bos + ro).to(gl.int64) * H + hh
+            beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
+            zero = gl.zeros([BT, CB], gl.float32, A_L)
+            m = bos + (gl.minimum(eos - bos, BT) - 1) // 2  # the middle row as `_chunk_gate_offsets` takes it
+            betar = gl.load(beta_ptr + (bos + rr).to(gl.int64) * H + hh, mask=bos + rr < eos, other=0.0).to(gl.float32)
+            kr = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
+            for b in range(NB):  # not unrolled: unrolled, the next block's loads rose into this one's and spilled
+                # lint: allow TP001 -- K's and G's rows, masked past the sequence, are gated in registers on their way to shared memory transposed, which TMA cannot give
+                kt = gl.load(k_ptr + rows * K + (b * CB + cc)[None, :], mask=r_ok, other=0.0).to(gl.float32)
+                Gm = gl.load(G_ptr + (m.to(gl.int64) * H + hh) * K + b * CB + cc)
+                # lint: allow TP001 -- as K's rows
+                Gt = gl.load(G_ptr + rows * K + (b * CB + cc)[None, :], mask=r_ok, other=0.0)
+                d = gl.where(r_ok, (Gt - Gm[None, :]).to(gl.float32), 0.0)
+                xT_s.store(gl.permute(kt * gl.exp(-d), (1, 0)))
+                yT_s.store(gl.permute(kt * betar[:, None] * gl.exp(d), (1, 0)))
+                fence_async_shared()
+                gl.thread_barrier()  # every warp's part of both tiles, before the WGMMAs read them
+                mbarrier.wait(bar, 0)  # M and M^T (at once after the first block)
+                R = warpgroup_mma(m_s.index(0), xT_s.permute((1, 0)), zero, is_async=True)
+                C = warpgroup_mma(m_s.index(1), yT_s.permute((1, 0)), zero, is_async=True)
+                R, C, _m, _mt, _x2, _y2 = warpgroup_mma_wait(0, deps=[R, C, m_s.index(0), m_s.index(1), xT_s, yT_s])
+                offs = orows[:, None] * K + (b * CB + co)[None, :]
+                Gm2 = gl.load(G_ptr + (m.to(gl.int64) * H + hh) * K + b * CB + co)
+                # lint: allow TP001 -- G, K and 9's partials in the accumulator layout they are combined in; a varlen tail's rows masked
+                G2 = gl.load(G_ptr + offs, mask=o_ok[:, None], other=0.0)
+                d2 = gl.where(o_ok[:, None], (G2 - Gm2[None, :]).to(gl.float32), 0.0)
+                eg = gl.exp(gl.where(o_ok[:, None], G2.to(gl.float32), float("-inf")))
+                # lint: allow TP001 -- as G
+                R = R * gl.exp(d2) + eg * gl.load(dxw_ptr + offs, mask=o_ok[:, None], other=0.0)
+                C = C * gl.exp(-d2)
+                # lint: allow TP001 -- as G
+                dk = gl.load(dkp_ptr + offs, mask=o_ok[:, None], other=0.0) + beta[:, None] * R + C
+                # lint: allow TP001 -- as G
+                gl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
+                # lint: allow TP001 -- as G
+                k2 = gl.load(k_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32)
+                kr += gl.sum(k2 * R, axis=1)
+                # lint: allow TP001 -- as G
+                dG = gl.load(dGp_ptr + offs, mask=o_ok[:, None], other=0.0) + (beta[:, None] * R - C) * k2
+                dg = gl.associative_scan(gl.convert_layout(dG, SCAN_L), 0, _sum_combine, reverse=True)
+                rs = gl.arange(0, BT, layout=gl.SliceLayout(1, SCAN_L))
+                cs = gl.arange(0, CB, layout=gl.SliceLayout(0, SCAN_L))
+                # lint: allow TP001 -- dg's rows in the scan's layout; a varlen tail's rows masked
+                gl.store(dg_ptr + ((bos + rs).to(gl.int64) * H + hh)[:, None] * K + (b * CB + cs)[None, :],
+                         dg.to(dg_ptr.dtype.element_ty), mask=(bos + rs < eos)[:, None])
+                gl.thread_barrier()  # every warp is done with this block's slots before the next block's writes
+            vdu = gl.load(vdu_ptr + orows, mask=o_ok, other=0.0)
+            gl.store(dbeta_ptr + orows, (vdu + kr).to(dbeta_ptr.dtype.element_ty), mask=o_ok)
+            mbarrier.invalidate(bar)
+
 
 def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
     """"gluon" or "triton": which kernel takes stage 10's unflagged chunks on these operands
@@ -445,11 +642,21 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
         def rows(t, D):
             return _descriptor(t.view(Ntok, H * D), [BT, CB])
 
-        # the staged form's descriptors (the other reads its rows with loads: u's stand in)
-        extra = (rows(dvn, V), rows(dw, K), rows(dk, K), rows(dG, K)) if staged else (rows(u, V),) * 4
-        _kda_wy_bwd_wgmma_kernel[(plan.NC, H)](
-            rows(u, V), rows(w, K), Ai, dw, dvn, k, v, beta, G, dk, dG, dk_out, dv, dbeta_out, dg_out, plan.chunks,
-            span_flags, H, *extra, K, V, staged, num_warps=8)
+        if kk._checked("WY_FORM", WY_FORM, ("one-kernel", "split")) == "split":
+            vdu = new_empty((Ntok, H), torch.float32, k.device)
+            mm = new_empty((plan.NC * H * BT, 2 * BT), torch.float32, k.device)  # M and M^T per chunk and head
+            dxw = new_empty((Ntok, H, K), torch.float32, k.device)
+            mm_desc = _descriptor(mm, [BT, BT])
+            _kda_wy_dA_kernel[(plan.NC, H)](rows(u, V), rows(w, K), Ai, dw, dvn, v, beta, dv, vdu, dxw, mm_desc,
+                                            plan.chunks, span_flags, H, K, V, num_warps=4)
+            _kda_wy_pairs_kernel[(plan.NC, H)](mm_desc, dxw, k, beta, G, dk, dG, vdu, dk_out,
+                                               dbeta_out, dg_out, plan.chunks, span_flags, H, K, num_warps=4)
+        else:
+            # the staged form's descriptors (the other reads its rows with loads: u's stand in)
+            extra = (rows(dvn, V), rows(dw, K), rows(dk, K), rows(dG, K)) if staged else (rows(u, V),) * 4
+            _kda_wy_bwd_wgmma_kernel[(plan.NC, H)](
+                rows(u, V), rows(w, K), Ai, dw, dvn, k, v, beta, G, dk, dG, dk_out, dv, dbeta_out, dg_out,
+                plan.chunks, span_flags, H, *extra, K, V, staged, num_warps=8)
     return kk.chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype, input_dtype,
                                span_flags=span_flags, outputs_10b=outputs_10b, only_flagged=True, dv=dv)
 
@@ -821,4 +1028,28 @@ def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
         cases.append(CompileCase(name=f"kda_wy_bwd_{tag}", kernel=_kda_wy_bwd_wgmma_kernel, args=args, num_warps=8,
                                  expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],
                                  expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+        if staged:
+            continue
+        # the split form (WY_FORM "split"): both kernels must leave room for two programs an SM
+        mm = descriptor_stand_in([NC * H * BT, 2 * BT], f32, [BT, BT], _smem_layout((BT, BT), f32))
+        split_args = {
+            "dA": (_kda_wy_dA_kernel, dict(
+                u_desc=desc(), w_desc=desc(), t_ptr=t(Ntok, H, BT), dw_ptr=t(Ntok, H, K), dvn_ptr=t(Ntok, H, V),
+                v_ptr=t(Ntok, H, V, dtype=bf), beta_ptr=t(Ntok, H, dtype=bf), dv_ptr=t(Ntok, H, V, dtype=bf),
+                vdu_ptr=t(Ntok, H), dxw_ptr=t(Ntok, H, K), mm_desc=mm, chunks_ptr=t(2 * NC, dtype=torch.int64),
+                flags_ptr=t(NC, H, dtype=torch.int8), H=H, K=K, V=V)),
+            "pairs": (_kda_wy_pairs_kernel, dict(
+                m_desc=mm, dxw_ptr=t(Ntok, H, K), k_ptr=t(Ntok, H, K, dtype=k_dtype),
+                beta_ptr=t(Ntok, H, dtype=bf), G_ptr=t(Ntok, H, K), dkp_ptr=t(Ntok, H, K), dGp_ptr=t(Ntok, H, K),
+                vdu_ptr=t(Ntok, H), dk_ptr=t(Ntok, H, K, dtype=k_dtype), dbeta_ptr=t(Ntok, H, dtype=bf),
+                dg_ptr=t(Ntok, H, K, dtype=g_dtype), chunks_ptr=t(2 * NC, dtype=torch.int64),
+                flags_ptr=t(NC, H, dtype=torch.int8), H=H, K=K)),
+        }
+        for part, (kernel, kargs) in split_args.items():
+            # the pairs kernel at K = 128 with fp32 keys spills 16 B (4 registers; 396 B unrolled, with
+            # T^T and dXw formed there): bounded here so that more is caught
+            spills = 16 if (part, K, k_dtype) == ("pairs", 128, f32) else 0
+            cases.append(CompileCase(name=f"kda_wy_split_{part}_{tag}", kernel=kernel, args=kargs, num_warps=4,
+                                     expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                     expect_max_spills=spills, expect_max_shared=SMEM_PER_SM // 2))
     return cases
