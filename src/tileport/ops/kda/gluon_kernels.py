@@ -175,6 +175,10 @@ WY_STAGED = False
 # M and M^T through global memory, 268 MB at S1). Read at each call. Written after the seventeenth
 # session's profile (docs/perf/kda.md row 23); "one-kernel" until the H200 has gated and timed it.
 WY_FORM = "one-kernel"
+# The split form's pairs kernel on 4 warps (255 registers at K = 128: two programs an SM) or 8 (two
+# warpgroups side by side along N, ~190 registers: one program an SM, more loads in flight per
+# thread). Read at each call.
+WY_PAIRS_WARPS = 4
 
 if _GLUON_ERROR is None:
 
@@ -526,10 +530,11 @@ if _GLUON_ERROR is None:
         gl.static_assert(K % CB == 0, "whole blocks of key channels")
         NB: gl.constexpr = K // CB
         NW: gl.constexpr = gl.num_warps()
-        gl.static_assert(NW == 4, "one warpgroup: no scratch shared between warpgroups (triton 11047)")
+        WG: gl.constexpr = NW // 4
         c = gl.program_id(0)
         hh = gl.program_id(1)
-        A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CB, 8])
+        A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, CB // WG, 8])
         ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
         SCAN_L: gl.constexpr = gl.BlockedLayout([BT // 32, 1], [32, 1], [1, NW], [0, 1])
         XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CB, BT], gl.float32)
@@ -574,6 +579,10 @@ if _GLUON_ERROR is None:
                 R = warpgroup_mma(m_s.index(0), xT_s.permute((1, 0)), zero, is_async=True)
                 C = warpgroup_mma(m_s.index(1), yT_s.permute((1, 0)), zero, is_async=True)
                 R, C, _m, _mt, _x2, _y2 = warpgroup_mma_wait(0, deps=[R, C, m_s.index(0), m_s.index(1), xT_s, yT_s])
+                if NW > 4:
+                    # the layout conversion below goes through shared-memory scratch, which may take a
+                    # buffer the other warpgroup still reads (triton 11047)
+                    gl.thread_barrier()
                 offs = orows[:, None] * K + (b * CB + co)[None, :]
                 Gm2 = gl.load(G_ptr + (m.to(gl.int64) * H + hh) * K + b * CB + co)
                 # lint: allow TP001 -- G, K and 9's partials in the accumulator layout they are combined in; a varlen tail's rows masked
@@ -650,7 +659,8 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
             _kda_wy_dA_kernel[(plan.NC, H)](rows(u, V), rows(w, K), Ai, dw, dvn, v, beta, dv, vdu, dxw, mm_desc,
                                             plan.chunks, span_flags, H, K, V, num_warps=4)
             _kda_wy_pairs_kernel[(plan.NC, H)](mm_desc, dxw, k, beta, G, dk, dG, vdu, dk_out,
-                                               dbeta_out, dg_out, plan.chunks, span_flags, H, K, num_warps=4)
+                                               dbeta_out, dg_out, plan.chunks, span_flags, H, K,
+                                               num_warps=kk._checked("WY_PAIRS_WARPS", WY_PAIRS_WARPS, (4, 8)))
         else:
             # the staged form's descriptors (the other reads its rows with loads: u's stand in)
             extra = (rows(dvn, V), rows(dw, K), rows(dk, K), rows(dG, K)) if staged else (rows(u, V),) * 4
