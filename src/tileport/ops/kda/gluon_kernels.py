@@ -175,10 +175,10 @@ WY_STAGED = False
 # M and M^T through global memory, 268 MB at S1). Read at each call. Written after the seventeenth
 # session's profile (docs/perf/kda.md row 23); "one-kernel" until the H200 has gated and timed it.
 WY_FORM = "one-kernel"
-# The split form's pairs kernel on 4 warps (255 registers at K = 128: two programs an SM) or 8 (two
-# warpgroups side by side along N, ~190 registers: one program an SM, more loads in flight per
-# thread). Read at each call.
-WY_PAIRS_WARPS = 4
+# The split form's pairs kernel by blocks of 32 or 64 key channels (its loads of a block issued
+# together; at 64 they spill, so at 64 they were issued one after the other in the first version:
+# 1.72 ms per backward at S1, ncu latency-bound, docs/perf/kda.md row 23). Read at each call.
+WY_PAIRS_CHANNELS = 32
 
 if _GLUON_ERROR is None:
 
@@ -511,36 +511,38 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _kda_wy_pairs_kernel(m_desc, dxw_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, vdu_ptr, dk_ptr,
-                             dbeta_ptr, dg_ptr, chunks_ptr, flags_ptr, H, K: gl.constexpr):
+                             dbeta_ptr, dg_ptr, chunks_ptr, flags_ptr, H, K: gl.constexpr, CW: gl.constexpr):
         """Stage 10's second half (WY_FORM "split"): 10b's pair terms and the final dk, dg and dbeta
         for one chunk and head whose flag is clear, from M and M^T (`_kda_wy_dA_kernel`'s, by TMA);
-        grid (NC, H), 4 warps, a flagged chunk's program returns. By blocks b of 64 key channels,
-        with d = G - G_m (m the chunk's middle row), in `_kda_wy_bwd_wgmma_kernel`'s order:
+        grid (NC, H), 4 warps, a flagged chunk's program returns. By blocks b of CW key channels
+        (WY_PAIRS_CHANNELS), with d = G - G_m (m the chunk's middle row), as
+        `_kda_wy_bwd_wgmma_kernel` forms them:
             R_b = e^d (M (K_b e^-d)) + exp(G) dXw_b,  C_b = e^-d (M^T (diag(beta) K_b e^d))
             dk_b = dK'_b + diag(beta) R_b + C_b,  dG_b = dG'_b + diag(beta) K_b R_b - K_b C_b
-            dg_b = dG_b summed in reverse over the chunk,  dbeta = vdu + rowsum(K R)
+            dg_b = dG_b summed in reverse over the chunk,  dbeta = vdu + sum_b rowsum(K_b R_b)
         (dXw_b: the first half's, read back instead of formed again from T and dW: fewer bytes, and
-        without T^T's and dXw_b's registers the loop does not spill.)
+        no T^T in registers.)
         Explicit here (Triton would choose): M and M^T come by TMA as shared A operands; the gated
         keys, which contract over the chunk's tokens, are written to one set of shared slots
-        transposed, reused block after block (64 KB at any K: 2 programs an SM); G, K, dXw and
-        stage 9's partials are loaded in the accumulator layout."""
+        transposed, reused block after block (2 programs an SM); G, K, dXw and stage 9's partials
+        of a block are loaded in the accumulator layout at the block's start, all together, so
+        that their latencies overlap the keys' gating and the products instead of following each
+        other (at 64 channels loaded one after the other, ncu: 88% of cycles with no eligible warp,
+        22.7% of DRAM bandwidth); 32-channel blocks leave the registers for that."""
         BT: gl.constexpr = m_desc.block_type.shape[0]
-        CB: gl.constexpr = BT
-        gl.static_assert(K % CB == 0, "whole blocks of key channels")
-        NB: gl.constexpr = K // CB
+        gl.static_assert(K % CW == 0, "whole blocks of key channels")
+        NB: gl.constexpr = K // CW
         NW: gl.constexpr = gl.num_warps()
-        WG: gl.constexpr = NW // 4
+        gl.static_assert(NW == 4, "one warpgroup: no scratch shared between warpgroups (triton 11047)")
         c = gl.program_id(0)
         hh = gl.program_id(1)
-        A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
-                                                      instr_shape=[16, CB // WG, 8])
+        A_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CW, 8])
         ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
         SCAN_L: gl.constexpr = gl.BlockedLayout([BT // 32, 1], [32, 1], [1, NW], [0, 1])
-        XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CB, BT], gl.float32)
+        XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CW, BT], gl.float32)
         m_s = gl.allocate_shared_memory(gl.float32, [2, BT, BT], m_desc.layout)  # M and M^T
-        xT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)  # (K_b e^-d)^T
-        yT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)  # (diag(beta) K_b e^d)^T
+        xT_s = gl.allocate_shared_memory(gl.float32, [CW, BT], XT_SL)  # (K_b e^-d)^T
+        yT_s = gl.allocate_shared_memory(gl.float32, [CW, BT], XT_SL)  # (diag(beta) K_b e^d)^T
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         if gl.load(flags_ptr + c * H + hh) == 0:
             bos, eos = _chunk_bounds(chunks_ptr, c)
@@ -552,24 +554,38 @@ if _GLUON_ERROR is None:
             tma.async_copy_global_to_shared(m_desc, [tile, BT], bar, m_s.index(1))
 
             rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
-            cc = gl.arange(0, CB, layout=gl.SliceLayout(0, ROWS_L))
+            cc = gl.arange(0, CW, layout=gl.SliceLayout(0, ROWS_L))
             r_ok = (bos + rr < eos)[:, None]
             rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
             ro = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
-            co = gl.arange(0, CB, layout=gl.SliceLayout(0, A_L))
+            co = gl.arange(0, CW, layout=gl.SliceLayout(0, A_L))
             o_ok = bos + ro < eos
             orows = (bos + ro).to(gl.int64) * H + hh
             beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
-            zero = gl.zeros([BT, CB], gl.float32, A_L)
+            zero = gl.zeros([BT, CW], gl.float32, A_L)
             m = bos + (gl.minimum(eos - bos, BT) - 1) // 2  # the middle row as `_chunk_gate_offsets` takes it
+            mrow = (m.to(gl.int64) * H + hh) * K
             betar = gl.load(beta_ptr + (bos + rr).to(gl.int64) * H + hh, mask=bos + rr < eos, other=0.0).to(gl.float32)
             kr = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
-            for b in range(NB):  # not unrolled: unrolled, the next block's loads rose into this one's and spilled
+            for b in range(NB):  # not unrolled: unrolled, the next block's loads rise into this one's and spill
+                # the block's tiles in the accumulator layout first, all in flight together
+                offs = orows[:, None] * K + (b * CW + co)[None, :]
+                # lint: allow TP001 -- G, K, dXw and 9's partials in the accumulator layout they are combined in; a varlen tail's rows masked
+                G2 = gl.load(G_ptr + offs, mask=o_ok[:, None], other=0.0)
+                # lint: allow TP001 -- as G
+                dxw = gl.load(dxw_ptr + offs, mask=o_ok[:, None], other=0.0)
+                # lint: allow TP001 -- as G
+                dkp = gl.load(dkp_ptr + offs, mask=o_ok[:, None], other=0.0)
+                # lint: allow TP001 -- as G
+                k2 = gl.load(k_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32)
+                # lint: allow TP001 -- as G
+                dGp = gl.load(dGp_ptr + offs, mask=o_ok[:, None], other=0.0)
+                Gm2 = gl.load(G_ptr + mrow + b * CW + co)
                 # lint: allow TP001 -- K's and G's rows, masked past the sequence, are gated in registers on their way to shared memory transposed, which TMA cannot give
-                kt = gl.load(k_ptr + rows * K + (b * CB + cc)[None, :], mask=r_ok, other=0.0).to(gl.float32)
-                Gm = gl.load(G_ptr + (m.to(gl.int64) * H + hh) * K + b * CB + cc)
+                kt = gl.load(k_ptr + rows * K + (b * CW + cc)[None, :], mask=r_ok, other=0.0).to(gl.float32)
+                Gm = gl.load(G_ptr + mrow + b * CW + cc)
                 # lint: allow TP001 -- as K's rows
-                Gt = gl.load(G_ptr + rows * K + (b * CB + cc)[None, :], mask=r_ok, other=0.0)
+                Gt = gl.load(G_ptr + rows * K + (b * CW + cc)[None, :], mask=r_ok, other=0.0)
                 d = gl.where(r_ok, (Gt - Gm[None, :]).to(gl.float32), 0.0)
                 xT_s.store(gl.permute(kt * gl.exp(-d), (1, 0)))
                 yT_s.store(gl.permute(kt * betar[:, None] * gl.exp(d), (1, 0)))
@@ -579,33 +595,20 @@ if _GLUON_ERROR is None:
                 R = warpgroup_mma(m_s.index(0), xT_s.permute((1, 0)), zero, is_async=True)
                 C = warpgroup_mma(m_s.index(1), yT_s.permute((1, 0)), zero, is_async=True)
                 R, C, _m, _mt, _x2, _y2 = warpgroup_mma_wait(0, deps=[R, C, m_s.index(0), m_s.index(1), xT_s, yT_s])
-                if NW > 4:
-                    # the layout conversion below goes through shared-memory scratch, which may take a
-                    # buffer the other warpgroup still reads (triton 11047)
-                    gl.thread_barrier()
-                offs = orows[:, None] * K + (b * CB + co)[None, :]
-                Gm2 = gl.load(G_ptr + (m.to(gl.int64) * H + hh) * K + b * CB + co)
-                # lint: allow TP001 -- G, K and 9's partials in the accumulator layout they are combined in; a varlen tail's rows masked
-                G2 = gl.load(G_ptr + offs, mask=o_ok[:, None], other=0.0)
                 d2 = gl.where(o_ok[:, None], (G2 - Gm2[None, :]).to(gl.float32), 0.0)
                 eg = gl.exp(gl.where(o_ok[:, None], G2.to(gl.float32), float("-inf")))
-                # lint: allow TP001 -- as G
-                R = R * gl.exp(d2) + eg * gl.load(dxw_ptr + offs, mask=o_ok[:, None], other=0.0)
+                R = R * gl.exp(d2) + eg * dxw
                 C = C * gl.exp(-d2)
-                # lint: allow TP001 -- as G
-                dk = gl.load(dkp_ptr + offs, mask=o_ok[:, None], other=0.0) + beta[:, None] * R + C
+                dk = dkp + beta[:, None] * R + C
                 # lint: allow TP001 -- as G
                 gl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
-                # lint: allow TP001 -- as G
-                k2 = gl.load(k_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32)
                 kr += gl.sum(k2 * R, axis=1)
-                # lint: allow TP001 -- as G
-                dG = gl.load(dGp_ptr + offs, mask=o_ok[:, None], other=0.0) + (beta[:, None] * R - C) * k2
+                dG = dGp + (beta[:, None] * R - C) * k2
                 dg = gl.associative_scan(gl.convert_layout(dG, SCAN_L), 0, _sum_combine, reverse=True)
                 rs = gl.arange(0, BT, layout=gl.SliceLayout(1, SCAN_L))
-                cs = gl.arange(0, CB, layout=gl.SliceLayout(0, SCAN_L))
+                cs = gl.arange(0, CW, layout=gl.SliceLayout(0, SCAN_L))
                 # lint: allow TP001 -- dg's rows in the scan's layout; a varlen tail's rows masked
-                gl.store(dg_ptr + ((bos + rs).to(gl.int64) * H + hh)[:, None] * K + (b * CB + cs)[None, :],
+                gl.store(dg_ptr + ((bos + rs).to(gl.int64) * H + hh)[:, None] * K + (b * CW + cs)[None, :],
                          dg.to(dg_ptr.dtype.element_ty), mask=(bos + rs < eos)[:, None])
                 gl.thread_barrier()  # every warp is done with this block's slots before the next block's writes
             vdu = gl.load(vdu_ptr + orows, mask=o_ok, other=0.0)
@@ -660,7 +663,7 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
                                             plan.chunks, span_flags, H, K, V, num_warps=4)
             _kda_wy_pairs_kernel[(plan.NC, H)](mm_desc, dxw, k, beta, G, dk, dG, vdu, dk_out,
                                                dbeta_out, dg_out, plan.chunks, span_flags, H, K,
-                                               num_warps=kk._checked("WY_PAIRS_WARPS", WY_PAIRS_WARPS, (4, 8)))
+                                               kk._checked("WY_PAIRS_CHANNELS", WY_PAIRS_CHANNELS, (32, 64)), num_warps=4)
         else:
             # the staged form's descriptors (the other reads its rows with loads: u's stand in)
             extra = (rows(dvn, V), rows(dw, K), rows(dk, K), rows(dG, K)) if staged else (rows(u, V),) * 4
@@ -1053,13 +1056,10 @@ def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
                 beta_ptr=t(Ntok, H, dtype=bf), G_ptr=t(Ntok, H, K), dkp_ptr=t(Ntok, H, K), dGp_ptr=t(Ntok, H, K),
                 vdu_ptr=t(Ntok, H), dk_ptr=t(Ntok, H, K, dtype=k_dtype), dbeta_ptr=t(Ntok, H, dtype=bf),
                 dg_ptr=t(Ntok, H, K, dtype=g_dtype), chunks_ptr=t(2 * NC, dtype=torch.int64),
-                flags_ptr=t(NC, H, dtype=torch.int8), H=H, K=K)),
+                flags_ptr=t(NC, H, dtype=torch.int8), H=H, K=K, CW=WY_PAIRS_CHANNELS)),
         }
         for part, (kernel, kargs) in split_args.items():
-            # the pairs kernel at K = 128 with fp32 keys spills 16 B (4 registers; 396 B unrolled, with
-            # T^T and dXw formed there): bounded here so that more is caught
-            spills = 16 if (part, K, k_dtype) == ("pairs", 128, f32) else 0
             cases.append(CompileCase(name=f"kda_wy_split_{part}_{tag}", kernel=kernel, args=kargs, num_warps=4,
                                      expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],
-                                     expect_max_spills=spills, expect_max_shared=SMEM_PER_SM // 2))
+                                     expect_max_spills=0, expect_max_shared=SMEM_PER_SM // 2))
     return cases
