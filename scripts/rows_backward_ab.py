@@ -1,23 +1,32 @@
 """A/B of the rms_norm and softmax backwards on the H200, one process, same saved inputs
-(docs/perf/llm_ops.md row 9): Triton's backward (`*_backward_triton`; rms_norm's with its torch
-`.sum` and `.to` for the weight gradient) against the Gluon one (`*_backward_gluon` with
-BACKWARD = "gluon": x and dy through the paired TMA ring, rms_norm's weight gradient summed by
-`gluon_rows.sum_partial_rows`) in its default ring (16 KB tiles x 4 slots) and a deeper one
-(16 KB x 6), each called as the stage function directly and timed as a CUDA-graph replay
-(everything it launches, no host time): median (p20-p80) ms and the fraction of copy bandwidth at
-3 * M * D bytes (x and dy read, dx written). Each output is checked against float64 with the
-parity gate's bound for the dtype (`tileport.testing.check`, the relative error printed); a miss
-is reported as a MISMATCH and the script exits 1 after its table.
+(docs/perf/llm_ops.md row 9): Triton's backward (`*_backward_triton`) against the Gluon one
+(`*_backward_gluon` with BACKWARD = "gluon": x and dy through the paired TMA ring, rms_norm's
+weight gradient summed by `gluon_rows.sum_partial_rows`) in its default ring (16 KB tiles x 4
+slots) and a deeper one (16 KB x 6), each called as the stage function directly and timed as a
+CUDA-graph replay (everything it launches, no host time): median (p20-p80) ms and the fraction of
+copy bandwidth at 3 * M * D bytes (x and dy read, dx written).
+
+rms_norm's Triton backward runs in several forms: autotuned over `BWD_OPTIONS` with its weight
+gradient summed by `triton_rows.sum_partial_rows` ("triton", the candidate picked printed) and by
+torch's `.sum` and `.to` ("triton torch-sum", DW_SUM = "torch"), each candidate alone ("triton
+c<i>", where `candidate_fits`), and the shape it had before the candidates ("triton before": one
+row of 4096 a tile, 4 warps, 4 programs an SM, no pipeline, torch's sum).
+
+Each output is checked against float64 with the parity gate's bound for the dtype
+(`tileport.testing.check`, the relative error printed); a miss is reported as a MISMATCH and the
+script exits 1 after its table.
 
     PYTHONPATH=src python3 scripts/rows_backward_ab.py [M,D[,dtype] ...]   (default 8192,4096,bf16)
 """
 
+import contextlib
 import sys
 
 import torch
 import triton.testing
 
 from tileport import gluon_rows
+from tileport.autotuning import configs
 from tileport.ops.rms_norm import gluon_kernels as rms_gk
 from tileport.ops.rms_norm import triton_kernels as rms_tk
 from tileport.ops.softmax import gluon_kernels as sm_gk
@@ -28,24 +37,60 @@ DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COPY_TBS = 4.21  # the copy ceiling measured with row 3's bench (benchmarks/results/2026-11-30-h200-llm-gluon-26c97d1.json)
 RINGS = {"gluon 16KBx4": (16 * 1024, 4), "gluon 16KBx6": (16 * 1024, 6)}
 EPS = 1e-6
+# rms_norm's Triton backward before BWD_OPTIONS (row_config at D = 4096: one row a tile, 4 warps;
+# _GPU_PROGRAMS_PER_SM 4; a plain loop), as one forced candidate, with DW_SUM = "torch"
+RMS_BEFORE = dict(TILE=4096, STAGES=1, PER_SM=4, num_warps=4, num_stages=1)
 
 
-def variants(op_tk, op_gk, fn_name):
-    """(label, ring or None, module whose BACKWARD to set or None, stage function)."""
-    yield "triton", None, None, getattr(op_tk, f"{fn_name}_triton")
+@contextlib.contextmanager
+def rms_triton_form(options, dw_sum):
+    """rms_norm's Triton backward with `options` as its only autotune candidates (None: all of
+    BWD_OPTIONS) and DW_SUM = dw_sum; the kernel's candidates and tuning cache restored after."""
+    kernel = rms_tk._rms_norm_bwd_kernel
+    saved = kernel.configs, kernel.cache, rms_tk.DW_SUM
+    if options is not None:
+        kernel.configs, kernel.cache = configs(options), {}
+    rms_tk.DW_SUM = dw_sum
+    try:  # what the label adds: the autotuner's pick
+        yield (lambda: f" [{kernel.best_config}]") if options is None else (lambda: "")
+    finally:
+        kernel.configs, kernel.cache, rms_tk.DW_SUM = saved
+
+
+def rms_triton_variants(D, dtype):
+    """(label, form) for rms_norm's Triton backward: autotuned with either sum, each fitting
+    candidate alone, and the shape before the candidates."""
+    yield "triton", rms_triton_form(None, "kernel")
+    yield "triton torch-sum", rms_triton_form(None, "torch")
+    for i, option in enumerate(rms_tk.BWD_OPTIONS):
+        if rms_tk.candidate_fits(option, D, dtype.itemsize):
+            yield f"triton c{i}", rms_triton_form([option], "kernel")
+    yield "triton before", rms_triton_form([RMS_BEFORE], "torch")
+
+
+def variants(op_tk, op_gk, fn_name, D, dtype):
+    """(label, ring or None, module whose BACKWARD to set or None, stage function, form context)."""
+    triton_stage = getattr(op_tk, f"{fn_name}_triton")
+    if op_tk is rms_tk:
+        for label, form in rms_triton_variants(D, dtype):
+            yield label, None, None, triton_stage, form
+    else:
+        yield "triton", None, None, triton_stage, contextlib.nullcontext(lambda: "")
     for label, ring in RINGS.items():
-        yield label, ring, op_gk, getattr(op_gk, f"{fn_name}_gluon")
+        yield label, ring, op_gk, getattr(op_gk, f"{fn_name}_gluon"), contextlib.nullcontext(lambda: "")
 
 
-def timed(label, fn, outputs, refs, dtype, floor_ms, ring, module):
+def timed(label, fn, outputs, refs, dtype, floor_ms, ring, module, form):
     saved = gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES
     if ring is not None:
         gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES = ring
     if module is not None:
         module.BACKWARD = "gluon"
     try:
-        got = outputs(fn())  # compiles, and the outputs to check
-        ms, p20, p80 = triton.testing.do_bench_cudagraph(fn, rep=200, quantiles=[0.5, 0.2, 0.8])
+        with form as picked:
+            got = outputs(fn())  # compiles (and autotunes), and the outputs to check
+            ms, p20, p80 = triton.testing.do_bench_cudagraph(fn, rep=200, quantiles=[0.5, 0.2, 0.8])
+            label += picked()
     finally:
         gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES = saved
         if module is not None:
@@ -79,9 +124,9 @@ def main() -> int:
         y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * w64
         refs = torch.autograd.grad(y64, (x64, w64), dy.double())
         print(f"rms_norm backward M={M} D={D} {str(dtype)[6:]} (floor {floor_ms:.4f} ms)", flush=True)
-        for label, ring, module, stage in variants(rms_tk, rms_gk, "rms_norm_backward"):
+        for label, ring, module, stage, form in variants(rms_tk, rms_gk, "rms_norm_backward", D, dtype):
             ok &= timed(label, lambda stage=stage: stage(dy, x, w, EPS, True), lambda out: out, refs, dtype, floor_ms,
-                        ring, module)
+                        ring, module, form)
         del x64, w64, y64, refs
 
         # softmax: the statistics the forwards save (Triton's forward writes the layout both read)
@@ -89,9 +134,9 @@ def main() -> int:
         x64 = x.double().requires_grad_(True)
         refs = torch.autograd.grad(torch.softmax(x64, -1), x64, dy.double())
         print(f"softmax backward M={M} D={D} {str(dtype)[6:]} (floor {floor_ms:.4f} ms)", flush=True)
-        for label, ring, module, stage in variants(sm_tk, sm_gk, "softmax_backward"):
+        for label, ring, module, stage, form in variants(sm_tk, sm_gk, "softmax_backward", D, dtype):
             ok &= timed(label, lambda stage=stage: stage(dy, x, stats), lambda out: (out,), refs, dtype, floor_ms, ring,
-                        module)
+                        module, form)
     return 0 if ok else 1
 
 

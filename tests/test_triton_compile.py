@@ -433,3 +433,58 @@ def test_grouped_gemm_candidates_compile_for_sm90a(index, dt):
         assert "wgmma.mma_async" in report.ptx, "no WGMMA in the PTX"
     assert "cp.async.bulk.tensor" in report.ptx, "no TMA load in the PTX"
     assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"
+
+
+# rms_norm's Triton backward: every autotune candidate (BWD_OPTIONS) that `candidate_fits` keeps,
+# at the row widths its forms differ in (one tile of 2-64 rows, one row, chunked rows; descriptors
+# and raw pointers): no spills, PER_SM programs resident on one SM by registers and shared memory,
+# ptxas's shared memory under `shared_bound`, and the tile loop software-pipelined (STAGES - 1
+# tiles of x and dy in shared memory: Triton does not pipeline a loop without a dot unless asked).
+RMS_BWD_WIDTHS = [(4096, bf, True), (4096, f32, True), (1024, bf, False), (128, f32, True), (8192, bf, True),
+                  (16384, bf, True)]
+
+
+@pytest.mark.parametrize("D,dt,use_desc", RMS_BWD_WIDTHS,
+                         ids=[f"D{d}-{'bf16' if t == bf else 'fp32'}-{'desc' if u else 'ptr'}" for d, t, u in RMS_BWD_WIDTHS])
+@pytest.mark.parametrize("index", range(len(__import__("tileport.ops.rms_norm.triton_kernels",
+                                                       fromlist=["BWD_OPTIONS"]).BWD_OPTIONS)))
+def test_rms_norm_backward_candidates_compile_for_sm90a(index, D, dt, use_desc):
+    from tileport.ops.rms_norm import triton_kernels as rk
+    from tileport.triton_rows import row_width, tile_rows
+
+    o = rk.BWD_OPTIONS[index]
+    size = torch.finfo(dt).bits // 8
+    if index == 0:
+        assert rk.candidate_fits(o, D, size), "the first candidate is the autotuner's fallback: it must fit every width"
+    if not rk.candidate_fits(o, D, size):
+        return  # pruned for this width and dtype: it never runs
+    M = 8192
+    block_d, one_tile = row_width(D, min(rk._MAX_TILE_D, rk._MAX_TILE_D_BWD))
+    args = dict(x_ptr=T([M, D], dt), w_ptr=T([D], dt), dy_ptr=T([M, D], dt), dx_ptr=T([M, D], dt),
+                dw_part_ptr=T([132, D], f32), M=M, D=D, D_BUCKET=block_d, stride_x=D, stride_dy=D, stride_dx=D,
+                eps=1e-6, BLOCK_D=block_d, ONE_TILE=one_tile, USE_DESC=use_desc, HAS_WEIGHT=True, WANT_DW=True,
+                TILE=o["TILE"], STAGES=o["STAGES"], PER_SM=o["PER_SM"])
+    report = compile_case(CompileCase(f"rms_norm bwd D={D} {dt} desc={use_desc} {o}", rk._rms_norm_bwd_kernel.fn, args,
+                                      num_warps=o["num_warps"], options={"num_stages": o["num_stages"]}))
+    print(f"\n{report.summary()}")
+    assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+    assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"
+    threads = 32 * o["num_warps"]
+    assert report.n_regs * threads * o["PER_SM"] <= 65536, f"{report.n_regs} registers: {o['PER_SM']} CTAs do not fit"
+    assert report.shared <= rk.shared_bound(o, D, size), f"{report.shared} B over shared_bound"
+    assert report.shared * o["PER_SM"] <= 227 * 1024, f"{report.shared} B: {o['PER_SM']} CTAs do not fit"
+    assert ("cp.async.bulk.tensor" if use_desc else "cp.async.cg") in report.ptx, "no TMA / cp.async load"
+    if one_tile and o["STAGES"] > 1:
+        tile_bytes = tile_rows(o["TILE"], block_d) * block_d * size
+        assert report.shared >= 2 * (o["STAGES"] - 1) * tile_bytes, f"{report.shared} B: the tile loop is not pipelined"
+
+
+def test_rms_norm_dw_sum_compiles_for_sm90a():
+    """triton_rows.sum_partial_rows' kernel at 132 partial rows of 4096 into bf16: no spills."""
+    from tileport import triton_rows
+
+    P, D = 132, 4096
+    args = dict(part_ptr=T([P, D], f32), out_ptr=T([D], bf), P=P, D=D, BLOCK_P=256, BLOCK_D=triton_rows._PARTIAL_COLS)
+    report = compile_case(CompileCase("rms_norm dw sum", triton_rows._sum_partial_rows_kernel, args, num_warps=4))
+    print(f"\n{report.summary()}")
+    assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"

@@ -3,7 +3,8 @@
 2D row tiles move through tensor descriptors (`tl.make_tensor_descriptor`, TMA on Hopper) when
 base pointers and row strides are 16-byte aligned, otherwise through masked raw pointers; either
 way out-of-range elements read as 0. Host helpers pick the tile shape and install the scratch
-allocator that device-side descriptors need.
+allocator that device-side descriptors need. `sum_partial_rows` sums a [P, D] fp32 buffer of
+per-program partial rows (a weight gradient's) into one row, in a fixed order, in one launch.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ _GPU_TILE_ELEMS = 4096  # target BLOCK_M * BLOCK_D on a GPU
 _INTERPRETER_TILE_ELEMS = 1 << 14  # under TRITON_INTERPRET: few, large programs
 _MAX_BLOCK_M = 256  # a TMA box dimension is at most 256
 _PREFER_DESCRIPTORS = True  # set False to measure the raw-pointer path on sm_90
-_GPU_PROGRAMS_PER_SM = 4  # persistent backward programs per SM
+_GPU_PROGRAMS_PER_SM = 4  # persistent programs per SM where the caller names no count
 _INTERPRETER_PROGRAMS = 2
+_PARTIAL_COLS = 32  # columns per program of `sum_partial_rows` (128 programs at D = 4096)
+_PARTIAL_ROWS = 256  # partial rows per load there: all of them in one load when P <= 256
 
 # ----------------------------------------------------------------------------------------
 # host helpers
@@ -72,13 +75,25 @@ def descriptors_fit(tensors, device: torch.device) -> bool:
     return True
 
 
-def row_config(M: int, D: int, device: torch.device, max_tile_d: int) -> dict:
-    """BLOCK_M, BLOCK_D, ONE_TILE and num_warps for M rows of width D."""
+def row_width(D: int, max_tile_d: int) -> tuple[int, bool]:
+    """(BLOCK_D, ONE_TILE) for rows of width D: the whole row in one tile when its power of two is
+    at most max_tile_d (a power of two), else column chunks of BLOCK_D."""
     full = max(16, next_pow2(D))
     if full <= max_tile_d:
-        block_d, one_tile = full, True
-    else:
-        block_d, one_tile = max(16, min(_CHUNK_D, max_tile_d)), False  # max_tile_d: a power of two
+        return full, True
+    return max(16, min(_CHUNK_D, max_tile_d)), False
+
+
+@triton.constexpr_function
+def tile_rows(tile_elems: int, block_d: int) -> int:
+    """Rows of a row tile of about tile_elems elements whose columns are block_d wide (at least 1,
+    at most a TMA box's 256). A constexpr function: kernels and the host compute it alike."""
+    return max(1, min(tile_elems // block_d, _MAX_BLOCK_M))
+
+
+def row_config(M: int, D: int, device: torch.device, max_tile_d: int) -> dict:
+    """BLOCK_M, BLOCK_D, ONE_TILE and num_warps for M rows of width D."""
+    block_d, one_tile = row_width(D, max_tile_d)
     tile = _INTERPRETER_TILE_ELEMS if _interpreting(device) else _GPU_TILE_ELEMS
     block_m = max(1, min(tile // block_d, next_pow2(max(M, 1)), _MAX_BLOCK_M))
     elems = block_m * block_d
@@ -86,12 +101,24 @@ def row_config(M: int, D: int, device: torch.device, max_tile_d: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_D=block_d, ONE_TILE=one_tile, num_warps=num_warps)
 
 
-def persistent_programs(num_tiles: int, device: torch.device) -> int:
+def persistent_programs(num_tiles: int, device: torch.device, per_sm: int | None = None) -> int:
+    """Programs of a persistent grid over num_tiles tiles: per_sm (default _GPU_PROGRAMS_PER_SM)
+    a streaming multiprocessor, _INTERPRETER_PROGRAMS under the interpreter; at most one a tile."""
     if _interpreting(device):
         cap = _INTERPRETER_PROGRAMS
     else:
-        cap = _GPU_PROGRAMS_PER_SM * sm_count(device)
+        cap = (per_sm or _GPU_PROGRAMS_PER_SM) * sm_count(device)
     return max(1, min(num_tiles, cap))
+
+
+def sum_partial_rows(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [D] (out's float dtype) = partials [P, D] (fp32, contiguous) summed over its P rows, one
+    launch; the same bits every run for a given P (see `_sum_partial_rows_kernel`)."""
+    P, D = partials.shape
+    block_p, block_d = min(_PARTIAL_ROWS, next_pow2(P)), min(_PARTIAL_COLS, next_pow2(D))
+    _sum_partial_rows_kernel[(triton.cdiv(D, block_d),)](partials, out, P, D, BLOCK_P=block_p, BLOCK_D=block_d,
+                                                         num_warps=4)
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -140,4 +167,18 @@ def _load_vec(ptr, col0, D, BLOCK_D: tl.constexpr):
     return tl.load(ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
 
 
-
+# lint: allow-function TP001 -- [P, 32] fp32 partial rows (2 MB at P = 132, D = 4096), read once: a descriptor per launch would cost host time for a load that is latency bound
+@triton.jit
+def _sum_partial_rows_kernel(part_ptr, out_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[c] = sum over p < P of part[p, c] for this program's BLOCK_D columns (grid
+    (cdiv(D, BLOCK_D),)), stored in out's dtype. Explicit: the order of the sum, [BLOCK_P, BLOCK_D]
+    blocks of partial rows added elementwise in row order, then one reduction over the block's
+    rows (fixed by the compiled layout), so a weight gradient has the same bits every run."""
+    cols = tl.program_id(0) * BLOCK_D + tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_D), BLOCK_D), BLOCK_D)
+    rows = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        r = p0 + rows
+        acc += tl.load(part_ptr + r.to(tl.int64)[:, None] * D + cols[None, :],
+                       mask=(r < P)[:, None] & (cols < D)[None, :], other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < D)

@@ -1,4 +1,4 @@
-"""RMSNorm, Triton backend: one forward and one backward launch (plus a column sum for d weight).
+"""RMSNorm, Triton backend: one forward and one backward launch (plus one for the d weight sum).
 
 Per row of x [M, D] (fp32 math, any input dtype):
     rstd = rsqrt(sum(x^2) / D + eps);  y = x * rstd * w
@@ -12,9 +12,11 @@ Design (bandwidth bound: forward moves 2*M*D elements, backward 3*M*D):
   base pointers and row strides are 16-byte aligned; otherwise (or before sm_90) through masked
   raw pointers. Out-of-range rows and columns read as 0 either way, which every formula here
   tolerates (a zero row gives rstd = rsqrt(eps), finite, and is never stored).
-- Backward programs are persistent: each loops over row tiles and keeps its d weight partial sum
-  in registers (ONE_TILE), or read-modify-writes its own fp32 row of `partials` (chunked; a
-  barrier per tile orders those accesses inside the CTA). `partials [P, D]` is summed on the host.
+- Backward programs are persistent: each loops over row tiles (software-pipelined, ONE_TILE) and
+  keeps its d weight partial sum in registers (ONE_TILE), or read-modify-writes its own fp32 row of
+  `partials` (chunked; a barrier per tile orders those accesses inside the CTA). Its row tile,
+  pipeline depth and programs per SM are autotuned (`BWD_OPTIONS`). `partials [P, D]` is summed
+  in a fixed order into the weight's dtype by `triton_rows.sum_partial_rows` (one small launch).
 
 The row-tile machinery (descriptor or raw-pointer row tiles, launch configuration, the TMA scratch
 allocator) lives in `tileport/triton_rows.py`, shared with softmax, rope and grouped GEMM.
@@ -26,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tileport.shapes import cdiv
+from tileport.autotuning import tuned
+from tileport.dispatch import interpreter_enabled
+from tileport.shapes import cdiv, next_pow2
 from tileport.memory import as_rows, new_empty
 from tileport.triton_rows import (  # the row-tile machinery shared by the row-wise ops
     _load_rows,
@@ -37,6 +41,9 @@ from tileport.triton_rows import (  # the row-tile machinery shared by the row-w
     ensure_descriptor_allocator,
     persistent_programs,
     row_config,
+    row_width,
+    sum_partial_rows,
+    tile_rows,
 )
 
 # Tuning knobs (module constants so that a GPU sweep, or a test, can patch them).
@@ -44,6 +51,54 @@ _MAX_TILE_D = 16384  # widest row held in registers whole; wider rows are chunke
 _MAX_TILE_D_BWD = 8192  # same for the backward (x, dy, w live together: at D = 16384 fp32 the
 #                         sm_90a build of the one-tile backward used 128 registers and spilled)
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DW_SUM = "kernel"  # "kernel": triton_rows.sum_partial_rows; "torch": partials.sum(0).to(dtype) (the A/B's old form)
+
+# The backward's autotune candidates (`tileport.autotuning`): TILE elements a row tile (BLOCK_M =
+# TILE // BLOCK_D rows, at least 1), STAGES the depth of the one-tile loop's software pipeline
+# (STAGES - 1 tiles of x and dy in flight), PER_SM persistent programs a streaming multiprocessor:
+# as many as are resident at once (a second wave would not overlap the first one's loads), each
+# writing one fp32 partial row of the weight gradient (132 rows, 2 MB at D = 4096, against 528).
+BWD_OPTIONS = (
+    dict(TILE=8192, STAGES=3, PER_SM=1, num_warps=16, num_stages=3),  # fits every D and dtype (the fallback)
+    dict(TILE=8192, STAGES=4, PER_SM=1, num_warps=8, num_stages=4),   # the Gluon backward's: 2 rows at 4096 bf16, 96 KB in flight
+    dict(TILE=8192, STAGES=4, PER_SM=1, num_warps=16, num_stages=4),  # the same, half the elements a thread
+    dict(TILE=4096, STAGES=4, PER_SM=2, num_warps=8, num_stages=4),   # 2 programs an SM: one's row sums under the other's loads
+)
+INTERPRETER_BWD_OPTIONS = (dict(TILE=1 << 14, STAGES=1, PER_SM=1, num_warps=4, num_stages=1),)
+_SHARED_MEMORY_PER_SM = 227 * 1024  # sm_90: at most 227 KB a CTA (228 KB an SM, 1 KB of it reserved a CTA)
+_REGISTERS_PER_SM = 65536
+_MAX_ELEMS_PER_THREAD = 32  # of a row tile: 32 took 156-190 registers on sm_90a, 16 took 80-107
+
+
+def shared_bound(option: dict, D: int, element_size: int) -> int:
+    """An upper bound on a candidate's shared memory (bytes a CTA) at row width D: STAGES - 1 tiles
+    of x and dy in flight, dx's staging tile (TMA store) and up to one tile of scratch for the row
+    sums' exchange and layout changes (16 KB seen at D = 1024 bf16); the chunked loops hold one."""
+    block_d, one_tile = row_width(D, min(_MAX_TILE_D, _MAX_TILE_D_BWD))
+    in_flight = max(option["STAGES"] - 1, 1) if one_tile else 1
+    return (2 * in_flight + 2) * tile_rows(option["TILE"], block_d) * block_d * element_size + 1024
+
+
+def candidate_fits(option: dict, D: int, element_size: int) -> bool:
+    """Whether PER_SM programs of a candidate are resident on one sm_90 SM at row width D, without
+    spills: `shared_bound`, and elements of a row tile a thread as the register budget, 16 where
+    the SM's 64K registers are shared by more than 256 threads or the rows are chunked (the chunked
+    loops spilled at 32: ptxas stopped at 128 registers), else 32. Checked against ptxas for every
+    candidate in tests/test_triton_compile.py."""
+    block_d, one_tile = row_width(D, min(_MAX_TILE_D, _MAX_TILE_D_BWD))
+    threads = 32 * option["num_warps"]
+    wide = _REGISTERS_PER_SM // (threads * option["PER_SM"]) > 128 and one_tile
+    elems = tile_rows(option["TILE"], block_d) * block_d // threads
+    return (shared_bound(option, D, element_size) * option["PER_SM"] <= _SHARED_MEMORY_PER_SM
+            and elems <= (_MAX_ELEMS_PER_THREAD if wide else _MAX_ELEMS_PER_THREAD // 2))
+
+
+def _prune_to_fitting(configs, named_args, **kwargs):
+    """The autotuner's candidates that fit for this call's row width and dtype (at least the first)."""
+    D, size = named_args["D"], named_args["x_ptr"].element_size()
+    kept = [c for c in configs if candidate_fits(dict(c.kwargs, num_warps=c.num_warps), D, size)]
+    return kept or configs[:1]
+
 
 def triton_refusal(D: int, dtype, weight_dtype) -> str | None:
     if dtype not in _SUPPORTED_DTYPES:
@@ -90,13 +145,30 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _add_pair(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
+
+
+@triton.autotune(configs=tuned(INTERPRETER_BWD_OPTIONS if interpreter_enabled() else BWD_OPTIONS),
+                 key=["D_BUCKET", "HAS_WEIGHT", "WANT_DW", "USE_DESC"],
+                 prune_configs_by={"early_config_prune": _prune_to_fitting})
+@triton.jit(do_not_specialize=["D_BUCKET"])
 def _rms_norm_bwd_kernel(
-    x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, M, D, stride_x, stride_dy, stride_dx, eps, num_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
-    USE_DESC: tl.constexpr, HAS_WEIGHT: tl.constexpr, WANT_DW: tl.constexpr,
+    x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, M, D, D_BUCKET, stride_x, stride_dy, stride_dx, eps,
+    BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr, USE_DESC: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    WANT_DW: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr, PER_SM: tl.constexpr,
 ):
+    """dx = rstd g - x rstd^3 sum(g x) / D (g = dy w, rstd recomputed from x) for the row tiles
+    pid, pid + P, ... of x [M, D] (grid (P,), persistent), and with WANT_DW this program's partial
+    weight gradient, sum over its rows of dy x rstd, as row pid of dw_part fp32 (the host sums the
+    first P rows). D_BUCKET (next power of two of D) is only the autotune key. Explicit here,
+    autotuned (`BWD_OPTIONS`): the row tile (TILE elements, TILE // BLOCK_D rows), the persistent
+    grid (PER_SM programs an SM) and (ONE_TILE) the depth of the tile loop's software pipeline
+    (STAGES); both row sums in one reduction."""
+    BLOCK_M: tl.constexpr = tile_rows(TILE, BLOCK_D)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    num_tiles = tl.cdiv(M, BLOCK_M)
     x_src = _make_rows_desc(x_ptr, M, D, stride_x, BLOCK_M, BLOCK_D, USE_DESC)
     dy_src = _make_rows_desc(dy_ptr, M, D, stride_dy, BLOCK_M, BLOCK_D, USE_DESC)
     dx_dst = _make_rows_desc(dx_ptr, M, D, stride_dx, BLOCK_M, BLOCK_D, USE_DESC)
@@ -106,16 +178,21 @@ def _rms_norm_bwd_kernel(
         if HAS_WEIGHT:
             w = _load_vec(w_ptr, 0, D, BLOCK_D)
         dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for tile in range(pid, num_tiles, nprog):
+        # Triton pipelines a loop without a dot only when the loop asks (on sm_90a the plain range
+        # loaded x, waited, then loaded dy, waited: two round trips a tile): STAGES - 1 tiles of x
+        # and dy are in flight while one is computed
+        for tile in tl.range(pid, num_tiles, nprog, num_stages=STAGES):
             row0 = tile * BLOCK_M
             x = _load_rows(x_src, row0, 0, M, D, stride_x, BLOCK_M, BLOCK_D, USE_DESC)
             dy = _load_rows(dy_src, row0, 0, M, D, stride_dy, BLOCK_M, BLOCK_D, USE_DESC)
-            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
             if HAS_WEIGHT:
                 g = dy * w[None, :]
             else:
                 g = dy
-            coef = tl.sum(g * x, axis=1) * (rstd * rstd * rstd) / D
+            # both row sums in one reduction: one exchange across warps instead of two
+            ss, gx = tl.reduce((x * x, g * x), 1, _add_pair)
+            rstd = tl.rsqrt(ss / D + eps)
+            coef = gx * (rstd * rstd * rstd) / D
             dx = g * rstd[:, None] - x * coef[:, None]
             _store_rows(dx_dst, row0, 0, dx, M, D, stride_dx, BLOCK_M, BLOCK_D, USE_DESC)
             if WANT_DW:
@@ -191,19 +268,32 @@ def rms_norm_backward_triton(grad_y: torch.Tensor, x: torch.Tensor, weight: torc
     dy2 = as_rows(grad_y)
     M = x2.shape[0]
     dx = new_empty((M, D), x.dtype, x.device)
-    cfg = row_config(M, D, x.device, min(_MAX_TILE_D, _MAX_TILE_D_BWD))
-    num_tiles = cdiv(M, cfg["BLOCK_M"])
-    P = persistent_programs(num_tiles, x.device)
+    block_d, one_tile = row_width(D, min(_MAX_TILE_D, _MAX_TILE_D_BWD))
     want_dw = want_dw and weight is not None
-    partials = new_empty((P, D), torch.float32, x.device) if want_dw else dx
+    launched = {}
+
+    def grid(meta):
+        # the program count follows the candidate (PER_SM, and TILE through the row count); the
+        # autotuner calls this for each candidate it times and last for the one it launches
+        launched["P"] = persistent_programs(cdiv(M, tile_rows(meta["TILE"], block_d)), x.device, meta["PER_SM"])
+        return (launched["P"],)
+
+    # rows enough for any candidate's program count (a program writes only its own row)
+    most = persistent_programs(M, x.device, max(c.kwargs["PER_SM"] for c in _rms_norm_bwd_kernel.configs))
+    partials = new_empty((most, D), torch.float32, x.device) if want_dw else dx
     use_desc = descriptors_fit([x2, dy2, dx], x.device)
     if use_desc:
         ensure_descriptor_allocator()
     w = weight.contiguous() if weight is not None else x2
-    _rms_norm_bwd_kernel[(P,)](
-        x2, w, dy2, dx, partials, M, D, x2.stride(0), dy2.stride(0), dx.stride(0), eps, num_tiles,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], ONE_TILE=cfg["ONE_TILE"],
-        USE_DESC=use_desc, HAS_WEIGHT=weight is not None, WANT_DW=want_dw, num_warps=cfg["num_warps"],
+    _rms_norm_bwd_kernel[grid](
+        x2, w, dy2, dx, partials, M, D, next_pow2(D), x2.stride(0), dy2.stride(0), dx.stride(0), eps,
+        BLOCK_D=block_d, ONE_TILE=one_tile, USE_DESC=use_desc, HAS_WEIGHT=weight is not None, WANT_DW=want_dw,
     )
-    dw = partials.sum(dim=0).to(weight.dtype) if want_dw else None
+    dw = None
+    if want_dw:
+        part = partials[:launched["P"]]
+        if DW_SUM == "torch":
+            dw = part.sum(dim=0).to(weight.dtype)
+        else:
+            dw = sum_partial_rows(part, new_empty((D,), weight.dtype, x.device))
     return dx.view(x.shape), dw
