@@ -174,7 +174,7 @@ WY_STAGED = False
 # and M, then `_kda_wy_pairs_kernel` for the pair terms, dk, dg, dbeta: 4 warps and <= 80 KB each,
 # M and M^T through global memory, 268 MB at S1). Read at each call. Written after the seventeenth
 # session's profile (docs/perf/kda.md row 23); "one-kernel" until the H200 has gated and timed it.
-WY_FORM = "one-kernel"
+WY_FORM = "split"
 # The split form's pairs kernel by blocks of 32 or 64 key channels (its loads of a block issued
 # together; at 64 they spill, so at 64 they were issued one after the other in the first version:
 # 1.72 ms per backward at S1, ncu latency-bound, docs/perf/kda.md row 23). Read at each call.
