@@ -3,9 +3,10 @@ for racecheck clean): the forward's Gluon output kernel (`_kda_output_wgmma_kern
 chunks), the backward's two state recurrences on GDN's `_tf32_recurrence_kernel` in its
 PER_CHANNEL form (the recompute forced onto it: BACKWARD_STATES "gluon"), at TF32_RECURRENCE_BV
 128 on 8 warps (the default) and 64 on 4, and the backward's stage 9 and 10 kernels
-(`_kda_dqkwg_wgmma_kernel`, `_kda_wy_bwd_wgmma_kernel`: BACKWARD_DQKWG and BACKWARD_WY "gluon",
-the defaults) on the chunks stage 3 leaves unflagged, stage 10 in its default form on the first
-pass, its staged form (WY_STAGED) on the second and the split form's two kernels (WY_FORM) on the third.
+(`_kda_dqkwg_wgmma_kernel`; BACKWARD_DQKWG and BACKWARD_WY "gluon", the defaults) on the chunks
+stage 3 leaves unflagged, stage 10 in its split form's two kernels (`_kda_wy_dA_kernel`,
+`_kda_wy_pairs_kernel`, WY_FORM "split", the default) on the first pass and in one kernel
+(`_kda_wy_bwd_wgmma_kernel`) on the second.
 
     python3 scripts/sanitize_kda.py [quick]
 
@@ -29,11 +30,10 @@ cases = [dict(B=2, T=130, H=2, K=64, cu=None), dict(B=1, T=200, H=2, K=128, cu=[
 if not quick:
     cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
 gdn_gluon.BACKWARD_STATES = "gluon"
-# stage 10's staged form (its TMA-fed slots) on the second pass, its split form on the third
-for bv, warps, wy_form in ((128, 8, "one-kernel"), (64, 4, "staged"), (128, 8, "split")):
+# stage 10 in its split form (the default) and in one kernel (WY_FORM)
+for bv, warps, wy_form in ((128, 8, "split"), (64, 4, "one-kernel")):
     gdn_gluon.TF32_RECURRENCE_BV, gdn_gluon.TF32_RECURRENCE_WARPS = bv, warps
-    kda_gluon.WY_STAGED = wy_form == "staged"
-    kda_gluon.WY_FORM = "split" if wy_form == "split" else "one-kernel"
+    kda_gluon.WY_FORM = wy_form
     for c in cases:
         B, T, H, K = c["B"], c["T"], c["H"], c["K"]
         dev, bf = "cuda", torch.bfloat16

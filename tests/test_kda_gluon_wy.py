@@ -1,8 +1,8 @@
 """KDA's stage 10 (back through W, U, T and A, with 10b's whole-chunk pair terms) on the gluon
-backend's TMA + tf32 WGMMA kernels (BACKWARD_WY "gluon", in each of its forms:
-`gluon_kernels._kda_wy_bwd_wgmma_kernel` alone, loading its inputs or staging them (WY_STAGED), and
-the split form's `_kda_wy_dA_kernel` and `_kda_wy_pairs_kernel`, WY_FORM "split") for the chunks
-stage 3 left unflagged, Triton's kernel (CHUNKS "flagged") for the others:
+backend's TMA + tf32 WGMMA kernels (BACKWARD_WY "gluon", in each of its forms, WY_FORM: the split
+form's `gluon_kernels._kda_wy_dA_kernel` and `_kda_wy_pairs_kernel`, the default, or
+`_kda_wy_bwd_wgmma_kernel` alone) for the chunks stage 3 left unflagged, Triton's kernel (CHUNKS
+"flagged") for the others:
 - the parity gate's accepted cases (bf16, K = V of 64 or 128), forward and backward against the
   float64 reference, with the switch on;
 - stage 10 alone against Triton's on the same arguments (captured from a real backward), every
@@ -27,16 +27,15 @@ from tileport.testing import poisoned
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)]
 
 
-FORMS = ("loads", "staged", "split")  # the one kernel loading or staging its inputs, or the two kernels
+FORMS = ("split", "one-kernel")  # WY_FORM: the two kernels (the default) or the one
 
 
-def _wy_on(monkeypatch, form: str = "loads") -> list[LaunchSpy]:
+def _wy_on(monkeypatch, form: str = "split") -> list[LaunchSpy]:
     """BACKWARD_WY "gluon" in one of FORMS, and spies on the launches of that form's kernels."""
     from tileport.ops.kda import gluon_kernels as kg
 
     monkeypatch.setattr(kg, "BACKWARD_WY", "gluon")
-    monkeypatch.setattr(kg, "WY_STAGED", form == "staged")
-    monkeypatch.setattr(kg, "WY_FORM", "split" if form == "split" else "one-kernel")
+    monkeypatch.setattr(kg, "WY_FORM", form)
     names = ("_kda_wy_dA_kernel", "_kda_wy_pairs_kernel") if form == "split" else ("_kda_wy_bwd_wgmma_kernel",)
     spies = [LaunchSpy(getattr(kg, name)) for name in names]
     for name, spy in zip(names, spies):
@@ -44,12 +43,12 @@ def _wy_on(monkeypatch, form: str = "loads") -> list[LaunchSpy]:
     return spies
 
 
-# the other forms on the cases with a varlen tail, both head dims and flagged chunks
+# the one-kernel form on the cases with a varlen tail, both head dims and flagged chunks
 OTHER_FORM_CASES = [c for c in ACCEPTED if c in ("varlen-bf16-l2-mixed", "K128-bf16-l2-split", "T65-bf16-l2-near0",
                                                  "gpu-varlen-T1500-H4-K128-bf16-split")]
 
 
-@pytest.mark.parametrize("case_id,form", [(c, "loads") for c in ACCEPTED]
+@pytest.mark.parametrize("case_id,form", [(c, "split") for c in ACCEPTED]
                          + [(c, f) for f in FORMS[1:] for c in OTHER_FORM_CASES])
 def test_forward_backward(case_id, form, device, seed, monkeypatch):
     parity._backend_or_skip("gluon", device)

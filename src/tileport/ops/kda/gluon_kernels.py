@@ -12,8 +12,10 @@ Triton's 1.998, the kernel ~0.34 ms per forward against ~0.78 for Triton's whole
 ms forward) and was removed (docs/perf/kda.md row 14). The backward is Triton's
 (`kda_backward_triton`) with its two state recurrences on GDN's `_tf32_recurrence_kernel` in
 its PER_CHANNEL form (docs/perf/kda.md row 17), stage 10 with 10b's pair terms for the unflagged
-chunks on `_kda_wy_bwd_wgmma_kernel` (BACKWARD_WY, row 20: 2.49 -> 2.31 ms at S1 against ~1.2
-predicted: one latency-bound CTA per SM) and stage 9 with 9b's pair terms for the unflagged
+chunks on two kernels (BACKWARD_WY, WY_FORM "split", rows 20 and 23: `_kda_wy_dA_kernel` for dA,
+dV and M, then `_kda_wy_pairs_kernel` for the pair terms, two programs of 4 warps an SM each:
+2.32 -> 2.15 ms at S1; the one-kernel form, `_kda_wy_bwd_wgmma_kernel`, one latency-bound CTA of
+8 warps an SM, 2.49 -> 2.31 against Triton's) and stage 9 with 9b's pair terms for the unflagged
 chunks (BACKWARD_DQKWG, row 21: 2.41 -> 1.39 ms at S1) on
 `_kda_dqkwg_wgmma_kernel`: TMA for h, dh, Vn, dVn, six tf32 WGMMAs on fp32 operands per chunk,
 head and block of 64 key channels (dP, dQh, dKd, dW over V; R and C over the chunk's tokens),
@@ -33,7 +35,6 @@ Triton's kernels (gate products underflow fp16) and fp32 inputs the exact block 
 
 from __future__ import annotations
 
-import itertools
 
 import torch
 
@@ -165,15 +166,13 @@ if _GLUON_ERROR is None:
 BACKWARD_WY = "gluon"
 _KERNEL_CHOICES = ("triton", "gluon")
 CB = 64  # key (and value) channels per block: every tile of the stage-10 kernel is [64, 64] fp32
-# Whether that kernel stages dVn, dW and stage 9's partials through TMA (STAGED, its docstring):
-# False until the H200 has gated and timed it (written after the seventeenth session's device
-# time: compiled for sm_90a only). Read at each call.
-WY_STAGED = False
 # How stage 10's unflagged chunks run on Gluon: "one-kernel" (`_kda_wy_bwd_wgmma_kernel`: both
 # phases in one program of 8 warps, 213 KB, one an SM) or "split" (`_kda_wy_dA_kernel` for dA, dV
 # and M, then `_kda_wy_pairs_kernel` for the pair terms, dk, dg, dbeta: 4 warps and <= 80 KB each,
-# M and M^T through global memory, 268 MB at S1). Read at each call. Written after the seventeenth
-# session's profile (docs/perf/kda.md row 23); "one-kernel" until the H200 has gated and timed it.
+# M, M^T and dXw through global memory, 268 MB each at S1). Read at each call. "split" since the
+# eighteenth session (docs/perf/kda.md row 23): the gate's gluon-backend files passed with it on the
+# H200 (52 passed), memcheck and racecheck clean, kda_ab "wy-split" at 32fbcd8 (S1, kept tiles):
+# the backward 6.860 -> 6.699 ms, stage 10 2.32 -> 2.15 ms (0.61 + 1.54).
 WY_FORM = "split"
 # The split form's pairs kernel by blocks of 32 or 64 key channels (its loads of a block issued
 # together; at 64 they spill, so at 64 they were issued one after the other in the first version:
@@ -183,20 +182,9 @@ WY_PAIRS_CHANNELS = 32
 if _GLUON_ERROR is None:
 
     @gluon.jit
-    def _transpose_in_place(tile_s, r_ok, L: gl.constexpr):
-        """A [64, 64] shared tile TMA wrote row-major (tokens by rows) rewritten transposed (tokens
-        contiguous, as tf32 WGMMA reads an operand that contracts over them), its rows past the
-        sequence (r_ok, [64, 1] in L's row slice) zeroed on the way; the caller fences and
-        synchronises before a WGMMA reads it."""
-        x = gl.where(r_ok, tile_s.load(L), 0.0)
-        gl.thread_barrier()  # every warp has read the tile before any overwrites it
-        tile_s.store(gl.permute(x, (1, 0)))
-
-    @gluon.jit
     def _kda_wy_bwd_wgmma_kernel(u_desc, w_desc, t_ptr, dw_ptr, dvn_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, dkp_ptr,
                                  dGp_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, flags_ptr, H,
-                                 dvn_desc, dw_desc, dkp_desc, dGp_desc,
-                                 K: gl.constexpr, V: gl.constexpr, STAGED: gl.constexpr = False):
+                                 K: gl.constexpr, V: gl.constexpr):
         """10 and 10b for one chunk and head whose flag (stage 3's, int8 [NC, H]) is clear, as
         Triton's `_kda_wy_bwd_kernel` with PAIRS computes it for such a chunk; grid (NC, H), 8 warps
         (two warpgroups side by side along N); a flagged chunk's program returns (Triton's kernel
@@ -221,13 +209,8 @@ if _GLUON_ERROR is None:
         phases. Rows past the chunk's sequence (a varlen tail: the TMA rows of the next sequence,
         finite) meet only masked factors: T's, dVn's, dW's and K's rows are loaded masked and
         M's rows and columns by the strict-lower mask; every store is row-masked.
-        STAGED (WY_STAGED; written after the H200 profile of the form above, not yet run there):
-        dVn, dW (transposed in place once landed) and stage 9's partials dK', dG' come by TMA
-        too, issued at the program's start beside U and W, so that their latencies overlap instead
-        of adding up along the chain (ncu: the form above is latency-bound, docs/perf/kda.md row
-        20); every [64, 64] fp32 tile has one NVMMA layout, so the tiles live in one pool of
-        slots and the second phase's M, M^T and gated keys take the slots of U and W (dead after
-        the first): 12 slots, 192 KB, at K = 128. The *_desc arguments are read only here."""
+        (A form with dVn, dW, dK' and dG' staged by TMA at the program's start ran no faster on the
+        H200, 2.318 ms per backward either way at S1: docs/perf/kda.md row 22.)"""
         BT: gl.constexpr = u_desc.block_type.shape[0]
         CB: gl.constexpr = u_desc.block_type.shape[1]
         gl.static_assert(K == V and K % CB == 0, "the blocks of K and V pair up")
@@ -245,57 +228,22 @@ if _GLUON_ERROR is None:
         # scan over the WGMMA layout)
         SCAN_L: gl.constexpr = gl.BlockedLayout([BT // 32, 1], [32, 1], [1, NW], [0, 1])
         XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CB, BT], gl.float32)
-        if STAGED:
-            gl.static_assert(u_desc.layout == XT_SL, "the pool's slots hold every tile in one layout")
-            # slots (allocations are powers of two): U_b, W_b, dVn_b, dW_b at pool[b + the role's
-            # offset below]; dK'_b, dG'_b at partials_s[b], [NB + b]
-            pool = gl.allocate_shared_memory(gl.float32, [4 * NB, BT, CB], XT_SL)
-            partials_s = gl.allocate_shared_memory(gl.float32, [2 * NB, BT, CB], XT_SL)
-            u_s, w_s, dvnT_s, dwT_s = pool, pool, pool, pool
-            dkp_s, dGp_s = partials_s, partials_s
-            m_s = pool  # M and M^T in U_0 and U_1 (W_0 at NB = 1), dead after the first phase
-            xT_s = pool.index(2)  # W_0 (dVn_0 at NB = 1)
-            if NB > 1:
-                yT_s = pool.index(3)  # W_1
-            else:
-                yT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)
-            bar2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        else:
-            u_s = gl.allocate_shared_memory(gl.float32, [NB, BT, CB], u_desc.layout)
-            w_s = gl.allocate_shared_memory(gl.float32, [NB, BT, CB], w_desc.layout)
-            dvnT_s = gl.allocate_shared_memory(gl.float32, [NB, CB, BT], XT_SL)
-            dwT_s = gl.allocate_shared_memory(gl.float32, [NB, CB, BT], XT_SL)
-            xT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)  # (K_b e^-d)^T
-            yT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)  # (diag(beta) K_b e^d)^T
-            m_s = gl.allocate_shared_memory(gl.float32, [2, BT, BT], XT_SL)  # M and M^T, A operands of R and C
-        # each role's first slot in its buffer (the staged form's pool; 0 in the other's own buffers)
-        W0: gl.constexpr = NB if STAGED else 0
-        DVN0: gl.constexpr = 2 * NB if STAGED else 0
-        DW0: gl.constexpr = 3 * NB if STAGED else 0
-        DGP0: gl.constexpr = NB if STAGED else 0
+        u_s = gl.allocate_shared_memory(gl.float32, [NB, BT, CB], u_desc.layout)
+        w_s = gl.allocate_shared_memory(gl.float32, [NB, BT, CB], w_desc.layout)
+        dvnT_s = gl.allocate_shared_memory(gl.float32, [NB, CB, BT], XT_SL)
+        dwT_s = gl.allocate_shared_memory(gl.float32, [NB, CB, BT], XT_SL)
+        xT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)  # (K_b e^-d)^T
+        yT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)  # (diag(beta) K_b e^d)^T
+        m_s = gl.allocate_shared_memory(gl.float32, [2, BT, BT], XT_SL)  # M and M^T, A operands of R and C
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         if gl.load(flags_ptr + c * H + hh) == 0:
             bos, eos = _chunk_bounds(chunks_ptr, c)
             mbarrier.init(bar, count=1)
-            if STAGED:
-                mbarrier.init(bar2, count=1)
             fence_async_shared()
-            if STAGED:
-                mbarrier.expect(bar, NB * (u_desc.block_type.nbytes + w_desc.block_type.nbytes
-                                           + dvn_desc.block_type.nbytes + dw_desc.block_type.nbytes))
-            else:
-                mbarrier.expect(bar, NB * (u_desc.block_type.nbytes + w_desc.block_type.nbytes))
+            mbarrier.expect(bar, NB * (u_desc.block_type.nbytes + w_desc.block_type.nbytes))
             for b in gl.static_range(NB):
                 tma.async_copy_global_to_shared(u_desc, [bos, hh * V + b * CB], bar, u_s.index(b))
-                tma.async_copy_global_to_shared(w_desc, [bos, hh * K + b * CB], bar, w_s.index(W0 + b))
-            if STAGED:
-                for b in gl.static_range(NB):
-                    tma.async_copy_global_to_shared(dvn_desc, [bos, hh * V + b * CB], bar, dvnT_s.index(DVN0 + b))
-                    tma.async_copy_global_to_shared(dw_desc, [bos, hh * K + b * CB], bar, dwT_s.index(DW0 + b))
-                mbarrier.expect(bar2, NB * (dkp_desc.block_type.nbytes + dGp_desc.block_type.nbytes))
-                for b in gl.static_range(NB):
-                    tma.async_copy_global_to_shared(dkp_desc, [bos, hh * K + b * CB], bar2, dkp_s.index(b))
-                    tma.async_copy_global_to_shared(dGp_desc, [bos, hh * K + b * CB], bar2, dGp_s.index(DGP0 + b))
+                tma.async_copy_global_to_shared(w_desc, [bos, hh * K + b * CB], bar, w_s.index(b))
 
             # under the TMA loads: T^T as a register operand (kept for both phases), dVn^T and dW^T
             rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
@@ -303,15 +251,9 @@ if _GLUON_ERROR is None:
             r_ok = (bos + rr < eos)[:, None]
             rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
             a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)
-            if STAGED:
-                mbarrier.wait(bar, 0)
-                for b in gl.static_range(NB):
-                    _transpose_in_place(dvnT_s.index(DVN0 + b), r_ok, ROWS_L)
-                    _transpose_in_place(dwT_s.index(DW0 + b), r_ok, ROWS_L)
-            else:
-                for b in gl.static_range(NB):
-                    _store_transposed(dvnT_s.index(DVN0 + b), dvn_ptr, rows, b * CB + cc, r_ok, V)
-                    _store_transposed(dwT_s.index(DW0 + b), dw_ptr, rows, b * CB + cc, r_ok, K)
+            for b in gl.static_range(NB):
+                _store_transposed(dvnT_s.index(b), dvn_ptr, rows, b * CB + cc, r_ok, V)
+                _store_transposed(dwT_s.index(b), dw_ptr, rows, b * CB + cc, r_ok, K)
             fence_async_shared()
             gl.thread_barrier()  # every warp's part of dVn^T and dW^T, before the WGMMAs read them
 
@@ -327,14 +269,14 @@ if _GLUON_ERROR is None:
             dA = zero
             vdu = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
             for b in gl.static_range(NB):
-                dxu = warpgroup_mma(a_tT, dvnT_s.index(DVN0 + b).permute((1, 0)), zero, is_async=True)
-                dxw = warpgroup_mma(a_tT, dwT_s.index(DW0 + b).permute((1, 0)), zero, is_async=True)
+                dxu = warpgroup_mma(a_tT, dvnT_s.index(b).permute((1, 0)), zero, is_async=True)
+                dxw = warpgroup_mma(a_tT, dwT_s.index(b).permute((1, 0)), zero, is_async=True)
                 # V's rows loaded under the products (one global round trip fewer on the chain)
                 voffs = orows[:, None] * V + (b * CB + co)[None, :]
                 # lint: allow TP001 -- dV and V's rows in the accumulator layout they are combined in (TMA would add a shared-memory round trip); a varlen tail's rows masked
                 vt = gl.load(v_ptr + voffs, mask=o_ok[:, None], other=0.0).to(gl.float32)
-                dxu, dxw, _t, _x, _w = warpgroup_mma_wait(0, deps=[dxu, dxw, a_tT, dvnT_s.index(DVN0 + b),
-                                                                   dwT_s.index(DW0 + b)])
+                dxu, dxw, _t, _x, _w = warpgroup_mma_wait(0, deps=[dxu, dxw, a_tT, dvnT_s.index(b),
+                                                                   dwT_s.index(b)])
                 if NW > 4:
                     # the layout conversions below go through shared-memory scratch, which may take
                     # a buffer this warpgroup is done with while the other still reads it (triton 11047)
@@ -345,8 +287,8 @@ if _GLUON_ERROR is None:
                 a_dxu = gl.convert_layout(dxu, OP_L)
                 a_dxw = gl.convert_layout(dxw, OP_L)
                 dA = warpgroup_mma(a_dxu, u_s.index(b).permute((1, 0)), dA, is_async=True)
-                dA = warpgroup_mma(a_dxw, w_s.index(W0 + b).permute((1, 0)), dA, is_async=True)
-                dA, _a, _b, _u, _w2 = warpgroup_mma_wait(0, deps=[dA, a_dxu, a_dxw, u_s.index(b), w_s.index(W0 + b)])
+                dA = warpgroup_mma(a_dxw, w_s.index(b).permute((1, 0)), dA, is_async=True)
+                dA, _a, _b, _u, _w2 = warpgroup_mma_wait(0, deps=[dA, a_dxu, a_dxw, u_s.index(b), w_s.index(b)])
                 if NW > 4:
                     gl.thread_barrier()  # as above
 
@@ -359,8 +301,6 @@ if _GLUON_ERROR is None:
             m = bos + (gl.minimum(eos - bos, BT) - 1) // 2  # the middle row as `_chunk_gate_offsets` takes it
             betar = gl.load(beta_ptr + (bos + rr).to(gl.int64) * H + hh, mask=bos + rr < eos, other=0.0).to(gl.float32)
             kr = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
-            if STAGED:
-                mbarrier.wait(bar2, 0)
             for b in gl.static_range(NB):
                 # lint: allow TP001 -- K's and G's rows, masked past the sequence, are gated in registers on their way to shared memory transposed, which TMA cannot give
                 kt = gl.load(k_ptr + rows * K + (b * CB + cc)[None, :], mask=r_ok, other=0.0).to(gl.float32)
@@ -372,7 +312,7 @@ if _GLUON_ERROR is None:
                 yT_s.store(gl.permute(kt * betar[:, None] * gl.exp(d), (1, 0)))
                 fence_async_shared()
                 gl.thread_barrier()  # every warp's part of both (and of M, M^T), before the WGMMAs read them
-                dxw = warpgroup_mma(a_tT, dwT_s.index(DW0 + b).permute((1, 0)), zero, is_async=True)
+                dxw = warpgroup_mma(a_tT, dwT_s.index(b).permute((1, 0)), zero, is_async=True)
                 R = warpgroup_mma(m_s.index(0), xT_s.permute((1, 0)), zero, is_async=True)
                 C = warpgroup_mma(m_s.index(1), yT_s.permute((1, 0)), zero, is_async=True)
 
@@ -384,24 +324,17 @@ if _GLUON_ERROR is None:
                 eg = gl.exp(gl.where(o_ok[:, None], G2.to(gl.float32), float("-inf")))
                 # lint: allow TP001 -- as G
                 k2 = gl.load(k_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32)
-                if not STAGED:
-                    # lint: allow TP001 -- as G
-                    dkp = gl.load(dkp_ptr + offs, mask=o_ok[:, None], other=0.0)
+                # lint: allow TP001 -- as G
+                dkp = gl.load(dkp_ptr + offs, mask=o_ok[:, None], other=0.0)
                 dxw, R, C, _t2, _m, _mt, _dw, _x2, _y2 = warpgroup_mma_wait(
-                    0, deps=[dxw, R, C, a_tT, m_s.index(0), m_s.index(1), dwT_s.index(DW0 + b), xT_s, yT_s])
+                    0, deps=[dxw, R, C, a_tT, m_s.index(0), m_s.index(1), dwT_s.index(b), xT_s, yT_s])
                 if NW > 4:
                     gl.thread_barrier()  # every warpgroup is done with xT_s and yT_s before the next block's (triton 11047)
                 R = R * gl.exp(d2) + eg * dxw
                 C = C * gl.exp(-d2)
-                if STAGED:  # from shared memory after the products (held under them, it spilled); the
-                    # TMA rows past the sequence are the next one's: masked
-                    dkp = gl.where(o_ok[:, None], dkp_s.index(b).load(A_L), 0.0)
                 dk = dkp + beta[:, None] * R + C
-                if STAGED:
-                    dG = gl.where(o_ok[:, None], dGp_s.index(DGP0 + b).load(A_L), 0.0) + (beta[:, None] * R - C) * k2
-                else:
-                    # lint: allow TP001 -- as G (loaded here, not under the products: both partials there spilled)
-                    dG = gl.load(dGp_ptr + offs, mask=o_ok[:, None], other=0.0) + (beta[:, None] * R - C) * k2
+                # lint: allow TP001 -- as G (loaded here, not under the products: both partials there spilled)
+                dG = gl.load(dGp_ptr + offs, mask=o_ok[:, None], other=0.0) + (beta[:, None] * R - C) * k2
                 kr += gl.sum(k2 * R, axis=1)
                 # lint: allow TP001 -- as G
                 gl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
@@ -413,8 +346,6 @@ if _GLUON_ERROR is None:
                          dg.to(dg_ptr.dtype.element_ty), mask=(bos + rs < eos)[:, None])
             gl.store(dbeta_ptr + orows, (vdu + kr).to(dbeta_ptr.dtype.element_ty), mask=o_ok)
             mbarrier.invalidate(bar)
-            if STAGED:
-                mbarrier.invalidate(bar2)
 
     @gluon.jit
     def _kda_wy_dA_kernel(u_desc, w_desc, t_ptr, dw_ptr, dvn_ptr, v_ptr, beta_ptr, dv_ptr, vdu_ptr, dxw_ptr, mm_desc,
@@ -649,8 +580,6 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
     dv = new_empty((Ntok, H, V), dv_dtype, k.device)
     if plan.NC:
         dk_out, dbeta_out, dg_out = outputs_10b
-        staged = bool(WY_STAGED)
-
         def rows(t, D):
             return _descriptor(t.view(Ntok, H * D), [BT, CB])
 
@@ -665,11 +594,9 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
                                                dbeta_out, dg_out, plan.chunks, span_flags, H, K,
                                                kk._checked("WY_PAIRS_CHANNELS", WY_PAIRS_CHANNELS, (32, 64)), num_warps=4)
         else:
-            # the staged form's descriptors (the other reads its rows with loads: u's stand in)
-            extra = (rows(dvn, V), rows(dw, K), rows(dk, K), rows(dG, K)) if staged else (rows(u, V),) * 4
             _kda_wy_bwd_wgmma_kernel[(plan.NC, H)](
                 rows(u, V), rows(w, K), Ai, dw, dvn, k, v, beta, G, dk, dG, dk_out, dv, dbeta_out, dg_out,
-                plan.chunks, span_flags, H, *extra, K, V, staged, num_warps=8)
+                plan.chunks, span_flags, H, K, V, num_warps=8)
     return kk.chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype, input_dtype,
                                span_flags=span_flags, outputs_10b=outputs_10b, only_flagged=True, dv=dv)
 
@@ -1013,14 +940,14 @@ def compile_cases():
 
 
 def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
-    """Stage 10's kernel at K = V = 128 and 64 with l2-normalised keys (fp32 k, fp32 dk: the bench's
-    case) and, at 128, raw bf16 keys (bf16 dk) and a bf16 g (its dg); each in both forms (STAGED)."""
+    """Stage 10's kernels at K = V = 128 and 64 with l2-normalised keys (fp32 k, fp32 dk: the bench's
+    case) and, at 128, raw bf16 keys (bf16 dk) and a bf16 g (its dg): the one-kernel form and the
+    split form's two kernels (WY_FORM)."""
     from tileport.compile_check import CompileCase, TensorStandIn, descriptor_stand_in
 
     f32, bf = torch.float32, torch.bfloat16
     cases = []
-    for (K, k_dtype, g_dtype), staged in itertools.product(((128, f32, f32), (64, f32, f32), (128, bf, bf)),
-                                                           (False, True)):
+    for K, k_dtype, g_dtype in ((128, f32, f32), (64, f32, f32), (128, bf, bf)):
         V = K
 
         def t(*shape, dtype=f32):
@@ -1034,15 +961,11 @@ def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
                     G_ptr=t(Ntok, H, K), dkp_ptr=t(Ntok, H, K), dGp_ptr=t(Ntok, H, K),
                     dk_ptr=t(Ntok, H, K, dtype=k_dtype), dv_ptr=t(Ntok, H, V, dtype=bf), dbeta_ptr=t(Ntok, H, dtype=bf),
                     dg_ptr=t(Ntok, H, K, dtype=g_dtype), chunks_ptr=t(2 * NC, dtype=torch.int64),
-                    flags_ptr=t(NC, H, dtype=torch.int8), H=H, dvn_desc=desc(), dw_desc=desc(), dkp_desc=desc(),
-                    dGp_desc=desc(), K=K, V=V, STAGED=staged)
-        tag = (f"K{K}_V{V}_k{'fp32' if k_dtype == f32 else 'bf16'}_g{'fp32' if g_dtype == f32 else 'bf16'}"
-               + ("_staged" if staged else ""))
+                    flags_ptr=t(NC, H, dtype=torch.int8), H=H, K=K, V=V)
+        tag = f"K{K}_V{V}_k{'fp32' if k_dtype == f32 else 'bf16'}_g{'fp32' if g_dtype == f32 else 'bf16'}"
         cases.append(CompileCase(name=f"kda_wy_bwd_{tag}", kernel=_kda_wy_bwd_wgmma_kernel, args=args, num_warps=8,
                                  expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],
                                  expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
-        if staged:
-            continue
         # the split form (WY_FORM "split"): both kernels must leave room for two programs an SM
         mm = descriptor_stand_in([NC * H * BT, 2 * BT], f32, [BT, BT], _smem_layout((BT, BT), f32))
         split_args = {
