@@ -60,9 +60,10 @@ def _key(r: dict) -> tuple:
 
 def default_records() -> dict[str, set]:
     """{path: the (op, shape, mode) keys it shows}, oldest record first. The records: for each op
-    and mode, the newest GPU record that times it beside a baseline (an fla or torch row); each
-    then shows only the (op, shape, mode) keys that no newer one of them times."""
-    newest: dict[tuple, tuple[str, str]] = {}  # (op, mode) -> (date, path)
+    and mode, the newest GPU record that times it beside a baseline (an fla or torch row), one with
+    an FLA row before any without (a run that did not carry FLA does not hide the side-by-side);
+    each then shows only the (op, shape, mode) keys that no newer one of them times."""
+    newest: dict[tuple, tuple[bool, str, str]] = {}  # (op, mode) -> (beside FLA, date, path)
     keys_of: dict[str, set] = {}
     for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")):
         rec = json.load(open(p))
@@ -70,11 +71,12 @@ def default_records() -> dict[str, set]:
             continue
         ok = [r for r in rec["rows"] if r.get("status") == "ok"]
         keys_of[p] = {_key(r) for r in ok if r["system"] in ("fla", "torch")}
+        with_fla = {(op, mode) for op, _, mode in (_key(r) for r in ok if r["system"] == "fla")}
         for op, _, mode in keys_of[p]:
-            when = rec["machine"].get("date", "")
-            if (op, mode) not in newest or when > newest[(op, mode)][0]:
-                newest[(op, mode)] = (when, p)
-    chosen = sorted({p for _, p in newest.values()}, key=lambda p: json.load(open(p))["machine"].get("date", ""))
+            rank = ((op, mode) in with_fla, rec["machine"].get("date", ""), p)
+            if (op, mode) not in newest or rank[:2] > newest[(op, mode)][:2]:
+                newest[(op, mode)] = rank
+    chosen = sorted({p for _, _, p in newest.values()}, key=lambda p: json.load(open(p))["machine"].get("date", ""))
     owned: dict[str, set] = {}
     for i, p in enumerate(chosen):
         later = set().union(*(keys_of[q] for q in chosen[i + 1:]))
