@@ -182,6 +182,15 @@ WY_PAIRS_CHANNELS = 32
 if _GLUON_ERROR is None:
 
     @gluon.jit
+    def _chunk_rows(bos, eos, hh, H, BT: gl.constexpr, NCOL: gl.constexpr, L: gl.constexpr):
+        """Indices of a [BT, NCOL] tile of the chunk starting at token bos, in layout L: the row and
+        column aranges, which rows are inside the sequence (before eos) and those rows' offsets
+        (int64, tokens x H + hh) in a [Ntok, H, *] tensor, the last two [BT]."""
+        r = gl.arange(0, BT, layout=gl.SliceLayout(1, L))
+        c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, L))
+        return r, c, bos + r < eos, (bos + r).to(gl.int64) * H + hh
+
+    @gluon.jit
     def _kda_wy_bwd_wgmma_kernel(u_desc, w_desc, t_ptr, dw_ptr, dvn_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, dkp_ptr,
                                  dGp_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, flags_ptr, H,
                                  K: gl.constexpr, V: gl.constexpr):
@@ -246,10 +255,8 @@ if _GLUON_ERROR is None:
                 tma.async_copy_global_to_shared(w_desc, [bos, hh * K + b * CB], bar, w_s.index(b))
 
             # under the TMA loads: T^T as a register operand (kept for both phases), dVn^T and dW^T
-            rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
-            cc = gl.arange(0, CB, layout=gl.SliceLayout(0, ROWS_L))
-            r_ok = (bos + rr < eos)[:, None]
-            rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
+            rr, cc, r_ok, rows = _chunk_rows(bos, eos, hh, H, BT, CB, ROWS_L)
+            r_ok, rows = r_ok[:, None], rows[:, None]
             a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)
             for b in gl.static_range(NB):
                 _store_transposed(dvnT_s.index(b), dvn_ptr, rows, b * CB + cc, r_ok, V)
@@ -257,10 +264,7 @@ if _GLUON_ERROR is None:
             fence_async_shared()
             gl.thread_barrier()  # every warp's part of dVn^T and dW^T, before the WGMMAs read them
 
-            ro = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
-            co = gl.arange(0, CB, layout=gl.SliceLayout(0, A_L))
-            o_ok = bos + ro < eos
-            orows = (bos + ro).to(gl.int64) * H + hh
+            ro, co, o_ok, orows = _chunk_rows(bos, eos, hh, H, BT, CB, A_L)
             beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
             zero = gl.zeros([BT, CB], gl.float32, A_L)
             mbarrier.wait(bar, 0)
@@ -359,10 +363,11 @@ if _GLUON_ERROR is None:
         (mm [NC * H * 64, 128] by TMA, row-major: the second half reads each as a K-major tf32 A
         operand, which a transposed view of one tile cannot be).
         Explicit here (Triton would choose): one block's U_b and W_b by TMA and its dVn_b, dW_b
-        written transposed into one set of shared slots reused block after block (64 KB at any
-        K), so that 3 programs fit an SM (the one-kernel form holds every block and both phases'
-        tiles, 213 KB: one program of 8 warps per SM, latency-bound); T^T, dXu_b and dXw_b are
-        register A operands."""
+        written transposed into one set of shared slots reused block after block (64 KB at any K,
+        80 KB with the layout conversions' scratch; 242 registers at K = 128), so that two
+        programs fit an SM (the one-kernel form holds every block and both phases' tiles, 213 KB:
+        one program of 8 warps per SM, latency-bound); T^T, dXu_b and dXw_b are register A
+        operands. H200 at 32fbcd8 (S1): 0.61 ms per backward, 63% of DRAM peak (ncu)."""
         BT: gl.constexpr = u_desc.block_type.shape[0]
         CB: gl.constexpr = u_desc.block_type.shape[1]
         gl.static_assert(K == V and K % CB == 0, "the blocks of K and V pair up")
@@ -385,14 +390,9 @@ if _GLUON_ERROR is None:
             bos, eos = _chunk_bounds(chunks_ptr, c)
             mbarrier.init(bar, count=1)
             fence_async_shared()
-            rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
-            cc = gl.arange(0, CB, layout=gl.SliceLayout(0, ROWS_L))
-            r_ok = (bos + rr < eos)[:, None]
-            rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
-            ro = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
-            co = gl.arange(0, CB, layout=gl.SliceLayout(0, A_L))
-            o_ok = bos + ro < eos
-            orows = (bos + ro).to(gl.int64) * H + hh
+            rr, cc, r_ok, rows = _chunk_rows(bos, eos, hh, H, BT, CB, ROWS_L)
+            r_ok, rows = r_ok[:, None], rows[:, None]
+            ro, co, o_ok, orows = _chunk_rows(bos, eos, hh, H, BT, CB, A_L)
             zero = gl.zeros([BT, CB], gl.float32, A_L)
             dA = zero
             vdu = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
@@ -455,11 +455,12 @@ if _GLUON_ERROR is None:
         no T^T in registers.)
         Explicit here (Triton would choose): M and M^T come by TMA as shared A operands; the gated
         keys, which contract over the chunk's tokens, are written to one set of shared slots
-        transposed, reused block after block (2 programs an SM); G, K, dXw and stage 9's partials
-        of a block are loaded in the accumulator layout at the block's start, all together, so
-        that their latencies overlap the keys' gating and the products instead of following each
-        other (at 64 channels loaded one after the other, ncu: 88% of cycles with no eligible warp,
-        22.7% of DRAM bandwidth); 32-channel blocks leave the registers for that."""
+        transposed, reused block after block (56 KB, 242 registers at K = 128: 2 programs an SM); G,
+        K, dXw and stage 9's partials of a block are loaded in the accumulator layout at the
+        block's start, all together, so that their latencies overlap the keys' gating and the
+        products instead of following each other (at 64 channels loaded one after the other, ncu:
+        88% of cycles with no eligible warp, 22.7% of DRAM bandwidth, 1.72 ms per backward at S1;
+        this form 1.54); 32-channel blocks leave the registers for that."""
         BT: gl.constexpr = m_desc.block_type.shape[0]
         gl.static_assert(K % CW == 0, "whole blocks of key channels")
         NB: gl.constexpr = K // CW
@@ -484,14 +485,9 @@ if _GLUON_ERROR is None:
             tma.async_copy_global_to_shared(m_desc, [tile, 0], bar, m_s.index(0))
             tma.async_copy_global_to_shared(m_desc, [tile, BT], bar, m_s.index(1))
 
-            rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
-            cc = gl.arange(0, CW, layout=gl.SliceLayout(0, ROWS_L))
-            r_ok = (bos + rr < eos)[:, None]
-            rows = ((bos + rr).to(gl.int64) * H + hh)[:, None]
-            ro = gl.arange(0, BT, layout=gl.SliceLayout(1, A_L))
-            co = gl.arange(0, CW, layout=gl.SliceLayout(0, A_L))
-            o_ok = bos + ro < eos
-            orows = (bos + ro).to(gl.int64) * H + hh
+            rr, cc, r_ok, rows = _chunk_rows(bos, eos, hh, H, BT, CW, ROWS_L)
+            r_ok, rows = r_ok[:, None], rows[:, None]
+            ro, co, o_ok, orows = _chunk_rows(bos, eos, hh, H, BT, CW, A_L)
             beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
             zero = gl.zeros([BT, CW], gl.float32, A_L)
             m = bos + (gl.minimum(eos - bos, BT) - 1) // 2  # the middle row as `_chunk_gate_offsets` takes it
