@@ -17,11 +17,10 @@ forward on the gluon backend against Triton's, and its per-kernel times. "fused"
 "wy": the gluon backward with stage 10's unflagged chunks on Triton's kernel or on the Gluon one
 (gluon_kernels.BACKWARD_WY), from kept tiles as training runs it, and its kernels. "dqkwg": the
 same for stage 9 (gluon_kernels.BACKWARD_DQKWG); "wy-split": stage 10 as one Gluon kernel or as
-two (gluon_kernels.WY_FORM); "wy-pairs-channels": the split form's second kernel by blocks of 64
-or 32 key channels (WY_PAIRS_CHANNELS; set WY_FORM "split" first).
+two (gluon_kernels.WY_FORM).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,wy-pairs-channels (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -284,8 +283,7 @@ if "kept" in SECTIONS:
 # (BACKWARD_WY, kda.md row 20; BACKWARD_DQKWG, row 21), the gluon backward from kept tiles, same
 # inputs, with both gate kinds; then its kernels
 for section, switch, choices in (("wy", "BACKWARD_WY", ("triton", "gluon")), ("dqkwg", "BACKWARD_DQKWG", ("triton", "gluon")),
-                                 ("wy-split", "WY_FORM", ("one-kernel", "split")),
-                                 ("wy-pairs-channels", "WY_PAIRS_CHANNELS", (64, 32))):
+                                 ("wy-split", "WY_FORM", ("one-kernel", "split"))):
     if section not in SECTIONS or dev != "cuda":
         continue
     from tileport.ops.kda import gluon_kernels as kg

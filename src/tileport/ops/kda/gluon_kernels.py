@@ -155,8 +155,8 @@ if _GLUON_ERROR is None:
 # Stage 10 (back through W, U, T and A, with 10b's pair terms) on TMA and tf32 WGMMA
 # --------------------------------------------------------------------------------------------
 # Which kernel takes stage 10's unflagged chunks in the gluon backend's backward: "triton"
-# (`_kda_wy_bwd_kernel` with PAIRS, every chunk) or "gluon" (`_kda_wy_bwd_wgmma_kernel` the
-# unflagged chunks, Triton's kernel the flagged ones). Read at each call. "gluon" since the H200
+# (`_kda_wy_bwd_kernel` with PAIRS, every chunk) or "gluon" (the unflagged chunks on Gluon, in
+# WY_FORM's form, Triton's kernel the flagged ones). Read at each call. "gluon" since the H200
 # gated it (tests/test_kda_gluon_wy.py at 3c5dbb3 and dada13b, the whole KDA gate at e3efcbc)
 # and timed it (kda_ab.py "wy" at dada13b, S1, from
 # kept tiles, one run): the kernel 2.31 ms per backward against Triton's 2.49, the backward 7.957 ->
@@ -174,10 +174,11 @@ CB = 64  # key (and value) channels per block: every tile of the stage-10 kernel
 # H200 (52 passed), memcheck and racecheck clean, kda_ab "wy-split" at 32fbcd8 (S1, kept tiles):
 # the backward 6.860 -> 6.699 ms, stage 10 2.32 -> 2.15 ms (0.61 + 1.54).
 WY_FORM = "split"
-# The split form's pairs kernel by blocks of 32 or 64 key channels (its loads of a block issued
-# together; at 64 they spill, so at 64 they were issued one after the other in the first version:
-# 1.72 ms per backward at S1, ncu latency-bound, docs/perf/kda.md row 23). Read at each call.
-WY_PAIRS_CHANNELS = 32
+# The split form's pairs kernel works by blocks of 32 key channels, a block's loads issued together.
+# At 64 channels those loads spill (352 B at K = 128; the backward 7.099 ms against 6.699 at S1,
+# kda_ab at 32fbcd8), and issued one after the other they left the kernel latency-bound (1.72 ms
+# per backward against 1.54; docs/perf/kda.md row 23). Fixed: the compile cases and tests run 32.
+_PAIRS_CHANNELS = 32
 
 if _GLUON_ERROR is None:
 
@@ -446,8 +447,8 @@ if _GLUON_ERROR is None:
         """Stage 10's second half (WY_FORM "split"): 10b's pair terms and the final dk, dg and dbeta
         for one chunk and head whose flag is clear, from M and M^T (`_kda_wy_dA_kernel`'s, by TMA);
         grid (NC, H), 4 warps, a flagged chunk's program returns. By blocks b of CW key channels
-        (WY_PAIRS_CHANNELS), with d = G - G_m (m the chunk's middle row), as
-        `_kda_wy_bwd_wgmma_kernel` forms them:
+        (_PAIRS_CHANNELS), with d = G - G_m (m the chunk's middle row), as
+        `_kda_wy_bwd_wgmma_kernel` forms them (but dbeta's row sums re-associated by CW channels):
             R_b = e^d (M (K_b e^-d)) + exp(G) dXw_b,  C_b = e^-d (M^T (diag(beta) K_b e^d))
             dk_b = dK'_b + diag(beta) R_b + C_b,  dG_b = dG'_b + diag(beta) K_b R_b - K_b C_b
             dg_b = dG_b summed in reverse over the chunk,  dbeta = vdu + sum_b rowsum(K_b R_b)
@@ -565,9 +566,9 @@ def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
 def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
                            input_dtype: torch.dtype, span_flags=None, outputs_10b=None):
     """Stage 10 (`triton_kernels.chunk_wy_bwd_kda`'s contract, 10b's whole route fused as there):
-    the chunks stage 3 left unflagged on `_kda_wy_bwd_wgmma_kernel` where `wy_bwd_kernel_for`
-    says so, the flagged ones on Triton's kernel (only_flagged); Triton's for every chunk
-    otherwise."""
+    the chunks stage 3 left unflagged on Gluon where `wy_bwd_kernel_for` says so (WY_FORM:
+    `_kda_wy_dA_kernel` then `_kda_wy_pairs_kernel`, or `_kda_wy_bwd_wgmma_kernel` alone), the
+    flagged ones on Triton's kernel (only_flagged); Triton's for every chunk otherwise."""
     if wy_bwd_kernel_for((k, v, Ai, w, u, dw, dvn, dk, dG), G, input_dtype, span_flags, outputs_10b) == "triton":
         return kk.chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype, input_dtype,
                                    span_flags=span_flags, outputs_10b=outputs_10b)
@@ -588,7 +589,7 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
                                             plan.chunks, span_flags, H, K, V, num_warps=4)
             _kda_wy_pairs_kernel[(plan.NC, H)](mm_desc, dxw, k, beta, G, dk, dG, vdu, dk_out,
                                                dbeta_out, dg_out, plan.chunks, span_flags, H, K,
-                                               kk._checked("WY_PAIRS_CHANNELS", WY_PAIRS_CHANNELS, (32, 64)), num_warps=4)
+                                               _PAIRS_CHANNELS, num_warps=4)
         else:
             _kda_wy_bwd_wgmma_kernel[(plan.NC, H)](
                 rows(u, V), rows(w, K), Ai, dw, dvn, k, v, beta, G, dk, dG, dk_out, dv, dbeta_out, dg_out,
@@ -975,7 +976,7 @@ def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
                 beta_ptr=t(Ntok, H, dtype=bf), G_ptr=t(Ntok, H, K), dkp_ptr=t(Ntok, H, K), dGp_ptr=t(Ntok, H, K),
                 vdu_ptr=t(Ntok, H), dk_ptr=t(Ntok, H, K, dtype=k_dtype), dbeta_ptr=t(Ntok, H, dtype=bf),
                 dg_ptr=t(Ntok, H, K, dtype=g_dtype), chunks_ptr=t(2 * NC, dtype=torch.int64),
-                flags_ptr=t(NC, H, dtype=torch.int8), H=H, K=K, CW=WY_PAIRS_CHANNELS)),
+                flags_ptr=t(NC, H, dtype=torch.int8), H=H, K=K, CW=_PAIRS_CHANNELS)),
         }
         for part, (kernel, kargs) in split_args.items():
             cases.append(CompileCase(name=f"kda_wy_split_{part}_{tag}", kernel=kernel, args=kargs, num_warps=4,

@@ -17,6 +17,11 @@ Design (bandwidth bound: forward moves 2*M*D elements, backward 3*M*D):
   `partials` (chunked; a barrier per tile orders those accesses inside the CTA). Its row tile,
   pipeline depth and programs per SM are autotuned (`BWD_OPTIONS`). `partials [P, D]` is summed
   in a fixed order into the weight's dtype by `triton_rows.sum_partial_rows` (one small launch).
+  The gradients are the same bits from call to call once a key is tuned; the autotuner's pick (by
+  timing, at a key's first call) sets P and each program's rows, so another process may pick
+  another candidate and round dw (and dx's row sums) otherwise, within the gate's bounds. That
+  first call times every candidate, which CUDA-graph capture does not allow: call each shape once
+  before capturing it (the grouped GEMM's autotuned kernel asks the same).
 
 The row-tile machinery (descriptor or raw-pointer row tiles, launch configuration, the TMA scratch
 allocator) lives in `tileport/triton_rows.py`, shared with softmax, rope and grouped GEMM.
