@@ -192,6 +192,29 @@ if _GLUON_ERROR is None:
         return r, c, bos + r < eos, (bos + r).to(gl.int64) * H + hh
 
     @gluon.jit
+    def _dxu_dxw_block(a_tT, dvnT_b, dwT_b, zero, v_ptr, dv_ptr, beta, orows, o_ok, col0, V: gl.constexpr):
+        """Stage 10's first products for one block of 64 value/key channels (from column col0):
+        dXu_b = T^T dVn_b and dXw_b = T^T dW_b (tf32 WGMMAs, T^T a register A operand, dVn_b^T and
+        dW_b^T in shared memory), with dV_b = diag(beta) dXu_b stored (rows past the sequence
+        masked); returns (dXu_b, dXw_b, rowsum(V_b dXu_b)). Both stage-10 forms call it."""
+        NW: gl.constexpr = gl.num_warps()
+        CB: gl.constexpr = dvnT_b.shape[0]
+        dxu = warpgroup_mma(a_tT, dvnT_b.permute((1, 0)), zero, is_async=True)
+        dxw = warpgroup_mma(a_tT, dwT_b.permute((1, 0)), zero, is_async=True)
+        # V's rows loaded under the products (one global round trip fewer on the chain)
+        voffs = orows[:, None] * V + (col0 + gl.arange(0, CB, layout=gl.SliceLayout(0, zero.type.layout)))[None, :]
+        # lint: allow TP001 -- dV and V's rows in the accumulator layout they are combined in (TMA would add a shared-memory round trip); a varlen tail's rows masked
+        vt = gl.load(v_ptr + voffs, mask=o_ok[:, None], other=0.0).to(gl.float32)
+        dxu, dxw, _t, _x, _w = warpgroup_mma_wait(0, deps=[dxu, dxw, a_tT, dvnT_b, dwT_b])
+        if NW > 4:
+            # the caller's layout conversions go through shared-memory scratch, which may take a
+            # buffer this warpgroup is done with while the other still reads it (triton 11047)
+            gl.thread_barrier()
+        # lint: allow TP001 -- as V
+        gl.store(dv_ptr + voffs, (dxu * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
+        return dxu, dxw, gl.sum(vt * dxu, axis=1)
+
+    @gluon.jit
     def _kda_wy_bwd_wgmma_kernel(u_desc, w_desc, t_ptr, dw_ptr, dvn_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, dkp_ptr,
                                  dGp_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, chunks_ptr, flags_ptr, H,
                                  K: gl.constexpr, V: gl.constexpr):
@@ -274,21 +297,9 @@ if _GLUON_ERROR is None:
             dA = zero
             vdu = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
             for b in gl.static_range(NB):
-                dxu = warpgroup_mma(a_tT, dvnT_s.index(b).permute((1, 0)), zero, is_async=True)
-                dxw = warpgroup_mma(a_tT, dwT_s.index(b).permute((1, 0)), zero, is_async=True)
-                # V's rows loaded under the products (one global round trip fewer on the chain)
-                voffs = orows[:, None] * V + (b * CB + co)[None, :]
-                # lint: allow TP001 -- dV and V's rows in the accumulator layout they are combined in (TMA would add a shared-memory round trip); a varlen tail's rows masked
-                vt = gl.load(v_ptr + voffs, mask=o_ok[:, None], other=0.0).to(gl.float32)
-                dxu, dxw, _t, _x, _w = warpgroup_mma_wait(0, deps=[dxu, dxw, a_tT, dvnT_s.index(b),
-                                                                   dwT_s.index(b)])
-                if NW > 4:
-                    # the layout conversions below go through shared-memory scratch, which may take
-                    # a buffer this warpgroup is done with while the other still reads it (triton 11047)
-                    gl.thread_barrier()
-                # lint: allow TP001 -- as V
-                gl.store(dv_ptr + voffs, (dxu * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
-                vdu += gl.sum(vt * dxu, axis=1)
+                dxu, dxw, vdu_b = _dxu_dxw_block(a_tT, dvnT_s.index(b), dwT_s.index(b), zero, v_ptr, dv_ptr, beta,
+                                                 orows, o_ok, b * CB, V)
+                vdu += vdu_b
                 a_dxu = gl.convert_layout(dxu, OP_L)
                 a_dxw = gl.convert_layout(dxw, OP_L)
                 dA = warpgroup_mma(a_dxu, u_s.index(b).permute((1, 0)), dA, is_async=True)
@@ -408,15 +419,8 @@ if _GLUON_ERROR is None:
                 _store_transposed(dwT_s, dw_ptr, rows, b * CB + cc, r_ok, K)
                 fence_async_shared()
                 gl.thread_barrier()  # every warp's part of dVn_b^T and dW_b^T, before the WGMMAs read them
-                dxu = warpgroup_mma(a_tT, dvnT_s.permute((1, 0)), zero, is_async=True)
-                dxw = warpgroup_mma(a_tT, dwT_s.permute((1, 0)), zero, is_async=True)
-                voffs = orows[:, None] * V + (b * CB + co)[None, :]
-                # lint: allow TP001 -- V's rows in the accumulator layout they are combined in (TMA would add a shared-memory round trip); a varlen tail's rows masked
-                vt = gl.load(v_ptr + voffs, mask=o_ok[:, None], other=0.0).to(gl.float32)
-                dxu, dxw, _t, _x, _w = warpgroup_mma_wait(0, deps=[dxu, dxw, a_tT, dvnT_s, dwT_s])
-                # lint: allow TP001 -- as V
-                gl.store(dv_ptr + voffs, (dxu * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
-                vdu += gl.sum(vt * dxu, axis=1)
+                dxu, dxw, vdu_b = _dxu_dxw_block(a_tT, dvnT_s, dwT_s, zero, v_ptr, dv_ptr, beta, orows, o_ok, b * CB, V)
+                vdu += vdu_b
                 # lint: allow TP001 -- as V (fp32 dXw_b for the second half's R_b, in the layout it is formed in)
                 gl.store(dxw_ptr + orows[:, None] * K + (b * CB + co)[None, :], dxw, mask=o_ok[:, None])
                 a_dxu = gl.convert_layout(dxu, OP_L)
