@@ -17,10 +17,11 @@ forward on the gluon backend against Triton's, and its per-kernel times. "fused"
 "wy": the gluon backward with stage 10's unflagged chunks on Triton's kernel or on the Gluon one
 (gluon_kernels.BACKWARD_WY), from kept tiles as training runs it, and its kernels. "dqkwg": the
 same for stage 9 (gluon_kernels.BACKWARD_DQKWG); "wy-split": stage 10 as one Gluon kernel or as
-two (gluon_kernels.WY_FORM).
+two (gluon_kernels.WY_FORM). "solve": the gluon forward with stage 3 on Triton's kernel or the
+Gluon one (gluon_kernels.FORWARD_SOLVE).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -305,3 +306,28 @@ for section, switch, choices in (("wy", "BACKWARD_WY", ("triton", "gluon")), ("d
             kernel_table(lambda: kg.kda_backward_gluon(*bargs, kept=kept),
                          f"kda backward (gluon, kept), {switch} {choices[-1]}", calls=3, rows=14)
         setattr(kg, switch, default_choice)
+
+# "solve": the gluon backend's forward, keeping its tiles as training runs it, with stage 3 on
+# Triton's tile kernel or on the Gluon one (gluon_kernels.FORWARD_SOLVE), same inputs, both gate
+# kinds; the output's and the kept T's distance from Triton's; then its kernels
+if "solve" in SECTIONS and dev == "cuda":
+    from tileport.ops.kda import gluon_kernels as kg
+
+    default_solve = kg.FORWARD_SOLVE
+    for name, g in gates.items():
+        fargs = (q, k, v, g, beta, K ** -0.5, None, False, True, None)
+        base = None
+        for choice in ("triton", "gluon"):
+            kg.FORWARD_SOLVE = choice
+            o, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
+            base = (o.float(), kept.T) if base is None else base
+            err_o = ((o.float() - base[0]).norm() / base[0].norm().clamp_min(1e-30)).item()
+            err_t = ((kept.T - base[1]).norm() / base[1].norm().clamp_min(1e-30)).item()
+            ms = triton.testing.do_bench(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True), warmup=5, rep=40,
+                                         return_mode="median")
+            print(f"kda forward (gluon, keep) gates={name:10} FORWARD_SOLVE {choice:6}: {ms:.3f} ms, "
+                  f"o vs triton {err_o:.2e}, T {err_t:.2e}", flush=True)
+        if name == "logsigmoid":
+            kernel_table(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True),
+                         "kda forward (gluon, keep), FORWARD_SOLVE gluon", rows=10)
+    kg.FORWARD_SOLVE = default_solve

@@ -1513,8 +1513,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
                                             prec, store_T, exact_wu, L2NORM_EPS, g_ptr=g, CUMSUM_G=g is not None,
                                             T_CHAIN=_t_chain(), DIAG_PREC=diag_prec, PER_CHANNEL=True,
                                             flags_ptr=span_flags)
-        _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True,
-                                       store_T, exact_wu, factored_diagonal, ONLY_FLAGGED=True, flags_ptr=span_flags)
+        solve_flagged_chunks(k, v, beta, G, Ai_or_w, w, u, plan, dtype, store_T, exact_wu, factored_diagonal, span_flags)
         return Ai, w, u
     if form == "tile":
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised or l2norm_k)
@@ -1537,6 +1536,19 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai if store_T else w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT,
                                        DT, DA, G.dim() == 3, store_T, exact_wu, factored_diagonal and G.dim() == 3)
     return Ai, w, u
+
+
+def solve_flagged_chunks(k, v, beta, G, Ai_or_w, w, u, plan: ChunkPlan, input_dtype: torch.dtype, store_T: bool,
+                         exact_wu: bool, factored_diagonal: bool, span_flags: torch.Tensor):
+    """3 for the chunks a whole-chunk stage-3 kernel flagged (KDA, span_flags int8 [NC, H]):
+    `_solve_wu_kernel` with ONLY_FLAGGED, in 16-row blocks, into the same T (Ai_or_w, when
+    store_T), W and U; input_dtype: the op's (which sets the products' rounding)."""
+    H, K = k.shape[1], k.shape[2]
+    V = v.shape[-1]
+    BK, BV, NV = _blocks(K, V)
+    DT, DA = _dot_types(input_dtype)
+    _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True,
+                                   store_T, exact_wu, factored_diagonal, ONLY_FLAGGED=True, flags_ptr=span_flags)
 
 
 def _tile_precisions(dtype: torch.dtype, compact: bool, store_T: bool, exact_wu: bool, keys_normalised: bool):

@@ -22,6 +22,10 @@ head and block of 64 key channels (dP, dQh, dKd, dW over V; R and C over the chu
 Triton's exponents d = G - G_m and summation order (`chunk_dqkwg_kda_gluon`; the flagged chunks
 on Triton's `_kda_dqkwg_kernel`, CHUNKS "flagged", into the same buffers).
 
+Stage 3 of the forward has a Gluon kernel too, `_kda_solve_wgmma_kernel` (FORWARD_SOLVE, off: bitwise
+equal to Triton's tile kernel but slower on the H200, 0.915 against 0.72 ms at S1; docs/perf/kda.md
+row 24).
+
 Per chunk, with d = G - G_m (m the chunk's middle row, fp32) and factors that are finite where the
 chunk is not flagged (|d| <= 60):
     P = lower((Q * exp(d)) (K * exp(-d))^T)          one [64, K] x [K, 64] bf16 WGMMA
@@ -149,6 +153,214 @@ if _GLUON_ERROR is None:
             mbarrier.wait(bar, 0)
             _kda_chunk_output(q_s, k_s, vn_s, h_s, kd_s, G_ptr, o_ptr, chunks_ptr, item, H, scale, K, V)
             mbarrier.invalidate(bar)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 3 (G, the flags, T, W and U) on WGMMA, for the forward of l2-normalised bf16 keys
+# --------------------------------------------------------------------------------------------
+# Which kernel forms stage 3 in the gluon backend's forward: "triton" (`_solve_wu_tile_kernel`
+# with PER_CHANNEL and CUMSUM_G, every chunk) or "gluon" (`_kda_solve_wgmma_kernel` forms G and the
+# flags of every chunk and T, W, U of the unflagged ones; Triton's `_solve_wu_kernel` the flagged
+# ones, as after the tile kernel). Read at each call. "triton": the Gluon kernel agrees with it
+# bitwise but is slower (H200, kda_ab "solve", S1, keeping T: 0.915 ms against 0.72 per forward,
+# the forward 1.808 against 1.606 ms; docs/perf/kda.md row 24). It stays as the TMA + WGMMA step of
+# the port, tested (tests/test_kda_gluon_solve.py), for the scheduling step that is still to come.
+FORWARD_SOLVE = "triton"
+# `_solve_wu_tile_kernel`'s SPAN_MAX: a chunk is flagged where its gates span more than this about
+# its middle row. The output and backward kernels read the flags, so both stage-3 kernels must flag
+# the same chunks (tests/test_kda_gluon_solve.py checks the two constants agree).
+CHUNK_SPAN_MAX = 60.0
+SOLVE_CW = 32  # key (and value) channels per TMA block of the solve kernel: its first phase works by them
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _kda_solve_wgmma_kernel(g_desc, k_desc, v_desc, beta_ptr, G_ptr, t_ptr, w_ptr, u_ptr, chunks_ptr, flags_ptr, H,
+                                K: gl.constexpr, V: gl.constexpr, STORE_T: gl.constexpr, SPAN_MAX: gl.constexpr):
+        """Stage 3 of the forward for one chunk and head, as Triton's `_solve_wu_tile_kernel` forms
+        it with PER_CHANNEL and CUMSUM_G at the forward's precisions for normalised 16-bit keys
+        (NORMALISED_KEYS_PREC "bf16", NORMALISED_KEYS_DIAG_PREC "tf32"); grid (NC, H), 4 warps (one
+        warpgroup). By blocks of CW key channels (the descriptors' block width):
+            G = the chunk's cumulative sum of g (fp64, stored fp32),  d = G - G_m (m its middle row)
+        and the flag (span = max |d| > SPAN_MAX) of every chunk; then, where the flag is clear:
+            A = strict_lower(diag(beta) (K e^d)(K e^-d)^T)               bf16 WGMMAs over K
+            D = (I + blockdiag16(A))^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)   tf32 WGMMAs
+            M = D A_off,  T = (I - M + M^2 - M^3) D (Horner)              bf16 WGMMAs
+            W = T (diag(beta) e^G K),  U = T diag(beta) V                 bf16 WGMMAs
+        with the operands rounded as Triton's kernel rounds them and the products in its order (on
+        the H200 the two agreed bitwise: tests/test_kda_gluon_solve.py). T is stored fp32 (STORE_T:
+        the forward keeps it for the backward), W and U in their buffers' dtype. A flagged chunk
+        stops after its G and flag (Triton's block kernel forms it).
+        Explicit here (Triton would choose): every input tile of the chunk (g, k, v by blocks of CW
+        channels) comes by TMA at the start on one barrier, so their latencies overlap; the gated
+        keys and the W and U operands are formed in shared memory in place (K e^-d over k's block,
+        diag(beta) V over v's) or beside (diag(beta) e^G K), K e^d as a register A operand; A's
+        diagonal 16x16 blocks are inverted as one block-diagonal [64, 64] tile on tensor cores (4x
+        the products of Triton's batched 16x16 ones, off the memory path); the tf32 chain's B
+        operands (N^(2^i) transposed) reuse g's slots and the bf16 chain's (A_off, T) k's, once those
+        are read (where they are large enough).
+        H200 (S1, docs/perf/kda.md row 24): 0.915 ms per forward against Triton's 0.72, 86 KB and 204
+        registers, two programs an SM. The form that loaded g, k and v into registers block by block
+        took 1.17 ms (ncu: 35% of warp stalls on those loads, 17% of DRAM bandwidth, 185 M
+        instructions, as many as Triton's kernel; 8 warps an SM, no eligible warp 82% of cycles):
+        latency-bound, as this one still is. Not tried yet: software pipelining across chunks (the
+        next chunk's tiles under this one's chains). Tried, broken: v's tiles in g's slots (a
+        bf16 view of the fp32 buffer by `_reinterpret`, 70 KB, three programs an SM) made the U
+        products' WGMMA read shared memory out of bounds (compute-sanitizer) under triton 3.6."""
+        BT: gl.constexpr = g_desc.block_type.shape[0]
+        CW: gl.constexpr = g_desc.block_type.shape[1]
+        NB: gl.constexpr = K // CW
+        NBV: gl.constexpr = V // CW
+        gl.static_assert(K % CW == 0 and V % CW == 0, "whole blocks of channels")
+        gl.static_assert(gl.num_warps() == 4, "one warpgroup: M = 64 rows of every WGMMA")
+        c = gl.program_id(0)
+        hh = gl.program_id(1)
+        # a block's [64, CW] tiles as read from shared memory: each column's 64 rows in one warp (the
+        # scan's axis), 8 of them a thread (scanned in the thread, then over 8 lanes; 2 rows a thread
+        # and 32 lanes measured alike on the H200: 0.915 ms against ~0.91 per forward at S1)
+        SCAN_L: gl.constexpr = gl.BlockedLayout([8, CW // 16], [BT // 8, 4], [1, 4], [1, 0])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        F_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 8])
+        W_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, CW, 16])
+        KP_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
+        T16_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], gl.bfloat16)
+        T32_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], gl.float32)
+        g_s = gl.allocate_shared_memory(g_desc.dtype, [NB, BT, CW], g_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [NB, BT, CW], k_desc.layout)  # k, then K e^-d in place
+        v_s = gl.allocate_shared_memory(v_desc.dtype, [NBV, BT, CW], v_desc.layout)  # v, then diag(beta) V in place
+        kw_s = gl.allocate_shared_memory(k_desc.dtype, [NB, BT, CW], k_desc.layout)  # diag(beta) e^G K
+        # the chains' B operands (two [64, 64] slots each) in g's and k's slots once those are read,
+        # where they are large enough (K = 128, fp32 g), else their own
+        if NB * CW * g_desc.dtype.primitive_bitwidth >= 2 * BT * 32:
+            x32_s = g_s._reinterpret(gl.float32, [2, BT, BT], T32_SL)  # N^(2^i) transposed: B of the tf32 chain
+        else:
+            x32_s = gl.allocate_shared_memory(gl.float32, [2, BT, BT], T32_SL)
+        if NB * CW >= 2 * BT:
+            x16_s = k_s._reinterpret(gl.bfloat16, [2, BT, BT], T16_SL)  # A_off, then T: B of the bf16 chain
+        else:
+            x16_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], T16_SL)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        bos, eos = _chunk_bounds(chunks_ptr, c)
+        mbarrier.init(bar, count=1)
+        fence_async_shared()
+        mbarrier.expect(bar, NB * (g_desc.block_type.nbytes + k_desc.block_type.nbytes)
+                        + NBV * v_desc.block_type.nbytes)
+        for j in gl.static_range(NB):
+            tma.async_copy_global_to_shared(g_desc, [bos, hh * K + j * CW], bar, g_s.index(j))
+            tma.async_copy_global_to_shared(k_desc, [bos, hh * K + j * CW], bar, k_s.index(j))
+        for j in gl.static_range(NBV):
+            tma.async_copy_global_to_shared(v_desc, [bos, hh * V + j * CW], bar, v_s.index(j))
+
+        rl = gl.arange(0, BT, layout=gl.SliceLayout(1, SCAN_L))
+        cl = gl.arange(0, CW, layout=gl.SliceLayout(0, SCAN_L))
+        ok_l = (bos + rl < eos)[:, None]
+        rows_l = ((bos + rl).to(gl.int64) * H + hh)[:, None]
+        mloc = (gl.minimum(eos - bos, BT) - 1) // 2  # the middle row as `_chunk_gate_offsets` takes it
+        # lint: allow TP001 -- beta's 64 values as a [64, 1] column in the tiles' layout (2 bytes a row: no TMA box), under the TMA loads
+        beta_l = gl.load(beta_ptr + rows_l, mask=ok_l, other=0.0).to(gl.float32)
+        span = gl.max(gl.zeros([BT], gl.float32, gl.SliceLayout(1, SCAN_L)), axis=0)
+        s = gl.zeros([BT, BT], gl.float32, S_L)
+        mbarrier.wait(bar, 0)
+        # the tail rows of a varlen chunk (the next sequence's, or TMA's zeros past the tensor) are
+        # zeroed as they are read, as Triton's masked loads read them
+        for j in gl.static_range(NB):
+            Gf = gl.associative_scan(gl.where(ok_l, g_s.index(j).load(SCAN_L), 0.0).to(gl.float64), 0,
+                                     _sum_combine).to(gl.float32)
+            # lint: allow TP001 -- G leaves from the scan's layout, 16-byte vectors; a varlen tail's rows belong to the next sequence (masked)
+            gl.store(G_ptr + rows_l * K + (j * CW + cl)[None, :], Gf, mask=ok_l)
+            Gm = gl.sum(gl.where((rl == mloc)[:, None], Gf, 0.0), axis=0)
+            d = gl.where(ok_l, Gf - Gm[None, :], 0.0)
+            span = gl.maximum(span, gl.max(gl.max(gl.abs(d), axis=1), axis=0))
+            kf = gl.where(ok_l, k_s.index(j).load(SCAN_L).to(gl.float32), 0.0)
+            kw_s.index(j).store((kf * gl.exp(Gf) * beta_l).to(kw_s.dtype))
+            kp = gl.convert_layout((kf * gl.exp(d)).to(k_s.dtype), KP_L)
+            # in place: each thread overwrites the elements it read
+            k_s.index(j).store((kf * gl.exp(-d)).to(k_s.dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of K e^-d's block before the WGMMA reads it
+            if j > 0:  # the previous block's product ran under this block's scan and gating
+                s, _kp, _kn = warpgroup_mma_wait(0, deps=[s, kp_prev, k_s.index(j - 1)])
+            s = warpgroup_mma(kp, k_s.index(j).permute((1, 0)), s, is_async=True)
+            kp_prev = kp
+        for j in gl.static_range(NBV):
+            v_s.index(j).store((gl.where(ok_l, v_s.index(j).load(SCAN_L).to(gl.float32), 0.0) * beta_l).to(v_s.dtype))
+        s, _kp, _kn = warpgroup_mma_wait(0, deps=[s, kp_prev, k_s.index(NB - 1)])
+        gl.store(flags_ptr + c * H + hh, gl.where(span <= SPAN_MAX, 0, 1).to(gl.int8))
+        if span <= SPAN_MAX:
+            rs = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
+            cs = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
+            r_ok = bos + rs < eos
+            beta = gl.load(beta_ptr + (bos + rs).to(gl.int64) * H + hh, mask=r_ok, other=0.0).to(gl.float32)
+            strict = (rs[:, None] > cs[None, :]) & r_ok[:, None] & (bos + cs < eos)[None, :]
+            A = gl.where(strict, s * beta[:, None], 0.0)
+            same = (rs // 16)[:, None] == (cs // 16)[None, :]
+            # D: the diagonal blocks' inverse by doubling on tf32 WGMMAs (N^16 = 0), P <- P (I + N^(2^i))
+            # and the next square issued together (both read N^(2^i) from one shared slot); the
+            # slots may be g's, read by every warp before the barrier that ended the first phase
+            F32_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=F_L, k_width=1)
+            N = gl.convert_layout(gl.where(same, A, 0.0), F_L)
+            P = gl.convert_layout(gl.where(rs[:, None] == cs[None, :], 1.0, 0.0), F_L) - N
+            x32_s.index(0).store(gl.permute(N, (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of N^T before the WGMMA reads it
+            aN = gl.convert_layout(N, F32_OP)
+            N = warpgroup_mma(aN, x32_s.index(0).permute((1, 0)), gl.zeros([BT, BT], gl.float32, F_L), is_async=True)
+            N, aN = warpgroup_mma_wait(0, deps=[N, aN])
+            for i in gl.static_range(3):  # N is N^(2^(i + 1)) here
+                slot = x32_s.index((i + 1) % 2)  # the other slot's last reader retired before the barrier above
+                slot.store(gl.permute(N, (1, 0)))
+                fence_async_shared()
+                gl.thread_barrier()
+                aP = gl.convert_layout(P, F32_OP)
+                P = warpgroup_mma(aP, slot.permute((1, 0)), P, is_async=True)
+                if i < 2:
+                    aN = gl.convert_layout(N, F32_OP)
+                    N = warpgroup_mma(aN, slot.permute((1, 0)), gl.zeros([BT, BT], gl.float32, F_L), is_async=True)
+                    P, N, aP, aN = warpgroup_mma_wait(0, deps=[P, N, aP, aN])
+                else:
+                    P, aP = warpgroup_mma_wait(0, deps=[P, aP])
+            D = gl.convert_layout(P, S_L)
+            # M = D A_off, then Horner T = D - M (D - M (D - M D)): bf16 operands, fp32 accumulation;
+            # the B operands maybe in k's slots (their last reader, A's product, retired before the
+            # first barrier of the tf32 chain)
+            A16_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
+            x16_s.index(0).store(gl.where((rs // 16)[:, None] > (cs // 16)[None, :], A, 0.0).to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            aD = gl.convert_layout(D.to(gl.bfloat16), A16_L)
+            M = warpgroup_mma(aD, x16_s.index(0), gl.zeros([BT, BT], gl.float32, S_L), is_async=True)
+            M, aD = warpgroup_mma_wait(0, deps=[M, aD])
+            aM = gl.convert_layout(M.to(gl.bfloat16), A16_L)
+            Tm = D
+            for i in gl.static_range(3):
+                x16_s.index((i + 1) % 2).store(Tm.to(gl.bfloat16))
+                fence_async_shared()
+                gl.thread_barrier()
+                MT = warpgroup_mma(aM, x16_s.index((i + 1) % 2), gl.zeros([BT, BT], gl.float32, S_L), is_async=True)
+                MT, aM = warpgroup_mma_wait(0, deps=[MT, aM])
+                Tm = D - MT
+            # W and U, a block of CW columns at a time, from T as a register A operand
+            aT = gl.convert_layout(Tm.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=W_L, k_width=2))
+            ro = gl.arange(0, BT, layout=gl.SliceLayout(1, W_L))
+            co = gl.arange(0, CW, layout=gl.SliceLayout(0, W_L))
+            o_ok = (bos + ro < eos)[:, None]
+            orows = ((bos + ro).to(gl.int64) * H + hh)[:, None]
+            zero = gl.zeros([BT, CW], gl.float32, W_L)
+            for j in gl.static_range(NB):
+                w = warpgroup_mma(aT, kw_s.index(j), zero, is_async=True)
+                w, aT = warpgroup_mma_wait(0, deps=[w, aT])
+                # lint: allow TP001 -- W's rows leave from the accumulator layout; a varlen tail's rows belong to the next sequence (masked)
+                gl.store(w_ptr + orows * K + (j * CW + co)[None, :], w.to(w_ptr.dtype.element_ty), mask=o_ok)
+            for j in gl.static_range(NBV):
+                u = warpgroup_mma(aT, v_s.index(j), zero, is_async=True)
+                u, aT = warpgroup_mma_wait(0, deps=[u, aT])
+                # lint: allow TP001 -- as W
+                gl.store(u_ptr + orows * V + (j * CW + co)[None, :], u.to(u_ptr.dtype.element_ty), mask=o_ok)
+            if STORE_T:
+                # lint: allow TP001 -- as W (T fp32, row t of its chunk at [t, hh, :])
+                gl.store(t_ptr + ((bos + rs).to(gl.int64) * H + hh)[:, None] * BT + cs[None, :], Tm,
+                         mask=r_ok[:, None])
+        mbarrier.invalidate(bar)
 
 
 # --------------------------------------------------------------------------------------------
@@ -618,6 +830,65 @@ def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.
     return o
 
 
+def solve_kernel_for(k, v, G, g, span_flags, compact: bool, keys_normalised: bool) -> str:
+    """"gluon" or "triton": which kernel forms stage 3 of the forward on these operands
+    (FORWARD_SOLVE): the Gluon kernel where Triton's tile kernel would run at the forward's
+    precisions for normalised keys at their defaults (bf16 products, tf32 diagonal inverses), in
+    the forward's form (compact: bf16 W and U; stage 2 inside stage 3: g given; G per channel in
+    fp32; stage 3's int8 flags), on contiguous bf16 k and v with K == V of HEAD_DIMS, on the GPU."""
+    from tileport.ops.gdn import triton_kernels as gk
+
+    if kk._checked("FORWARD_SOLVE", FORWARD_SOLVE, _KERNEL_CHOICES) == "triton" or _GLUON_ERROR is not None:
+        return "triton"
+    if span_flags is None or g is None or not (compact and keys_normalised) or not G.is_cuda:
+        return "triton"
+    if (gk.NORMALISED_KEYS_PREC, gk.NORMALISED_KEYS_DIAG_PREC) != ("bf16", "tf32"):
+        return "triton"
+    K, V = k.shape[-1], v.shape[-1]
+    if K != V or K not in HEAD_DIMS or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return "triton"
+    if G.dtype != torch.float32 or G.dim() != 3 or not all(x.is_contiguous() for x in (k, v, G, g)):
+        return "triton"
+    if g.dtype not in (torch.float32, torch.bfloat16):  # TMA: a descriptor in g's own dtype
+        return "triton"
+    return "gluon"
+
+
+def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact: bool = False,
+                             factored_diagonal: bool = False, keys_normalised: bool = False, g=None, span_flags=None):
+    """Stage 3 of the forward (`triton_kernels.chunk_solve_wu`'s contract as KDA's forward calls
+    it): (T [Ntok, H, 64] fp32 when store_T, else None; W; U). Where `solve_kernel_for` takes it,
+    `_kda_solve_wgmma_kernel` forms G and the flags of every chunk and T, W and U of the unflagged
+    ones, then Triton's block kernel the flagged ones (as after Triton's tile kernel); Triton's
+    stage 3 whole otherwise."""
+    from tileport.ops.gdn import triton_kernels as gk
+
+    route = solve_kernel_for(k, v, G, g, span_flags, compact, keys_normalised)
+    if route == "triton":
+        return gk.chunk_solve_wu(k, v, beta, G, plan, store_T=store_T, compact=compact,
+                                 factored_diagonal=factored_diagonal, keys_normalised=keys_normalised, g=g,
+                                 span_flags=span_flags)
+    Ntok, H, K = k.shape
+    V = v.shape[-1]
+    if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
+        raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
+    if g.shape != G.shape:
+        raise ValueError(f"g must have G's shape {tuple(G.shape)}, got {tuple(g.shape)}")
+    inter = gk._intermediate_dtype(k.dtype, compact)
+    Ai = new_empty((Ntok, H, BT), torch.float32, k.device) if store_T else None
+    w = new_empty((Ntok, H, K), inter, k.device)
+    u = new_empty((Ntok, H, V), inter, k.device)
+    if not plan.NC:
+        return Ai, w, u
+    beta = beta.contiguous()
+    g_desc, k_desc, v_desc = (_descriptor(x.view(Ntok, -1), [BT, SOLVE_CW]) for x in (g, k, v))
+    _kda_solve_wgmma_kernel[(plan.NC, H)](g_desc, k_desc, v_desc, beta, G, Ai if store_T else w, w, u, plan.chunks,
+                                          span_flags, H, K, V, store_T, CHUNK_SPAN_MAX, num_warps=4)
+    gk.solve_flagged_chunks(k, v, beta, G, Ai if store_T else w, w, u, plan, k.dtype, store_T, False,
+                            factored_diagonal, span_flags)
+    return Ai, w, u
+
+
 # --------------------------------------------------------------------------------------------
 # Stage 9 (dQ', dK', dW, dG' with 9b's pair terms) on TMA and tf32 WGMMA, for unflagged chunks.
 # --------------------------------------------------------------------------------------------
@@ -891,9 +1162,11 @@ def _dqkwg_compile_cases():
 
 def kda_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                       keep_for_backward: bool = False):
-    """Triton's forward with stage 6 on `chunk_output_kda_gluon` (keep_for_backward as there)."""
+    """Triton's forward with stage 3 on `chunk_solve_wu_kda_gluon` and stage 6 on
+    `chunk_output_kda_gluon` (keep_for_backward as there)."""
     return kk.kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                                 cu_seqlens, output=chunk_output_kda_gluon, keep_for_backward=keep_for_backward)
+                                 cu_seqlens, output=chunk_output_kda_gluon, keep_for_backward=keep_for_backward,
+                                 solve=chunk_solve_wu_kda_gluon)
 
 
 def kda_backward_gluon(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
@@ -935,8 +1208,35 @@ def compile_cases():
         tag = f"K{K}_V{V}_G{'fp32' if g_dtype == torch.float32 else 'fp64'}"
         cases.append(CompileCase(name=f"kda_output_{tag}", kernel=_kda_output_wgmma_kernel, args=args, num_warps=4,
                                  expect_ptx=expect, expect_max_spills=0, expect_max_shared=SMEM_PER_SM // 2))
+    cases += _solve_compile_cases(Ntok, H, NC)
     cases += _wy_bwd_compile_cases(Ntok, H, NC)
     cases += _dqkwg_compile_cases()
+    return cases
+
+
+def _solve_compile_cases(Ntok: int, H: int, NC: int) -> list:
+    """The forward's stage-3 kernel at K = V = 128 (T kept for the backward, and not) and 64, fp32
+    g (the bench's) and a bf16 one: both product types on tensor cores, no spills, room for two
+    programs an SM."""
+    from tileport.compile_check import CompileCase, TensorStandIn, descriptor_stand_in
+
+    f32, bf = torch.float32, torch.bfloat16
+    cases = []
+    for K, store_T, g_dtype in ((128, True, f32), (128, False, bf), (64, True, f32)):
+        V = K
+        def desc(D, dtype):
+            return descriptor_stand_in([Ntok, H * D], dtype, [BT, SOLVE_CW], _smem_layout((BT, SOLVE_CW), dtype))
+
+        args = dict(g_desc=desc(K, g_dtype), k_desc=desc(K, bf), v_desc=desc(V, bf), beta_ptr=TensorStandIn([Ntok, H], bf),
+                    G_ptr=TensorStandIn([Ntok, H, K], f32),
+                    t_ptr=TensorStandIn([Ntok, H, BT], f32) if store_T else TensorStandIn([Ntok, H, K], bf),
+                    w_ptr=TensorStandIn([Ntok, H, K], bf), u_ptr=TensorStandIn([Ntok, H, V], bf),
+                    chunks_ptr=TensorStandIn([2 * NC], torch.int64), flags_ptr=TensorStandIn([NC, H], torch.int8),
+                    H=H, K=K, V=V, STORE_T=store_T, SPAN_MAX=CHUNK_SPAN_MAX)
+        tag = f"K{K}_V{V}_g{'fp32' if g_dtype == f32 else 'bf16'}{'_T' if store_T else ''}"
+        cases.append(CompileCase(name=f"kda_solve_{tag}", kernel=_kda_solve_wgmma_kernel, args=args, num_warps=4,
+                                 expect_ptx=["wgmma.mma_async", "f32.tf32.tf32", "f32.bf16.bf16", "cp.async.bulk.tensor"],
+                                 expect_max_spills=0, expect_max_shared=SMEM_PER_SM // 2))
     return cases
 
 
