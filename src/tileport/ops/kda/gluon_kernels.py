@@ -864,8 +864,8 @@ def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact
     from tileport.ops.gdn import triton_kernels as gk
 
     route = solve_kernel_for(k, v, G, g, span_flags, compact, keys_normalised)
-    if route == "triton":
-        return gk.chunk_solve_wu(k, v, beta, G, plan, store_T=store_T, compact=compact,
+    if route == "triton":  # through triton_kernels' name, which the tests' spies replace
+        return kk.chunk_solve_wu(k, v, beta, G, plan, store_T=store_T, compact=compact,
                                  factored_diagonal=factored_diagonal, keys_normalised=keys_normalised, g=g,
                                  span_flags=span_flags)
     Ntok, H, K = k.shape
