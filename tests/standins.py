@@ -29,3 +29,14 @@ class LaunchSpy:
     def __getitem__(self, grid):
         self.grids.append(grid)
         return self.kernel[grid]
+
+
+def spy_on_kernels(monkeypatch, module, names, **switches) -> list:
+    """Set a Gluon kernel module's switches (name=value) and stand a `LaunchSpy` in for each of its
+    kernels named in `names`; the spies, in that order."""
+    for name, value in switches.items():
+        monkeypatch.setattr(module, name, value)
+    spies = [LaunchSpy(getattr(module, name)) for name in names]
+    for name, spy in zip(names, spies):
+        monkeypatch.setattr(module, name, spy)
+    return spies

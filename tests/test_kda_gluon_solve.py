@@ -16,7 +16,7 @@ import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
 from kda_stage_cases import LAYOUTS, normwise, route_rows
-from standins import LaunchSpy
+from standins import spy_on_kernels
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 
 from tileport.testing import poisoned
@@ -27,10 +27,7 @@ def gluon_solve(monkeypatch):
     """FORWARD_SOLVE "gluon", and the Gluon kernel's launches recorded (their grids)."""
     from tileport.ops.kda import gluon_kernels as gk
 
-    monkeypatch.setattr(gk, "FORWARD_SOLVE", "gluon")
-    launches = LaunchSpy(gk._kda_solve_wgmma_kernel)
-    monkeypatch.setattr(gk, "_kda_solve_wgmma_kernel", launches)
-    return launches
+    return spy_on_kernels(monkeypatch, gk, ["_kda_solve_wgmma_kernel"], FORWARD_SOLVE="gluon")[0]
 
 
 def capture_solve(layout: str, K: int, keep: bool, device: str):

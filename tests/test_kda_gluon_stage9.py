@@ -13,7 +13,7 @@ import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
 from kda_stage_cases import LAYOUTS, capture_stage, normwise, route_rows
-from standins import LaunchSpy
+from standins import spy_on_kernels
 from test_kda_gluon import ACCEPTED, plumbing_backward_args
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 
@@ -25,10 +25,7 @@ def gluon_stage9(monkeypatch):
     """BACKWARD_DQKWG "gluon", and the Gluon kernel's launches recorded (their grids)."""
     from tileport.ops.kda import gluon_kernels as gk
 
-    monkeypatch.setattr(gk, "BACKWARD_DQKWG", "gluon")
-    launches = LaunchSpy(gk._kda_dqkwg_wgmma_kernel)
-    monkeypatch.setattr(gk, "_kda_dqkwg_wgmma_kernel", launches)
-    return launches
+    return spy_on_kernels(monkeypatch, gk, ["_kda_dqkwg_wgmma_kernel"], BACKWARD_DQKWG="gluon")[0]
 
 
 @pytest.mark.parametrize("l2", [False, True], ids=["raw-keys", "l2norm"])

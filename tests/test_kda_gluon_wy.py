@@ -20,7 +20,7 @@ import test_kda_parity as parity  # a module import: pytest would collect import
 import torch
 from kda_stage_cases import LAYOUTS, capture_stage, largest_unflagged_chunk, normwise, route_rows
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
-from standins import LaunchSpy, OnGPU
+from standins import LaunchSpy, OnGPU, spy_on_kernels
 
 from tileport.testing import poisoned
 
@@ -34,13 +34,8 @@ def _wy_on(monkeypatch, form: str = "split") -> list[LaunchSpy]:
     """BACKWARD_WY "gluon" in one of FORMS, and spies on the launches of that form's kernels."""
     from tileport.ops.kda import gluon_kernels as kg
 
-    monkeypatch.setattr(kg, "BACKWARD_WY", "gluon")
-    monkeypatch.setattr(kg, "WY_FORM", form)
     names = ("_kda_wy_dA_kernel", "_kda_wy_pairs_kernel") if form == "split" else ("_kda_wy_bwd_wgmma_kernel",)
-    spies = [LaunchSpy(getattr(kg, name)) for name in names]
-    for name, spy in zip(names, spies):
-        monkeypatch.setattr(kg, name, spy)
-    return spies
+    return spy_on_kernels(monkeypatch, kg, names, BACKWARD_WY="gluon", WY_FORM=form)
 
 
 # the one-kernel form on the cases with a varlen tail, both head dims and flagged chunks
