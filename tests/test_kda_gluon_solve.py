@@ -68,11 +68,12 @@ def test_solve_matches_triton_route_by_route(layout, K, keep, device, seed, gluo
     flagged ones (Triton's block kernel in both, from G) apart: bitwise equal. Outputs are
     NaN-poisoned: a chunk no route writes fails.
     Why bitwise: both kernels round the same operands to bf16 at the same points (K e^d, K e^-d, D,
-    A_off, M, each Horner iterate, T, the W and U operands), multiply them on the same tensor-core
-    instructions (bf16 and tf32 WGMMA; the block-diagonal inverse's zeros add exactly) in the same
-    k order, and sum g in fp64 before one rounding to fp32; on the H200 every case here and the
-    bench shape agreed to the bit (kda_ab "solve", docs/perf/kda.md row 24). A difference means the
-    two kernels' arithmetic diverged: find where before accepting a bound."""
+    A_off, M, each Horner iterate, T, the W and U operands), multiply them on tensor cores in the
+    same k order (the Gluon kernel's block-diagonal [64, 64] inverse against Triton's batched 16x16
+    dots: its extra products are exact zeros), and sum g in fp64 before one rounding to fp32 (the
+    scans may add in other orders: with these gates the fp64 sums round alike); on the H200 every
+    case here and the bench shape agreed to the bit (kda_ab "solve", docs/perf/kda.md row 24). A
+    difference means the two kernels' arithmetic diverged: find where before accepting a bound."""
     parity._backend_or_skip("gluon", device)
     from tileport.ops.gdn import triton_kernels as gdn_tk
     from tileport.ops.kda import gluon_kernels as gk
@@ -126,13 +127,17 @@ def test_gluon_forward_launches_the_solve_kernel(l2, launches, device, gluon_sol
 # CPU: the switch, the rule, the threshold, the plumbing
 # --------------------------------------------------------------------------------------------
 class _Operand:
-    """A tensor as `solve_kernel_for` sees it: shape, dtype, is_cuda, is_contiguous(), dim()."""
+    """A tensor as `solve_kernel_for` sees it: shape, dtype, is_cuda, is_contiguous(), dim(), data_ptr()."""
 
-    def __init__(self, shape, dtype, is_cuda=True, contiguous=True):
+    def __init__(self, shape, dtype, is_cuda=True, contiguous=True, data_ptr=1024):
         self.shape, self.dtype, self.is_cuda, self._contiguous = torch.Size(shape), dtype, is_cuda, contiguous
+        self._data_ptr = data_ptr
 
     def is_contiguous(self) -> bool:
         return self._contiguous
+
+    def data_ptr(self) -> int:
+        return self._data_ptr
 
     def dim(self) -> int:
         return len(self.shape)
@@ -168,8 +173,9 @@ def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
     monkeypatch.setattr(gk, "FORWARD_SOLVE", "gluon")
     for K in (64, 128):
         assert _rule(K, K) == "gluon", K
-        assert _rule(K, K, g=_Operand([256, 2, K], bf)) == "gluon", K  # g is read in any float dtype
     refused = {
+        "bf16 g (compile-checked, never run on the GPU)": dict(g=_Operand([256, 2, 128], bf)),
+        "a TMA source off 16 bytes": dict(v=_Operand([256, 2, 128], bf, data_ptr=8)),
         "no flags": dict(span_flags=None),
         "G formed by stage 2 (no g)": dict(g=None),
         "K != V": dict(V=64),
@@ -184,7 +190,7 @@ def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
     }
     for why, change in refused.items():
         assert _rule(**change) == "triton", why
-    for name, value in (("NORMALISED_KEYS_PREC", "tf32"), ("NORMALISED_KEYS_DIAG_PREC", "ieee")):
+    for name, value in (("NORMALISED_KEYS_PREC", "tf32"), ("NORMALISED_KEYS_DIAG_PREC", "ieee"), ("T_CHAIN", "factored")):
         with monkeypatch.context() as m:
             m.setattr(gdn_tk, name, value)
             assert _rule() == "triton", name

@@ -188,7 +188,9 @@ if _GLUON_ERROR is None:
             M = D A_off,  T = (I - M + M^2 - M^3) D (Horner)              bf16 WGMMAs
             W = T (diag(beta) e^G K),  U = T diag(beta) V                 bf16 WGMMAs
         with the operands rounded as Triton's kernel rounds them and the products in its order (on
-        the H200 the two agreed bitwise: tests/test_kda_gluon_solve.py). T is stored fp32 (STORE_T:
+        the H200 the two agreed bitwise: tests/test_kda_gluon_solve.py; not promised: Triton's
+        diagonal inverses are batched 16x16 dots, ours one block-diagonal [64, 64] WGMMA whose
+        zero products add exactly, and the two fp64 scans may add in other orders). T is stored fp32 (STORE_T:
         the forward keeps it for the backward), W and U in their buffers' dtype. A flagged chunk
         stops after its G and flag (Triton's block kernel forms it).
         Explicit here (Triton would choose): every input tile of the chunk (g, k, v by blocks of CW
@@ -197,10 +199,10 @@ if _GLUON_ERROR is None:
         diag(beta) V over v's) or beside (diag(beta) e^G K), K e^d as a register A operand; A's
         diagonal 16x16 blocks are inverted as one block-diagonal [64, 64] tile on tensor cores (4x
         the products of Triton's batched 16x16 ones, off the memory path); the tf32 chain's B
-        operands (N^(2^i) transposed) reuse g's slots and the bf16 chain's (A_off, T) k's, once those
-        are read (where they are large enough).
-        H200 (S1, docs/perf/kda.md row 24): 0.915 ms per forward against Triton's 0.72, 86 KB and 204
-        registers, two programs an SM. The form that loaded g, k and v into registers block by block
+        operands (N^(2^i) transposed) reuse g's slots once those are read (where large enough).
+        H200 (S1, docs/perf/kda.md row 24): 0.915 ms per forward against Triton's 0.72, two programs
+        an SM (204 registers; 86 KB then, with the bf16 chain's slots in k's, 102 KB since they have
+        their own: compile-checked, not re-timed). The form that loaded g, k and v into registers block by block
         took 1.17 ms (ncu: 35% of warp stalls on those loads, 17% of DRAM bandwidth, 185 M
         instructions, as many as Triton's kernel; 8 warps an SM, no eligible warp 82% of cycles):
         latency-bound, as this one still is. Not tried yet: software pipelining across chunks (the
@@ -229,16 +231,15 @@ if _GLUON_ERROR is None:
         k_s = gl.allocate_shared_memory(k_desc.dtype, [NB, BT, CW], k_desc.layout)  # k, then K e^-d in place
         v_s = gl.allocate_shared_memory(v_desc.dtype, [NBV, BT, CW], v_desc.layout)  # v, then diag(beta) V in place
         kw_s = gl.allocate_shared_memory(k_desc.dtype, [NB, BT, CW], k_desc.layout)  # diag(beta) e^G K
-        # the chains' B operands (two [64, 64] slots each) in g's and k's slots once those are read,
-        # where they are large enough (K = 128, fp32 g), else their own
+        # the tf32 chain's B operands (two [64, 64] fp32 slots) in g's slots once those are read, where
+        # they are large enough (K = 128, fp32 g: the same 128-byte swizzle), else their own
         if NB * CW * g_desc.dtype.primitive_bitwidth >= 2 * BT * 32:
             x32_s = g_s._reinterpret(gl.float32, [2, BT, BT], T32_SL)  # N^(2^i) transposed: B of the tf32 chain
         else:
             x32_s = gl.allocate_shared_memory(gl.float32, [2, BT, BT], T32_SL)
-        if NB * CW >= 2 * BT:
-            x16_s = k_s._reinterpret(gl.bfloat16, [2, BT, BT], T16_SL)  # A_off, then T: B of the bf16 chain
-        else:
-            x16_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], T16_SL)
+        # A_off, then T: B of the bf16 chain, on their own: a 128-byte-swizzled view of k's 64-byte
+        # swizzled slots would need their base 1024-byte aligned, which the allocator does not promise
+        x16_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], T16_SL)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         bos, eos = _chunk_bounds(chunks_ptr, c)
         mbarrier.init(bar, count=1)
@@ -320,9 +321,7 @@ if _GLUON_ERROR is None:
                 else:
                     P, aP = warpgroup_mma_wait(0, deps=[P, aP])
             D = gl.convert_layout(P, S_L)
-            # M = D A_off, then Horner T = D - M (D - M (D - M D)): bf16 operands, fp32 accumulation;
-            # the B operands maybe in k's slots (their last reader, A's product, retired before the
-            # first barrier of the tf32 chain)
+            # M = D A_off, then Horner T = D - M (D - M (D - M D)): bf16 operands, fp32 accumulation
             A16_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
             x16_s.index(0).store(gl.where((rs // 16)[:, None] > (cs // 16)[None, :], A, 0.0).to(gl.bfloat16))
             fence_async_shared()
@@ -833,23 +832,25 @@ def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.
 def solve_kernel_for(k, v, G, g, span_flags, compact: bool, keys_normalised: bool) -> str:
     """"gluon" or "triton": which kernel forms stage 3 of the forward on these operands
     (FORWARD_SOLVE): the Gluon kernel where Triton's tile kernel would run at the forward's
-    precisions for normalised keys at their defaults (bf16 products, tf32 diagonal inverses), in
-    the forward's form (compact: bf16 W and U; stage 2 inside stage 3: g given; G per channel in
-    fp32; stage 3's int8 flags), on contiguous bf16 k and v with K == V of HEAD_DIMS, on the GPU."""
+    precisions for normalised keys at their defaults (bf16 products, tf32 diagonal inverses, T by
+    Horner: T_CHAIN), in the forward's form (compact: bf16 W and U; stage 2 inside stage 3: g
+    given; G per channel in fp32; stage 3's int8 flags), on contiguous bf16 k and v with K == V of
+    HEAD_DIMS and fp32 g (the H200 ran these; a bf16 g is compile-checked only), every TMA source
+    16-byte aligned, on the GPU."""
     from tileport.ops.gdn import triton_kernels as gk
 
     if kk._checked("FORWARD_SOLVE", FORWARD_SOLVE, _KERNEL_CHOICES) == "triton" or _GLUON_ERROR is not None:
         return "triton"
     if span_flags is None or g is None or not (compact and keys_normalised) or not G.is_cuda:
         return "triton"
-    if (gk.NORMALISED_KEYS_PREC, gk.NORMALISED_KEYS_DIAG_PREC) != ("bf16", "tf32"):
+    if (gk.NORMALISED_KEYS_PREC, gk.NORMALISED_KEYS_DIAG_PREC, gk._t_chain()) != ("bf16", "tf32", "horner"):
         return "triton"
     K, V = k.shape[-1], v.shape[-1]
     if K != V or K not in HEAD_DIMS or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return "triton"
     if G.dtype != torch.float32 or G.dim() != 3 or not all(x.is_contiguous() for x in (k, v, G, g)):
         return "triton"
-    if g.dtype not in (torch.float32, torch.bfloat16):  # TMA: a descriptor in g's own dtype
+    if g.dtype != torch.float32 or any(x.data_ptr() % 16 for x in (g, k, v)):  # TMA descriptors' bases
         return "triton"
     return "gluon"
 
@@ -1215,25 +1216,26 @@ def compile_cases():
 
 
 def _solve_compile_cases(Ntok: int, H: int, NC: int) -> list:
-    """The forward's stage-3 kernel at K = V = 128 (T kept for the backward, and not) and 64, fp32
-    g (the bench's) and a bf16 one: both product types on tensor cores, no spills, room for two
-    programs an SM."""
+    """The forward's stage-3 kernel at K = V = 128 (T kept for the backward, and not) and 64, with
+    fp32 g (what `solve_kernel_for` takes): both product types on tensor cores, TMA, no spills, room
+    for two programs an SM."""
     from tileport.compile_check import CompileCase, TensorStandIn, descriptor_stand_in
 
     f32, bf = torch.float32, torch.bfloat16
-    cases = []
-    for K, store_T, g_dtype in ((128, True, f32), (128, False, bf), (64, True, f32)):
-        V = K
-        def desc(D, dtype):
-            return descriptor_stand_in([Ntok, H * D], dtype, [BT, SOLVE_CW], _smem_layout((BT, SOLVE_CW), dtype))
 
-        args = dict(g_desc=desc(K, g_dtype), k_desc=desc(K, bf), v_desc=desc(V, bf), beta_ptr=TensorStandIn([Ntok, H], bf),
+    def desc(D, dtype):
+        return descriptor_stand_in([Ntok, H * D], dtype, [BT, SOLVE_CW], _smem_layout((BT, SOLVE_CW), dtype))
+
+    cases = []
+    for K, store_T in ((128, True), (128, False), (64, True)):
+        V = K
+        args = dict(g_desc=desc(K, f32), k_desc=desc(K, bf), v_desc=desc(V, bf), beta_ptr=TensorStandIn([Ntok, H], bf),
                     G_ptr=TensorStandIn([Ntok, H, K], f32),
                     t_ptr=TensorStandIn([Ntok, H, BT], f32) if store_T else TensorStandIn([Ntok, H, K], bf),
                     w_ptr=TensorStandIn([Ntok, H, K], bf), u_ptr=TensorStandIn([Ntok, H, V], bf),
                     chunks_ptr=TensorStandIn([2 * NC], torch.int64), flags_ptr=TensorStandIn([NC, H], torch.int8),
                     H=H, K=K, V=V, STORE_T=store_T, SPAN_MAX=CHUNK_SPAN_MAX)
-        tag = f"K{K}_V{V}_g{'fp32' if g_dtype == f32 else 'bf16'}{'_T' if store_T else ''}"
+        tag = f"K{K}_V{V}{'_T' if store_T else ''}"
         cases.append(CompileCase(name=f"kda_solve_{tag}", kernel=_kda_solve_wgmma_kernel, args=args, num_warps=4,
                                  expect_ptx=["wgmma.mma_async", "f32.tf32.tf32", "f32.bf16.bf16", "cp.async.bulk.tensor"],
                                  expect_max_spills=0, expect_max_shared=SMEM_PER_SM // 2))
