@@ -204,6 +204,33 @@ def test_strided_inputs(backend, device, seed):
                   torch.bfloat16, seed)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-tile", "chunked"])
+def test_triton_softmax_backward_where_it_cancels(chunked, device, seed, monkeypatch):
+    """fp32 softmax backward on peaked rows whose dy agrees with the row's mode: dx = y (dy - sum(y
+    dy)) is ~1000x smaller than y dy, so errors common to a row (the forward's fp32 1 / sum, an fp32
+    sum of y dy) come back ~1000x relative. The bound stays fp32's 1e-5; the kernel meets it by
+    summing in fp64 and normalising by its own sum (`_softmax_bwd_kernel`'s FP64_SUMS; the fp32 form
+    it replaced drew 1.2e-5 on an ordinary CI draw, seed 1497261784, and fails these rows)."""
+    _skip_unless_runs("softmax", "triton", device)
+    from tileport.ops.softmax import triton_kernels as sk
+
+    if chunked:
+        monkeypatch.setattr(sk, "_MAX_TILE_D", 64)
+    M, D = 6, 130
+    x = 0.1 * torch.randn(M, D, device=device)
+    x[torch.arange(M), torch.randint(0, D, (M,))] += 12.0  # one logit holds ~0.9999 of each row
+    x.requires_grad_(True)
+    with poisoned(), use_backend("triton", op="softmax"):
+        y = tileport.softmax(x)
+        dy = 1.0 + 1e-3 * torch.randn_like(y)
+        dx, = torch.autograd.grad(y, [x], dy)
+    ref = softmax_reference(x)
+    ref_dx, = torch.autograd.grad(ref, [x], dy.to(torch.float64))
+    amplification = (ref.detach() * dy).norm() / ref_dx.norm()
+    assert amplification > 300, f"the rows should cancel: |y dy| / |dx| = {amplification:.0f}"
+    check(f"grad 0 [op=softmax backend=triton cancelling rows seed={seed}]", dx, ref_dx, torch.float32)
+
+
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
 def test_triton_chunked_rows_and_pointer_path(dt, device, seed, monkeypatch):
     """The wide-row (chunked, two-pass) kernels and the raw-pointer path on aligned shapes,
