@@ -46,6 +46,7 @@ from tileport.memory import new_empty
 from tileport.ops.gdn.gluon_kernels import (SMEM_PER_SM, _GLUON_ERROR, _descriptor, _smem_layout,
                                             chunk_dstates_gluon, chunk_states_recompute_gluon,
                                             chunk_tile_descriptors)
+from tileport.ops.gdn import triton_kernels as gdn_tk
 from tileport.ops.kda import triton_kernels as kk
 
 if _GLUON_ERROR is None:
@@ -837,13 +838,11 @@ def solve_kernel_for(k, v, G, g, span_flags, compact: bool, keys_normalised: boo
     given; G per channel in fp32; stage 3's int8 flags), on contiguous bf16 k and v with K == V of
     HEAD_DIMS and fp32 g (the H200 ran these; a bf16 g is compile-checked only), every TMA source
     16-byte aligned, on the GPU."""
-    from tileport.ops.gdn import triton_kernels as gk
-
     if kk._checked("FORWARD_SOLVE", FORWARD_SOLVE, _KERNEL_CHOICES) == "triton" or _GLUON_ERROR is not None:
         return "triton"
     if span_flags is None or g is None or not (compact and keys_normalised) or not G.is_cuda:
         return "triton"
-    if (gk.NORMALISED_KEYS_PREC, gk.NORMALISED_KEYS_DIAG_PREC, gk._t_chain()) != ("bf16", "tf32", "horner"):
+    if (gdn_tk.NORMALISED_KEYS_PREC, gdn_tk.NORMALISED_KEYS_DIAG_PREC, gdn_tk._t_chain()) != ("bf16", "tf32", "horner"):
         return "triton"
     K, V = k.shape[-1], v.shape[-1]
     if K != V or K not in HEAD_DIMS or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
@@ -862,8 +861,6 @@ def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact
     `_kda_solve_wgmma_kernel` forms G and the flags of every chunk and T, W and U of the unflagged
     ones, then Triton's block kernel the flagged ones (as after Triton's tile kernel); Triton's
     stage 3 whole otherwise."""
-    from tileport.ops.gdn import triton_kernels as gk
-
     route = solve_kernel_for(k, v, G, g, span_flags, compact, keys_normalised)
     if route == "triton":  # through triton_kernels' name, which the tests' spies replace
         return kk.chunk_solve_wu(k, v, beta, G, plan, store_T=store_T, compact=compact,
@@ -875,7 +872,7 @@ def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact
         raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
     if g.shape != G.shape:
         raise ValueError(f"g must have G's shape {tuple(G.shape)}, got {tuple(g.shape)}")
-    inter = gk._intermediate_dtype(k.dtype, compact)
+    inter = gdn_tk._intermediate_dtype(k.dtype, compact)
     Ai = new_empty((Ntok, H, BT), torch.float32, k.device) if store_T else None
     w = new_empty((Ntok, H, K), inter, k.device)
     u = new_empty((Ntok, H, V), inter, k.device)
@@ -885,7 +882,7 @@ def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact
     g_desc, k_desc, v_desc = (_descriptor(x.view(Ntok, -1), [BT, SOLVE_CW]) for x in (g, k, v))
     _kda_solve_wgmma_kernel[(plan.NC, H)](g_desc, k_desc, v_desc, beta, G, Ai if store_T else w, w, u, plan.chunks,
                                           span_flags, H, K, V, store_T, CHUNK_SPAN_MAX, num_warps=4)
-    gk.solve_flagged_chunks(k, v, beta, G, Ai if store_T else w, w, u, plan, k.dtype, store_T, False,
+    gdn_tk.solve_flagged_chunks(k, v, beta, G, Ai if store_T else w, w, u, plan, k.dtype, store_T, False,
                             factored_diagonal, span_flags)
     return Ai, w, u
 
