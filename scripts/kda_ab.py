@@ -18,10 +18,11 @@ forward on the gluon backend against Triton's, and its per-kernel times. "fused"
 (gluon_kernels.BACKWARD_WY), from kept tiles as training runs it, and its kernels. "dqkwg": the
 same for stage 9 (gluon_kernels.BACKWARD_DQKWG); "wy-split": stage 10 as one Gluon kernel or as
 two (gluon_kernels.WY_FORM). "solve": the gluon forward with stage 3 on Triton's kernel or the
-Gluon one (gluon_kernels.FORWARD_SOLVE).
+Gluon one (gluon_kernels.FORWARD_SOLVE). "recurrence": the gluon forward with stages 5 and 6 split or
+fused in one Gluon kernel (gluon_kernels.FORWARD_RECURRENCE).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -331,3 +332,29 @@ if "solve" in SECTIONS and dev == "cuda":
             kernel_table(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True),
                          "kda forward (gluon, keep), FORWARD_SOLVE gluon", rows=10)
     kg.FORWARD_SOLVE = default_solve
+
+# "recurrence": the gluon backend's forward, keeping its tiles as training runs it, with stages 5
+# and 6 split (Triton's states kernel, then the Gluon output kernel) or fused in one Gluon kernel
+# (gluon_kernels.FORWARD_RECURRENCE), same inputs, both gate kinds, with a final state; o's and the
+# final state's distance from the split form's; then its kernels
+if "recurrence" in SECTIONS and dev == "cuda":
+    from tileport.ops.kda import gluon_kernels as kg
+
+    default_recurrence = kg.FORWARD_RECURRENCE
+    for name, g in gates.items():
+        fargs = (q, k, v, g, beta, K ** -0.5, None, True, True, None)
+        base = None
+        for choice in ("split", "fused"):
+            kg.FORWARD_RECURRENCE = choice
+            o, ht, _ = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
+            base = (o.float(), ht) if base is None else base
+            err_o = ((o.float() - base[0]).norm() / base[0].norm().clamp_min(1e-30)).item()
+            err_h = ((ht - base[1]).norm() / base[1].norm().clamp_min(1e-30)).item()
+            ms = triton.testing.do_bench(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True), warmup=5, rep=40,
+                                         return_mode="median")
+            print(f"kda forward (gluon, keep) gates={name:10} FORWARD_RECURRENCE {choice:5}: {ms:.3f} ms, "
+                  f"o vs split {err_o:.2e}, final state {err_h:.2e}", flush=True)
+            if name == "logsigmoid":
+                kernel_table(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True),
+                             f"kda forward (gluon, keep), FORWARD_RECURRENCE {choice}", rows=10)
+    kg.FORWARD_RECURRENCE = default_recurrence

@@ -55,8 +55,9 @@ if _GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from tileport.ops.gdn.gluon_kernels import (_chunk_bounds, _issue_chunk_tiles, _store_transposed,
-                                                _sum_combine, _transposed_rows)
+    from tileport.ops.gdn.gluon_kernels import (_chunk_bounds, _issue_chunk_tiles, _issue_recurrence_tiles,
+                                                _sequence_program, _store_transposed, _sum_combine,
+                                                _transposed_rows)
 
 BT = 64  # the chunk: M of every WGMMA here, one warpgroup of 4 warps
 HEAD_DIMS = (64, 128)
@@ -154,6 +155,256 @@ if _GLUON_ERROR is None:
             mbarrier.wait(bar, 0)
             _kda_chunk_output(q_s, k_s, vn_s, h_s, kd_s, G_ptr, o_ptr, chunks_ptr, item, H, scale, K, V)
             mbarrier.invalidate(bar)
+
+
+# --------------------------------------------------------------------------------------------
+# Stages 5 and 6 fused: the state recurrence and the unflagged chunks' output, h never leaving the chip
+# --------------------------------------------------------------------------------------------
+# Which kernels run the forward's stages 5 and 6 in the gluon backend: "split" (Triton's
+# `_states_kernel` with PER_CHANNEL stores h [NC, H, K, V] and Vn, then `_kda_output_wgmma_kernel`
+# reads them back: 2.14 GB at S1) or "fused" (`_kda_states_output_kernel`: h stays in registers
+# and shared memory; only the flagged chunks' h and Vn are stored, for Triton's block kernel).
+# Read at each call (`states_output_kernel_for`; scripts/kda_ab.py times both).
+FORWARD_RECURRENCE = "split"
+# The fused kernel's V columns per program and warps: BV = 128 on two warpgroups side by side
+# (GDN's best form, gdn.gluon_kernels.RECURRENCE_BV: one wave of N * H programs at S1), or 64 on one.
+RECURRENCE_BV = 128
+RECURRENCE_WARPS = 8
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _kda_states_output_kernel(q_desc, k_desc, w_desc, u_desc, o_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, h_ptr, vn_ptr,
+                                  cu_ptr, choff_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr,
+                                  BV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr):
+        """Stages 5 and 6 of KDA's forward in one kernel: one program per (sequence, head, V block of
+        BV columns), sequential over the sequence's chunks; grid (N * H, V / BV), 4 or 8 warps (one
+        or two warpgroups, each owning BV / WG columns of every [64, BV] and [K, BV] accumulator).
+        h [K, BV] fp32 lives in registers (WGMMA accumulator layout), its bf16 copy in shared memory
+        (h_s, the state entering the chunk). Per chunk, with G the chunk's per-channel gate sums
+        [64, K] (fp32 or fp64, loaded into registers), G_L its last row:
+            Vn = U - W h                                       (bf16 W and h, as Triton's states kernel)
+            h <- diag(exp(G_L)) h + (K * exp(G_L - G))^T Vn    (rows past the sequence: 0)
+        and, for a chunk whose flag (stage 3's, int8 [NC, H]) is clear, its output as
+        `_kda_chunk_output` forms it, with d = G - G_m (m the chunk's middle row):
+            O = scale ((Q e^(d + G_m)) h + lower((Q e^d)(K e^-d)^T) Vn)
+        with the same bf16 roundings and product order, so O equals the split form's to the
+        rounding of its h and Vn. A flagged chunk (gates spanning more than 60 about G_m, where e^d
+        overflows) stores h and Vn instead (bf16, into buffers only flagged chunks write) and
+        Triton's `output_flagged_chunks` forms its output after this kernel.
+
+        Shared memory (K = 128, BV = 128): a ring of two TMA sets of q, k, W [64, K] and U [64, BV]
+        (128 KB), h_s 32, Vn 16, the scaled keys 16, o's TMA staging 16: 208 KB, one program per SM.
+        The output's three operands that TMA cannot give scaled are written over the chunk's own
+        TMA tiles once every warp has read them: Q e^d over q, K e^-d over k, Q e^(d + G_m) over W
+        (after W h retired): no buffers beyond GDN's fused kernel's.
+
+        Explicit here (Triton would choose): the TMA ring and its refill point, the accumulator
+        layouts, which WGMMAs run asynchronously and the order they are waited for (W h alone
+        first: the chain's first link; S and Q h before the update, so P is formed while the update
+        runs), the thread barriers and fences that order the generic-proxy stores (h_s, Vn, the
+        scaled operands) before the WGMMAs (async proxy) read them and every warpgroup's reads of a
+        buffer before it is rewritten, and o's TMA store for chunks whose rows are all the
+        sequence's (a tail chunk keeps a masked store: its TMA rows are the next sequence's). Why:
+        the split form stores h and Vn (1.07 GB at S1) and reads them, q, k and G back (1.07 GB)
+        in 0.73 ms; the forward's 0.90 ms goal is below that dataflow's floor (docs/perf/kda.md)."""
+        BT: gl.constexpr = q_desc.block_type.shape[0]
+        NW: gl.constexpr = gl.num_warps()
+        WG: gl.constexpr = NW // 4
+        RING: gl.constexpr = 2
+        n, hh, jv, bos, eos, nc = _sequence_program(cu_ptr, H, BT)
+        c0 = gl.load(choff_ptr + n).to(gl.int32)  # the sequence's first chunk: the flags' row
+
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [RING, BT, K], q_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [RING, BT, K], k_desc.layout)
+        w_s = gl.allocate_shared_memory(w_desc.dtype, [RING, BT, K], w_desc.layout)
+        u_s = gl.allocate_shared_memory(u_desc.dtype, [RING, BT, BV], u_desc.layout)
+        h_s = gl.allocate_shared_memory(u_desc.dtype, [K, BV], u_desc.layout)
+        vn_s = gl.allocate_shared_memory(u_desc.dtype, [BT, BV], u_desc.layout)
+        kd_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
+        o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, BV], o_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(RING):
+            mbarrier.init(bars.index(b), count=1)
+        fence_async_shared()
+
+        V_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BV // WG, 16])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BT // WG, 16])
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=V_L, k_width=2)
+
+        kr = gl.arange(0, K, layout=gl.SliceLayout(1, V_L))
+        vcol = gl.arange(0, BV, layout=gl.SliceLayout(0, V_L))
+        in_state = kr[:, None] * V + (jv * BV + vcol)[None, :]  # [K, BV] block of a [K, V] state
+        sbase = (n.to(gl.int64) * H + hh) * (K * V)
+        if HAS_H0:
+            # lint: allow TP001 -- once per program, outside the chunk loop: the fp32 state straight into the WGMMA accumulator layout it is used in
+            h = gl.load(h0_ptr + sbase + in_state).to(gl.float32)
+        else:
+            h = gl.zeros([K, BV], gl.float32, V_L)
+        h_s.store(h.to(h_s.dtype))
+
+        if nc > 0:
+            _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, bos, hh, hh * V + jv * BV, q_s.index(0),
+                                    k_s.index(0), w_s.index(0), u_s.index(0), bars.index(0), K)
+        rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+        kc = gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_L))
+        ro = gl.arange(0, BT, layout=gl.SliceLayout(1, V_L))
+        rs = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
+        cs = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
+        for i in range(nc):
+            buf = i % RING
+            t0 = bos + i * BT
+            if i + 1 < nc:
+                # every warpgroup's WGMMAs of chunk i - 1 (the last readers of set 1 - buf, its
+                # scaled operands included) were waited for before the barrier that ended it; this
+                # one keeps the refill safe on its own, as in GDN's fused kernel
+                gl.thread_barrier()
+                _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, t0 + BT, hh, hh * V + jv * BV,
+                                        q_s.index(1 - buf), k_s.index(1 - buf), w_s.index(1 - buf),
+                                        u_s.index(1 - buf), bars.index(1 - buf), K)
+            r_ok = t0 + rr < eos
+            ro_ok = t0 + ro < eos
+            unflagged = gl.load(flags_ptr + (c0 + i) * H + hh) == 0
+            # the chunk's gates, before its tiles are waited for: their latency hides under the wait
+            last = gl.minimum(t0 + BT, eos) - 1
+            g_last = G_ptr + (last.to(gl.int64) * H + hh) * K
+            GL_rows = gl.load(g_last + kc)
+            GL_state = gl.load(g_last + kr)
+            # lint: allow TP001 -- the chunk's per-channel gates meet k and q in registers (no shared memory is left for a third [64, K] TMA tile beside the ring)
+            Gt = gl.load(G_ptr + ((t0 + rr).to(gl.int64) * H + hh)[:, None] * K + kc[None, :], mask=r_ok[:, None],
+                         other=0.0)
+            mbarrier.wait(bars.index(buf), (i // RING) & 1)
+            fence_async_shared()  # h_s, written by the generic proxy at the end of chunk i - 1, read by WGMMA
+            gl.thread_barrier()
+
+            wh = warpgroup_mma(w_s.index(buf), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
+            # the scaled keys K exp(G_L - G) (rows past the sequence: 0), under W h
+            kf = k_s.index(buf).load(ROWS_L).to(gl.float32)
+            kd = kf * gl.exp(gl.where(r_ok[:, None], (GL_rows[None, :] - Gt).to(gl.float32), float("-inf")))
+            kd_s.store(kd.to(kd_s.dtype))
+            u_r = u_s.index(buf).load(V_L).to(gl.float32)
+            wh = warpgroup_mma_wait(0, deps=[wh])
+            vn = u_r - wh
+            # lint: allow TP005 -- vn_s's readers (chunk i - 1's update and P Vn) were waited for (wait 0) before the thread barrier that ends that chunk
+            vn_s.store(vn.to(vn_s.dtype))
+            if unflagged:
+                # the output's operands, `_kda_chunk_output`'s exactly
+                mid = t0 + (gl.minimum(eos - t0, BT) - 1) // 2
+                Gm = gl.load(G_ptr + (mid.to(gl.int64) * H + hh) * K + kc)
+                d = gl.where(r_ok[:, None], (Gt - Gm[None, :]).to(gl.float32), 0.0)
+                ke = (kf * gl.exp(-d)).to(k_s.dtype)
+                qf = q_s.index(buf).load(ROWS_L).to(gl.float32)
+                qd = (qf * gl.exp(d)).to(q_s.dtype)
+                qg = (qf * gl.exp(d + Gm.to(gl.float32)[None, :])).to(w_s.dtype)
+                gl.thread_barrier()  # every warp has read k and q, and waited for its W h, before they are overwritten
+                k_s.index(buf).store(ke)
+                q_s.index(buf).store(qd)
+                w_s.index(buf).store(qg)
+                tma.store_wait(0)  # chunk i - 1's o has left o_s; the barrier below tells every warp
+                fence_async_shared()
+                gl.thread_barrier()  # Vn, the scaled keys and the output's operands of every warp
+                sqk = warpgroup_mma(q_s.index(buf), k_s.index(buf).permute((1, 0)),
+                                    gl.zeros([BT, BT], gl.float32, S_L), is_async=True)
+                qh = warpgroup_mma(w_s.index(buf), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
+                h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL_state.to(gl.float32))[:, None],
+                                  is_async=True)
+                sqk, qh = warpgroup_mma_wait(1, deps=[sqk, qh])  # the update runs on under P
+                keep = (rs[:, None] >= cs[None, :]) & (t0 + rs < eos)[:, None] & (t0 + cs < eos)[None, :]
+                P = gl.convert_layout(gl.where(keep, sqk, 0.0).to(vn_s.dtype), P_L)
+                o = warpgroup_mma(P, vn_s, qh, is_async=True)
+                h, o = warpgroup_mma_wait(0, deps=[h, o])
+                if t0 + BT <= eos:
+                    o_s.store((o * scale).to(o_s.dtype))
+                    fence_async_shared()
+                else:
+                    offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
+                    # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: a 64-row TMA store would overwrite them
+                    gl.store(o_ptr + offs, (o * scale).to(o_ptr.dtype.element_ty), mask=ro_ok[:, None])
+            else:
+                # Triton's block kernel forms this chunk's output from the h entering it and Vn
+                # lint: allow TP001 -- only flagged chunks store h and Vn, from the registers they are in
+                gl.store(h_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + in_state, h.to(h_ptr.dtype.element_ty))
+                offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
+                # lint: allow TP001 -- only flagged chunks store Vn; a tail chunk's rows past the sequence are the next one's
+                gl.store(vn_ptr + offs, vn.to(vn_ptr.dtype.element_ty), mask=ro_ok[:, None])
+                fence_async_shared()
+                gl.thread_barrier()  # Vn and the scaled keys of every warp, before the update reads them
+                h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL_state.to(gl.float32))[:, None])
+            gl.thread_barrier()  # every warpgroup's WGMMAs have read h_s, vn_s and kd_s; o_s is whole
+            if unflagged & (t0 + BT <= eos):
+                tma.async_copy_shared_to_global(o_desc, [t0, hh * V + jv * BV], o_s)
+            h_s.store(h.to(h_s.dtype))
+        tma.store_wait(0)  # o_s is read by the last TMA store until it completes
+        if STORE_FINAL:
+            # lint: allow TP001 -- once per program, after the chunk loop: the state from its accumulator layout
+            gl.store(ht_ptr + sbase + in_state, h)
+        for b in gl.static_range(RING):
+            mbarrier.invalidate(bars.index(b))
+
+
+def states_output_kernel_for(q, k, w, u, G, span_flags) -> str:
+    """"fused" or "split": whether `_kda_states_output_kernel` runs the forward's stages 5 and 6
+    (FORWARD_RECURRENCE "fused"; stage 3's flags made, so the flagged chunks' output has its
+    route; bf16 q, k, W and U with K == V of HEAD_DIMS, fp32 G, all contiguous and 16-byte
+    aligned for TMA, on the GPU)."""
+    if kk._checked("FORWARD_RECURRENCE", FORWARD_RECURRENCE, ("split", "fused")) == "split" or _GLUON_ERROR is not None:
+        return "split"
+    if span_flags is None or not G.is_cuda:
+        return "split"
+    K, V = k.shape[-1], u.shape[-1]
+    if K != V or K not in HEAD_DIMS or any(x.dtype != torch.bfloat16 for x in (q, k, w, u)):
+        return "split"
+    if G.dtype != torch.float32 or not all(x.is_contiguous() for x in (q, k, w, u, G)):
+        return "split"
+    if any(x.data_ptr() % 16 for x in (q, k, w, u)):  # TMA descriptors' bases
+        return "split"
+    return "fused"
+
+
+def check_recurrence_launch(V: int) -> int:
+    """The fused kernel's BV for head dim V (RECURRENCE_BV, RECURRENCE_WARPS), or a ValueError
+    naming the switch it cannot take."""
+    BV = min(V, RECURRENCE_BV)
+    if RECURRENCE_WARPS not in (4, 8):
+        raise ValueError(f"RECURRENCE_WARPS {RECURRENCE_WARPS}: the fused KDA kernel runs on 4 or 8 warps")
+    if BV < 16 or BV & (BV - 1) or V % BV or (BV // (RECURRENCE_WARPS // 4)) % 8:
+        raise ValueError(f"RECURRENCE_BV {RECURRENCE_BV} (BV {BV} at V={V}, {RECURRENCE_WARPS} warps): a power of two "
+                         f">= 16 dividing V, at least 8 columns per warpgroup")
+    return BV
+
+
+def chunk_states_output_kda_gluon(q, k, w, u, G, h0, plan, output_final_state: bool, scale: float,
+                                  out_dtype: torch.dtype, span_flags):
+    """Stages 5 and 6 on `_kda_states_output_kernel`, then Triton's block kernel on the flagged
+    chunks: (o [Ntok, H, V] in out_dtype, final state [N, H, K, V] fp32 or None) from normalised q
+    and k, W, U (bf16, stage 3's compact form) and G [Ntok, H, K] fp32; None where
+    `states_output_kernel_for` leaves the stages to the split form (the caller runs it)."""
+    if states_output_kernel_for(q, k, w, u, G, span_flags) == "split" or out_dtype != torch.bfloat16:
+        return None
+    Ntok, H, K = q.shape
+    V = u.shape[-1]
+    BV = check_recurrence_launch(V)
+    if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
+        raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
+    o = new_empty((Ntok, H, V), out_dtype, q.device)
+    ht = new_empty((plan.N, H, K, V), torch.float32, q.device) if output_final_state else None
+    # written for the flagged chunks only (Triton's block kernel reads no other)
+    h = new_empty((plan.NC, H, K, V), torch.bfloat16, q.device)
+    vn = new_empty((Ntok, H, V), torch.bfloat16, q.device)
+    if plan.N:
+        descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
+                 _descriptor(w.view(Ntok, H * K), [BT, K]), _descriptor(u.view(Ntok, H * V), [BT, BV]),
+                 _descriptor(o.view(Ntok, H * V), [BT, BV]))
+        h0 = h0.float().contiguous() if h0 is not None else None
+        _kda_states_output_kernel[(plan.N * H, V // BV)](
+            *descs, G, h0 if h0 is not None else o, ht if ht is not None else o, o, h, vn, plan.cu,
+            plan.chunk_offsets, span_flags, H, float(scale), K, V, BV, h0 is not None, output_final_state,
+            num_warps=RECURRENCE_WARPS)
+        kk.output_flagged_chunks(q, k, G, h, vn, o, scale, plan, span_flags)
+    return o, ht
 
 
 # --------------------------------------------------------------------------------------------
@@ -1160,11 +1411,12 @@ def _dqkwg_compile_cases():
 
 def kda_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                       keep_for_backward: bool = False):
-    """Triton's forward with stage 3 on `chunk_solve_wu_kda_gluon` and stage 6 on
-    `chunk_output_kda_gluon` (keep_for_backward as there)."""
+    """Triton's forward with stage 3 on `chunk_solve_wu_kda_gluon`, and stages 5 and 6 fused on
+    `chunk_states_output_kda_gluon` where it takes them, else stage 5 on Triton's kernel and stage 6
+    on `chunk_output_kda_gluon` (keep_for_backward as there)."""
     return kk.kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                                  cu_seqlens, output=chunk_output_kda_gluon, keep_for_backward=keep_for_backward,
-                                 solve=chunk_solve_wu_kda_gluon)
+                                 solve=chunk_solve_wu_kda_gluon, states_output=chunk_states_output_kda_gluon)
 
 
 def kda_backward_gluon(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
@@ -1207,8 +1459,40 @@ def compile_cases():
         cases.append(CompileCase(name=f"kda_output_{tag}", kernel=_kda_output_wgmma_kernel, args=args, num_warps=4,
                                  expect_ptx=expect, expect_max_spills=0, expect_max_shared=SMEM_PER_SM // 2))
     cases += _solve_compile_cases(Ntok, H, NC)
+    cases += _states_output_compile_cases(Ntok, H, NC)
     cases += _wy_bwd_compile_cases(Ntok, H, NC)
     cases += _dqkwg_compile_cases()
+    return cases
+
+
+def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
+    """The fused states + output kernel at K = V = 128 (BV 128 on 8 warps, the default) and
+    K = V = 64 (BV 64 on 8 warps), with an initial and a final state and without: TMA, WGMMA, no
+    spills, within an SM's shared memory. (BV 64 on 4 warps at K = 128 spills 348 bytes a thread
+    on sm_90a: the [64, K] gate, key and query tiles on half the threads; not a checked form.)"""
+    from tileport.compile_check import CompileCase, TensorStandIn, descriptor_stand_in
+
+    f32, bf = torch.float32, torch.bfloat16
+    N = Ntok // 4096
+
+    def desc(D, block):
+        return descriptor_stand_in([Ntok, H * D], bf, block, _smem_layout(tuple(block), bf))
+
+    cases = []
+    for K, BV, warps, states in ((128, 128, 8, True), (128, 128, 8, False), (64, 64, 8, True)):
+        V = K
+        args = dict(q_desc=desc(K, [BT, K]), k_desc=desc(K, [BT, K]), w_desc=desc(K, [BT, K]), u_desc=desc(V, [BT, BV]),
+                    o_desc=desc(V, [BT, BV]), G_ptr=TensorStandIn([Ntok, H, K], f32),
+                    h0_ptr=TensorStandIn([N, H, K, V], f32), ht_ptr=TensorStandIn([N, H, K, V], f32),
+                    o_ptr=TensorStandIn([Ntok, H, V], bf), h_ptr=TensorStandIn([NC, H, K, V], bf),
+                    vn_ptr=TensorStandIn([Ntok, H, V], bf), cu_ptr=TensorStandIn([N + 1], torch.int32),
+                    choff_ptr=TensorStandIn([N + 1], torch.int32), flags_ptr=TensorStandIn([NC, H], torch.int8),
+                    H=H, scale=0.1, K=K, V=V, BV=BV, HAS_H0=states, STORE_FINAL=states)
+        tag = f"K{K}_BV{BV}_w{warps}{'_states' if states else ''}"
+        cases.append(CompileCase(name=f"kda_states_output_{tag}", kernel=_kda_states_output_kernel, args=args,
+                                 num_warps=warps, expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor",
+                                                              "mbarrier.try_wait"],
+                                 expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     return cases
 
 

@@ -354,13 +354,14 @@ def _factored_diagonal() -> bool:
 
 
 def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                       output=None, keep_for_backward: bool = False, solve=None):
+                       output=None, keep_for_backward: bool = False, solve=None, states_output=None):
     """(o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None), and with
     keep_for_backward a third item: `KeptTiles` for `kda_backward_triton` (KEEP_FORWARD_TILES), or
     None. output, solve: the functions that run stage 6 (`chunk_output_kda`'s contract) and stage 3
     (`chunk_solve_wu`'s, as called here); None: this module's, looked up at the call (a default
     argument would bind the function at definition, past a test's spy); the Gluon backend passes
-    its own."""
+    its own. states_output: stages 5 and 6 in one (`gluon_kernels.chunk_states_output_kda_gluon`'s
+    contract: (o, final state), or None where it leaves them to the two stages here)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     plan = make_plan(B, T, cu_seqlens, q.device)
@@ -375,8 +376,12 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     Ai, w, u = (solve or chunk_solve_wu)(kf, vf, bf, G, plan, store_T=keep, compact=True, factored_diagonal=factored,
                                          keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
                                          span_flags=flags)
-    h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
-    o = (output or chunk_output_kda)(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
+    fused = states_output and states_output(qf, kf, w, u, G, h0, plan, output_final_state, scale, q.dtype, flags)
+    if fused:
+        o, ht = fused
+    else:
+        h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
+        o = (output or chunk_output_kda)(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
     if not keep_for_backward:
         return o.view(B, T, H, V), ht
     return o.view(B, T, H, V), ht, (KeptTiles(G, Ai, flags) if keep else None)

@@ -1,0 +1,196 @@
+"""KDA's forward stages 5 and 6 fused on one Gluon kernel (`gluon_kernels._kda_states_output_kernel`,
+FORWARD_RECURRENCE "fused"): the state recurrence with h kept on the chip, the output of every
+unflagged chunk formed there, the flagged chunks' h and Vn stored for Triton's block kernel
+(`chunk_states_output_kda_gluon`). On the GPU: the gluon backend's forward with the fused kernel
+against the same forward with the split stages (Triton's states kernel, then the Gluon output
+kernel), route by route, and both against the float64 reference through the gate's cases. On the
+CPU: the switch, the rule and the launch checks; tests/test_gluon_compile.py compile-checks the
+kernel for sm_90a.
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_kda_parity as parity  # a module import: pytest would collect imported test functions
+import torch
+from kda_stage_cases import LAYOUTS, normwise, route_rows
+from standins import spy_on_kernels
+from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
+
+from tileport.testing import poisoned
+
+# one bf16 unit in the last place, relative: the fused kernel and the split form round the same
+# operands to bf16 (h, Vn, the scaled keys and queries, P) at the same points; what differs is the
+# fp32 order in which the recurrence's products are summed (WGMMA here, Triton's tl.dot there),
+# which can move a rounding of h or Vn by one bf16 unit. A larger distance means the two forms'
+# arithmetic diverged.
+SAME_ROUNDINGS = 2.0 ** -8
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """FORWARD_RECURRENCE "fused", and the fused kernel's launches recorded (their grids)."""
+    from tileport.ops.kda import gluon_kernels as gk
+
+    return spy_on_kernels(monkeypatch, gk, ["_kda_states_output_kernel"], FORWARD_RECURRENCE="fused")[0]
+
+
+def _inputs(layout: str, K: int, h0: bool, device: str):
+    """bf16 inputs with l2-normalised keys, K = V, H = 2; LAYOUTS' steep tokens flag some chunks of
+    head 0, the other chunks take logsigmoid(randn) gates (unflagged)."""
+    cu, B, T, (lo, hi) = LAYOUTS[layout]
+    q, k, v, g, beta, h0_t, cu_t = parity.make_inputs(B, T, 2, K, K, torch.bfloat16, cu, h0, True, "normal", "rand",
+                                                      device)
+    g[0, lo:hi, 0] = -20.0 - 10.0 * torch.rand(hi - lo, K, device=device)
+    return q, k, v, g, beta, h0_t, cu_t
+
+
+def _forward(form: str, inputs, K: int, final: bool, monkeypatch):
+    from tileport.ops.kda import gluon_kernels as gk
+
+    with monkeypatch.context() as m:
+        m.setattr(gk, "FORWARD_RECURRENCE", form)
+        with poisoned():
+            return gk.kda_forward_gluon(*inputs[:5], K ** -0.5, inputs[5], final, True, inputs[6])
+
+
+@pytest.mark.parametrize("final", [True, False], ids=["final-state", "no-final"])
+@pytest.mark.parametrize("h0", [True, False], ids=["h0", "no-h0"])
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fused_matches_split_route_by_route(layout, K, h0, final, device, seed, fused, monkeypatch):
+    """o of the fused forward against the split forward's on the same inputs, on the rows of
+    unflagged chunks (formed in the fused kernel) and of flagged ones (Triton's block kernel, from
+    the h and Vn the fused kernel stored) apart, and the final state: within SAME_ROUNDINGS
+    normwise. Outputs are NaN-poisoned (so are the fused kernel's h and Vn buffers, which only
+    flagged chunks write): a row no route writes, or a flagged chunk read from an unwritten h,
+    fails."""
+    parity._backend_or_skip("gluon", device)
+    from tileport.ops.kda import triton_kernels as kk
+
+    inputs = _inputs(layout, K, h0, device)
+    o_split, ht_split = _forward("split", inputs, K, final, monkeypatch)
+    assert fused.grids == [], "the split form launched the fused kernel"
+    o, ht = _forward("fused", inputs, K, final, monkeypatch)
+    H = 2
+    N = inputs[0].shape[0] if inputs[6] is None else inputs[6].numel() - 1
+    assert fused.grids == [(N * H, 1)], fused.grids
+
+    where = f"[{layout} K={K} h0={h0} final={final} seed={seed}]"
+    B, T = inputs[0].shape[:2]
+    plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
+    flags = torch.empty((plan.NC, H), dtype=torch.int8, device=device)
+    gf = kk._flatten(inputs[3])
+    kf = kk.l2norm_fwd(kk._flatten(inputs[1]))
+    G = torch.empty(gf.shape, dtype=torch.float32, device=device)
+    kk.chunk_solve_wu(kf, kk._flatten(inputs[2]), kk._flatten(inputs[4]), G, plan, compact=True,
+                      keys_normalised=True, g=gf, span_flags=flags)
+    assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
+    unflagged, flagged = (m.to(device) for m in route_rows(plan, flags))
+    of, osf = o.reshape(B * T, H, -1), o_split.reshape(B * T, H, -1)
+    for route, rows in (("unflagged", unflagged), ("flagged", flagged)):
+        assert not of[rows].isnan().any(), f"o on {route} chunks {where}: not written"
+        dist = normwise(of[rows], osf[rows])
+        assert dist <= SAME_ROUNDINGS, f"o on {route} chunks {where}: {dist:.2e} normwise from the split form's"
+    assert (ht is None) == (not final) and (ht_split is None) == (not final)
+    if final:
+        dist = normwise(ht, ht_split)
+        assert dist <= SAME_ROUNDINGS, f"final state {where}: {dist:.2e} normwise from the split form's"
+
+
+@pytest.mark.parametrize("case_id", [cid for cid, c in parity.CASES.items()
+                                     if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)])
+def test_gate_cases_with_the_fused_kernel(case_id, device, seed, fused):
+    """The gate's accepted cases (forward and backward against the float64 reference, the gate's
+    bounds) on the gluon backend with the fused forward, which each forward launches once."""
+    parity._backend_or_skip("gluon", device)
+    parity._run_and_check("gluon", case_id, device, seed)
+    assert len(fused.grids) == 1, fused.grids
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the switch, the rule, the launch checks
+# --------------------------------------------------------------------------------------------
+class _Operand:
+    """A tensor as `states_output_kernel_for` sees it: shape, dtype, is_cuda, is_contiguous(), data_ptr()."""
+
+    def __init__(self, shape, dtype, is_cuda=True, contiguous=True, data_ptr=1024):
+        self.shape, self.dtype, self.is_cuda, self._contiguous = torch.Size(shape), dtype, is_cuda, contiguous
+        self._data_ptr = data_ptr
+
+    def is_contiguous(self) -> bool:
+        return self._contiguous
+
+    def data_ptr(self) -> int:
+        return self._data_ptr
+
+
+def _rule(K=128, V=128, **changes):
+    from tileport.ops.kda import gluon_kernels as gk
+
+    bf, Ntok, H, NC = torch.bfloat16, 256, 2, 4
+    ops = dict(q=_Operand([Ntok, H, K], bf), k=_Operand([Ntok, H, K], bf), w=_Operand([Ntok, H, K], bf),
+               u=_Operand([Ntok, H, V], bf), G=_Operand([Ntok, H, K], torch.float32),
+               span_flags=_Operand([NC, H], torch.int8))
+    ops.update(changes)
+    return gk.states_output_kernel_for(ops["q"], ops["k"], ops["w"], ops["u"], ops["G"], ops["span_flags"])
+
+
+def test_switch_is_validated(monkeypatch):
+    from tileport.ops.kda import gluon_kernels as gk
+
+    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", "both")
+    with pytest.raises(ValueError, match="FORWARD_RECURRENCE 'both'.*'split', 'fused'"):
+        _rule()
+    with pytest.raises(ValueError, match="FORWARD_RECURRENCE"):  # validated before any fallback is decided
+        _rule(span_flags=None)
+
+
+def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
+    from tileport.ops.kda import gluon_kernels as gk
+
+    bf, f32 = torch.bfloat16, torch.float32
+    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", "split")
+    assert _rule() == "split"
+    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", "fused")
+    for K in (64, 128):
+        assert _rule(K, K) == "fused", K
+    refused = {
+        "no flags (fp32 inputs, or DIAGONAL_FORM other than chunk)": dict(span_flags=None),
+        "K != V": dict(V=64),
+        "K = 32": dict(K=32, V=32),
+        "fp32 W (not stage 3's compact form)": dict(w=_Operand([256, 2, 128], f32)),
+        "fp16 queries": dict(q=_Operand([256, 2, 128], torch.float16)),
+        "fp64 G": dict(G=_Operand([256, 2, 128], torch.float64)),
+        "on the CPU": dict(G=_Operand([256, 2, 128], f32, is_cuda=False)),
+        "strided U": dict(u=_Operand([256, 2, 128], bf, contiguous=False)),
+        "a TMA source off 16 bytes": dict(k=_Operand([256, 2, 128], bf, data_ptr=1032)),
+    }
+    for why, change in refused.items():
+        assert _rule(**change) == "split", why
+
+
+def test_launch_checks(monkeypatch):
+    from tileport.ops.kda import gluon_kernels as gk
+
+    assert gk.check_recurrence_launch(128) == 128 and gk.check_recurrence_launch(64) == 64
+    monkeypatch.setattr(gk, "RECURRENCE_WARPS", 2)
+    with pytest.raises(ValueError, match="RECURRENCE_WARPS 2"):
+        gk.check_recurrence_launch(128)
+    monkeypatch.setattr(gk, "RECURRENCE_WARPS", 8)
+    monkeypatch.setattr(gk, "RECURRENCE_BV", 48)
+    with pytest.raises(ValueError, match="RECURRENCE_BV 48"):
+        gk.check_recurrence_launch(128)
+
+
+def test_split_form_leaves_the_forward_as_it_was(monkeypatch):
+    """With FORWARD_RECURRENCE "split" the fused stage declines (None), so `kda_forward_triton` runs
+    stages 5 and 6 itself; on the CPU the rule declines whatever the switch says."""
+    from tileport.ops.kda import gluon_kernels as gk
+
+    bf = torch.bfloat16
+    t = torch.zeros(64, 2, 64, dtype=bf)
+    flags = torch.zeros(1, 2, dtype=torch.int8)
+    for form in ("split", "fused"):
+        monkeypatch.setattr(gk, "FORWARD_RECURRENCE", form)
+        assert gk.chunk_states_output_kda_gluon(t, t, t, t, t.float(), None, None, False, 1.0, bf, flags) is None
