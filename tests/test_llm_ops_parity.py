@@ -204,23 +204,44 @@ def test_strided_inputs(backend, device, seed):
                   torch.bfloat16, seed)
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["one-tile", "chunked"])
-def test_triton_softmax_backward_where_it_cancels(chunked, device, seed, monkeypatch):
+# (backend, form, D) of softmax's fp32 backward: Triton's and cuTile's one-tile and chunked kernels
+# (the chunked ones forced by shrinking their widest tile), and the Gluon kernel, which holds a row
+# in one tile always (power-of-two D): inside one warp at D = 256, across four warps at D = 1024
+# (its sums cross warps through shared memory there)
+SOFTMAX_CANCEL_FORMS = [("triton", "one-tile", 130), ("triton", "chunked", 130), ("gluon", "one-warp", 256),
+                        ("gluon", "across-warps", 1024), ("cutile", "one-tile", 130), ("cutile", "chunked", 130)]
+
+
+@pytest.mark.parametrize("backend,form,D", SOFTMAX_CANCEL_FORMS, ids=[f"{b}-{f}" for b, f, _ in SOFTMAX_CANCEL_FORMS])
+def test_softmax_backward_where_it_cancels(backend, form, D, device, seed, monkeypatch):
     """fp32 softmax backward on peaked rows whose dy agrees with the row's mode: dx = y (dy - sum(y
     dy)) is ~1000x smaller than y dy, so errors common to a row (the forward's fp32 1 / sum, an fp32
-    sum of y dy) come back ~1000x relative. The bound stays fp32's 1e-5; the kernel meets it by
-    summing in fp64 and normalising by its own sum (`_softmax_bwd_kernel`'s FP64_SUMS; the fp32 form
-    it replaced drew 1.2e-5 on an ordinary CI draw, seed 1497261784, and fails these rows)."""
-    _skip_unless_runs("softmax", "triton", device)
-    from tileport.ops.softmax import triton_kernels as sk
+    sum of y dy) come back ~1000x relative. The bound stays fp32's 1e-5; the kernels meet it by
+    summing in fp64 and normalising by their own sum (FP64_SUMS of each backend's
+    `_softmax_bwd_kernel`; the fp32 form they replaced drew 1.2e-5 on an ordinary CI draw, seed
+    1497261784, and fails these rows). The gluon backend runs its own backward (BACKWARD "gluon",
+    seen launched by a spy)."""
+    _skip_unless_runs("softmax", backend, device)
+    spy = None
+    if backend == "triton" and form == "chunked":
+        from tileport.ops.softmax import triton_kernels as sk
 
-    if chunked:
         monkeypatch.setattr(sk, "_MAX_TILE_D", 64)
-    M, D = 6, 130
+    elif backend == "cutile" and form == "chunked":
+        from tileport.ops.softmax import cutile_kernels as ck
+
+        monkeypatch.setattr(ck, "MAX_TILE_D", 64)
+    elif backend == "gluon":
+        from standins import spy_on_kernels
+
+        from tileport.ops.softmax import gluon_kernels as gk
+
+        spy, = spy_on_kernels(monkeypatch, gk, ["_softmax_bwd_kernel"], BACKWARD="gluon")
+    M = 6
     x = 0.1 * torch.randn(M, D, device=device)
-    x[torch.arange(M), torch.randint(0, D, (M,))] += 12.0  # one logit holds ~0.9999 of each row
+    x[torch.arange(M), torch.randint(0, D, (M,))] += 12.0  # one logit holds over 0.99 of each row
     x.requires_grad_(True)
-    with poisoned(), use_backend("triton", op="softmax"):
+    with poisoned(), use_backend(backend, op="softmax"):
         y = tileport.softmax(x)
         dy = 1.0 + 1e-3 * torch.randn_like(y)
         dx, = torch.autograd.grad(y, [x], dy)
@@ -228,7 +249,9 @@ def test_triton_softmax_backward_where_it_cancels(chunked, device, seed, monkeyp
     ref_dx, = torch.autograd.grad(ref, [x], dy.to(torch.float64))
     amplification = (ref.detach() * dy).norm() / ref_dx.norm()
     assert amplification > 300, f"the rows should cancel: |y dy| / |dx| = {amplification:.0f}"
-    check(f"grad 0 [op=softmax backend=triton cancelling rows seed={seed}]", dx, ref_dx, torch.float32)
+    check(f"grad 0 [op=softmax backend={backend} {form} cancelling rows seed={seed}]", dx, ref_dx, torch.float32)
+    if spy is not None:
+        assert len(spy.grids) == 1, f"the Gluon backward ran {len(spy.grids)} times"
 
 
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])

@@ -6,7 +6,9 @@ the H200 gated and timed it: docs/perf/llm_ops.md row 9); `BACKWARD = "triton"` 
 backward instead.
 
 Per row (fp32 math): m = max(x), r = 1 / sum(exp(x - m)), y = exp(x - m) * r, in x's dtype;
-backward dx = y * (dy - sum(y * dy)) with y recomputed in fp32. Rows
+backward dx = y * (dy - sum(y * dy)) with y recomputed in fp32; for fp32 inputs from e = exp(x - m)
+and its fp64 row sums Z = sum(e), S = sum(e * dy): dx = e (dy - S / Z) / Z (`_softmax_bwd_kernel`'s
+FP64_SUMS; why: the docstring of triton_kernels.py's `_softmax_bwd_kernel`). Rows
 of a power-of-two D from 16 (bf16/fp16) or 8 (fp32) to 8192 elements (`gluon_rows.rows_refusal`:
 one TMA box per tile, no padded columns); rows whose base or stride is not 16-byte aligned, which
 TMA cannot read, run Triton's forward (and, with the Gluon backward on, Triton's backward where x
@@ -26,7 +28,8 @@ if _GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from tileport.gluon_rows import pair_ring_open, pair_ring_take, ring_open, ring_stop, ring_take, row_sums, row_tile_offsets
+    from tileport.gluon_rows import (pair_ring_open, pair_ring_take, ring_open, ring_stop, ring_take, row_sum_pair,
+                                     row_sums, row_tile_offsets)
 
 __all__ = ["gluon_refusal", "softmax_forward_gluon", "softmax_backward_gluon", "compile_cases"]
 
@@ -127,16 +130,29 @@ BACKWARDS = ("triton", "gluon")
 if _GLUON_ERROR is None:
 
     @gluon.jit
+    def _softmax_dx(e, dy, delta, z):
+        """dx = e (dy - delta) / z in fp32 for fp32 tiles e, dy and fp64 row sums delta = S / Z, z = Z
+        ([BM, 1, 1]): Triton's `_softmax_dx` (triton_kernels.py says why): delta split into two fp32
+        parts, hi + lo, so that dy - hi is exact where it cancels; the tiles here stay fp32 (fp64
+        only in the row scalars)."""
+        hi = delta.to(gl.float32)
+        lo = (delta - hi.to(gl.float64)).to(gl.float32)
+        return e * ((dy - hi) - lo) * (1.0 / z).to(gl.float32)
+
+    @gluon.jit
     def _softmax_bwd_kernel(x_desc, dy_desc, stats_ptr, dx_ptr, M, row_stride_dx, n_tiles, STAGES: gl.constexpr,
-                            L: gl.constexpr):
-        """dx = y * (dy - sum(y * dy)) per row, y = exp(x - m) * r recomputed in fp32 from x and the
-        forward's statistics (m, r) [M, 2] fp32, for the row tiles pid, pid + P, ... (grid (P,), one
-        program per SM): the tiles of x and dy arrive together by TMA into a paired ring of STAGES
-        slots (one mbarrier a slot), the tile's two statistics per row by plain loads (8 bytes a
-        row, issued before the ring's wait), dx stored from registers with a row mask. Explicit
-        here (Triton would choose): the ring and its depth, the persistent grid, the host
-        descriptors, the tile's register layout (a row's 256-element chunks over the warps: one
-        reduction across warps a tile, the sum of y * dy)."""
+                            L: gl.constexpr, FP64_SUMS: gl.constexpr = False):
+        """dx = y * (dy - sum(y * dy)) per row for the row tiles pid, pid + P, ... (grid (P,), one
+        program per SM), from x, dy and the forward's statistics (m, r) [M, 2] fp32. Default: y =
+        exp(x - m) * r recomputed in fp32, fp32 throughout. FP64_SUMS (fp32 inputs): from the same
+        e = exp(x - m), Z = sum(e) and S = sum(e * dy) summed in fp64 and dx = e (dy - S / Z) / Z
+        (`_softmax_dx`; why: triton_kernels.py's `_softmax_bwd_kernel`). The tiles of x and dy
+        arrive together by TMA into a paired ring of STAGES slots (one mbarrier a slot), the tile's
+        statistics per row by plain loads (8 bytes a row, issued before the ring's wait), dx stored
+        from registers with a row mask. Explicit here (Triton would choose): the ring and its
+        depth, the persistent grid, the host descriptors, the tile's register layout (a row's
+        256-element chunks over the warps: one reduction across warps a tile, for S and Z together
+        with FP64_SUMS)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         NCB: gl.constexpr = x_desc.block_type.shape[1]
         CB: gl.constexpr = x_desc.block_type.shape[2]
@@ -145,12 +161,20 @@ if _GLUON_ERROR is None:
         for i in range(my_n):
             tile = pid + i * P
             rows = tile * BM + r
-            # rows past M: m = r = 0, so y = exp(0 - 0) * 0 = 0 on their zero padding (never stored)
+            # rows past M: m = r = 0 on their zero padding, so y = 0 (with FP64_SUMS e = 1, Z = D and
+            # S = 0, so dx = 0; never stored)
             m = gl.load(stats_ptr + 2 * rows.to(gl.int64), mask=rows < M, other=0.0)
             inv = gl.load(stats_ptr + 2 * rows.to(gl.int64) + 1, mask=rows < M, other=0.0)
             x, dy = pair_ring_take(x_desc, dy_desc, xbufs, dybufs, bars, i, pid, P, my_n, L)
-            y = gl.exp(x - gl.expand_dims(gl.expand_dims(m, 1), 2)) * gl.expand_dims(gl.expand_dims(inv, 1), 2)
-            dx = y * (dy - row_sums(y * dy))
+            e = gl.exp(x - gl.expand_dims(gl.expand_dims(m, 1), 2))
+            if FP64_SUMS:
+                # fp64 tiles only on their way into the sums (sm_90a: 0 spills at fp32 D = 4096, 8192)
+                e64 = e.to(gl.float64)
+                z, s = row_sum_pair(e64, e64 * dy.to(gl.float64))
+                dx = _softmax_dx(e, dy, s / z, z)
+            else:
+                y = e * gl.expand_dims(gl.expand_dims(inv, 1), 2)
+                dx = y * (dy - row_sums(y * dy))
             offs, row_ok = row_tile_offsets(tile, M, row_stride_dx, BM, NCB, CB, L)
             # lint: allow TP001 -- rows past M are masked; a TMA store would need a staging buffer per tile for no fewer bytes
             gl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=row_ok)
@@ -166,7 +190,8 @@ def _softmax_backward_ring(grad_y, x, stats):
     plan, x2, dx = setup
     M = x2.shape[0]
     _softmax_bwd_kernel[(plan.programs,)](plan.a_desc, plan.b_desc, stats, dx, M, dx.stride(0), plan.n_tiles,
-                                          plan.stages, plan.layout, num_warps=gluon_rows.NUM_WARPS)
+                                          plan.stages, plan.layout, FP64_SUMS=x.dtype == torch.float32,
+                                          num_warps=gluon_rows.NUM_WARPS)
     return dx.view(x.shape)
 
 
@@ -191,7 +216,7 @@ def compile_cases():
     of 255 with 128 fp32 values a thread), 8192 and 64 (bf16), 2048 and 4096 (fp32), with the CTA
     barriers each tile costs: the ring's 3 (`ring_take`: one before the refill, one around the TMA
     issue, one at the loop's head), 2 per reduction across warps; the backward at D = 4096 (bf16,
-    fp16, fp32), 8192 (bf16, fp32) and 64 (bf16)."""
+    fp16, fp32 with FP64_SUMS), 8192 (bf16, fp32 with FP64_SUMS) and 64 (bf16)."""
     if _GLUON_ERROR is not None:
         return []
     from tileport.compile_check import CompileCase, TensorStandIn
@@ -217,14 +242,15 @@ def compile_cases():
                                  expect_max_spills=0, expect_loop_barriers=barriers))
     # the backward (`_softmax_bwd_kernel`): the paired ring's 4 CTA barriers a tile (the single
     # ring's 3, and one Triton's membar pass puts between the two TMA copies that complete on one
-    # mbarrier), 2 for the sum of y * dy across warps (none at D = 64); 8192 fp32's ring is 3 deep
+    # mbarrier), 2 for the sum of y * dy across warps (none at D = 64; fp32, FP64_SUMS: Z and S in
+    # one reduction, so 2 as well); 8192 fp32's ring is 3 deep
     from tileport.gluon_rows import pair_descriptor_stand_in_for
 
     for D, dtype in ((4096, bf16), (4096, torch.float16), (8192, bf16), (64, bf16), (4096, fp32), (8192, fp32)):
         plan = pair_descriptor_stand_in_for(M, D, dtype)
         args = dict(x_desc=plan.a_desc, dy_desc=plan.b_desc, stats_ptr=TensorStandIn([M, 2], torch.float32),
                     dx_ptr=TensorStandIn([M, D], dtype), M=M, row_stride_dx=D, n_tiles=plan.n_tiles,
-                    STAGES=plan.stages, L=plan.layout)
+                    STAGES=plan.stages, L=plan.layout, FP64_SUMS=dtype == fp32)
         cases.append(CompileCase(name=f"softmax_bwd_D{D}_{str(dtype).removeprefix('torch.')}", kernel=_softmax_bwd_kernel,
                                  args=args, num_warps=gluon_rows.NUM_WARPS,
                                  expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"], expect_max_spills=0,
