@@ -1,6 +1,9 @@
 """Small KDA calls on the gluon backend for compute-sanitizer memcheck and racecheck (issue 6 asks
-for racecheck clean): the forward's Gluon output kernel (`_kda_output_wgmma_kernel`, whole
-chunks), the backward's two state recurrences on GDN's `_tf32_recurrence_kernel` in its
+for racecheck clean): the forward's fused states + output kernel (`_kda_states_output_kernel`,
+FORWARD_RECURRENCE "fused", the default) on the first pass and its Gluon output kernel
+(`_kda_output_wgmma_kernel`, whole chunks, after Triton's states kernel: "split") on the second,
+with the forward's stage 3 on its Gluon kernel there (`_kda_solve_wgmma_kernel`, FORWARD_SOLVE "gluon"),
+the backward's two state recurrences on GDN's `_tf32_recurrence_kernel` in its
 PER_CHANNEL form (the recompute forced onto it: BACKWARD_STATES "gluon"), at TF32_RECURRENCE_BV
 128 on 8 warps (the default) and 64 on 4, and the backward's stage 9 and 10 kernels
 (`_kda_dqkwg_wgmma_kernel`; BACKWARD_DQKWG and BACKWARD_WY "gluon", the defaults) on the chunks
@@ -31,9 +34,11 @@ if not quick:
     cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
 gdn_gluon.BACKWARD_STATES = "gluon"
 # stage 10 in its split form (the default) and in one kernel (WY_FORM)
-for bv, warps, wy_form in ((128, 8, "split"), (64, 4, "one-kernel")):
+for bv, warps, wy_form, recurrence, solve in ((128, 8, "split", "fused", "triton"), (64, 4, "one-kernel", "split", "gluon")):
     gdn_gluon.TF32_RECURRENCE_BV, gdn_gluon.TF32_RECURRENCE_WARPS = bv, warps
     kda_gluon.WY_FORM = wy_form
+    kda_gluon.FORWARD_RECURRENCE = recurrence
+    kda_gluon.FORWARD_SOLVE = solve
     for c in cases:
         B, T, H, K = c["B"], c["T"], c["H"], c["K"]
         dev, bf = "cuda", torch.bfloat16
@@ -47,4 +52,4 @@ for bv, warps, wy_form in ((128, 8, "split"), (64, 4, "one-kernel")):
             o, _ = tileport.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
             o.backward(torch.randn_like(o))
         torch.cuda.synchronize()
-        print(f"gluon recurrences BV{bv} {warps}w, stage 10 {wy_form} B={B} T={T} H={H} K={K} varlen={cu is not None}: ok")
+        print(f"forward {recurrence}, stage 3 {solve}, gluon recurrences BV{bv} {warps}w, stage 10 {wy_form} B={B} T={T} H={H} K={K} varlen={cu is not None}: ok")

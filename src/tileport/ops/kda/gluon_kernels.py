@@ -22,6 +22,12 @@ head and block of 64 key channels (dP, dQh, dKd, dW over V; R and C over the chu
 Triton's exponents d = G - G_m and summation order (`chunk_dqkwg_kda_gluon`; the flagged chunks
 on Triton's `_kda_dqkwg_kernel`, CHUNKS "flagged", into the same buffers).
 
+Stages 5 and 6 of the forward run fused on `_kda_states_output_kernel` (FORWARD_RECURRENCE
+"fused", the default: h never leaves the chip; the unflagged chunks' output is formed there as
+`_kda_chunk_output` forms it, the flagged chunks' by Triton's block kernel from the h and Vn the
+kernel stores for them only; 1.618 -> 1.426 ms forward at S1, docs/perf/kda.md row 25); "split"
+keeps Triton's states kernel and `_kda_output_wgmma_kernel` above.
+
 Stage 3 of the forward has a Gluon kernel too, `_kda_solve_wgmma_kernel` (FORWARD_SOLVE, off: bitwise
 equal to Triton's tile kernel but slower on the H200, 0.915 against 0.72 ms at S1; docs/perf/kda.md
 row 24).
@@ -164,8 +170,13 @@ if _GLUON_ERROR is None:
 # `_states_kernel` with PER_CHANNEL stores h [NC, H, K, V] and Vn, then `_kda_output_wgmma_kernel`
 # reads them back: 2.14 GB at S1) or "fused" (`_kda_states_output_kernel`: h stays in registers
 # and shared memory; only the flagged chunks' h and Vn are stored, for Triton's block kernel).
-# Read at each call (`states_output_kernel_for`; scripts/kda_ab.py times both).
-FORWARD_RECURRENCE = "split"
+# Read at each call (`states_output_kernel_for`; scripts/kda_ab.py "recurrence" times both).
+# "fused" since the H200 ran it (tests/test_kda_gluon_states.py: bitwise equal to the split form,
+# the gate's cases green, f9d498b) and timed it (S1, keeping T, same inputs): the forward 1.618 ->
+# 1.426 ms with logsigmoid gates (the kernel 0.535 ms against 0.373 + 0.363 for the two it
+# replaces), 13.126 -> 13.312 with steep ones (every chunk flagged: h and Vn stored for all, the
+# update waited for at once); docs/perf/kda.md row 25.
+FORWARD_RECURRENCE = "fused"
 # The fused kernel's V columns per program and warps: BV = 128 on two warpgroups side by side
 # (GDN's best form, gdn.gluon_kernels.RECURRENCE_BV: one wave of N * H programs at S1), or 64 on one.
 RECURRENCE_BV = 128
