@@ -19,7 +19,8 @@ forward on the gluon backend against Triton's, and its per-kernel times. "fused"
 same for stage 9 (gluon_kernels.BACKWARD_DQKWG); "wy-split": stage 10 as one Gluon kernel or as
 two (gluon_kernels.WY_FORM). "solve": the gluon forward with stage 3 on Triton's kernel or the
 Gluon one (gluon_kernels.FORWARD_SOLVE). "recurrence": the gluon forward with stages 5 and 6 split or
-fused in one Gluon kernel (gluon_kernels.FORWARD_RECURRENCE).
+fused in one Gluon kernel (gluon_kernels.FORWARD_RECURRENCE), its gates loaded at the chunk's top
+or a chunk ahead (RECURRENCE_GATES).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
     KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence (default: the first three)
@@ -340,21 +341,22 @@ if "solve" in SECTIONS and dev == "cuda":
 if "recurrence" in SECTIONS and dev == "cuda":
     from tileport.ops.kda import gluon_kernels as kg
 
-    default_recurrence = kg.FORWARD_RECURRENCE
+    default_recurrence, default_gates = kg.FORWARD_RECURRENCE, kg.RECURRENCE_GATES
     for name, g in gates.items():
         fargs = (q, k, v, g, beta, K ** -0.5, None, True, True, None)
         base = None
-        for choice in ("split", "fused"):
-            kg.FORWARD_RECURRENCE = choice
+        for choice in ("split", "fused/top", "fused/ahead"):
+            kg.FORWARD_RECURRENCE = choice.split("/")[0]
+            kg.RECURRENCE_GATES = choice.split("/")[-1] if "/" in choice else default_gates
             o, ht, _ = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
             base = (o.float(), ht) if base is None else base
             err_o = ((o.float() - base[0]).norm() / base[0].norm().clamp_min(1e-30)).item()
             err_h = ((ht - base[1]).norm() / base[1].norm().clamp_min(1e-30)).item()
             ms = triton.testing.do_bench(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True), warmup=5, rep=40,
                                          return_mode="median")
-            print(f"kda forward (gluon, keep) gates={name:10} FORWARD_RECURRENCE {choice:5}: {ms:.3f} ms, "
+            print(f"kda forward (gluon, keep) gates={name:10} FORWARD_RECURRENCE {choice:11}: {ms:.3f} ms, "
                   f"o vs split {err_o:.2e}, final state {err_h:.2e}", flush=True)
             if name == "logsigmoid":
                 kernel_table(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True),
                              f"kda forward (gluon, keep), FORWARD_RECURRENCE {choice}", rows=10)
-    kg.FORWARD_RECURRENCE = default_recurrence
+    kg.FORWARD_RECURRENCE, kg.RECURRENCE_GATES = default_recurrence, default_gates

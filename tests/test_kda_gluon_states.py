@@ -46,11 +46,17 @@ def _forward(form: str, inputs, K: int, final: bool, monkeypatch):
             return gk.kda_forward_gluon(*inputs[:5], K ** -0.5, inputs[5], final, True, inputs[6])
 
 
-@pytest.mark.parametrize("final", [True, False], ids=["final-state", "no-final"])
-@pytest.mark.parametrize("h0", [True, False], ids=["h0", "no-h0"])
-@pytest.mark.parametrize("K", [64, 128])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fused_matches_split_route_by_route(layout, K, h0, final, device, seed, fused, monkeypatch):
+# (layout, K, h0, final, gates): every combination at RECURRENCE_GATES' default "top"; "ahead" (the
+# next chunk's gates loaded at the end of this one, zero past the sequence) with both states
+ROUTE_CASES = ([(lay, K, h0, fin, "top") for lay in LAYOUTS for K in (64, 128) for h0 in (True, False)
+                for fin in (True, False)]
+               + [(lay, K, True, True, "ahead") for lay in LAYOUTS for K in (64, 128)])
+
+
+@pytest.mark.parametrize("layout,K,h0,final,gates", ROUTE_CASES,
+                         ids=[f"{lay}-K{K}-{'h0' if h0 else 'no-h0'}-{'final' if fin else 'no-final'}-{gates}"
+                              for lay, K, h0, fin, gates in ROUTE_CASES])
+def test_fused_matches_split_route_by_route(layout, K, h0, final, gates, device, seed, fused, monkeypatch):
     """o of the fused forward against the split forward's on the same inputs, on the rows of
     unflagged chunks (formed in the fused kernel) and of flagged ones (Triton's block kernel, from
     the h and Vn the fused kernel stored) apart, and the final state: bitwise equal. Outputs are
@@ -65,6 +71,9 @@ def test_fused_matches_split_route_by_route(layout, K, h0, final, device, seed, 
     parity._backend_or_skip("gluon", device)
     from tileport.ops.kda import triton_kernels as kk
 
+    from tileport.ops.kda import gluon_kernels as gk
+
+    monkeypatch.setattr(gk, "RECURRENCE_GATES", gates)
     inputs = _inputs(layout, K, h0, device)
     o_split, ht_split = _forward("split", inputs, K, final, monkeypatch)
     assert fused.grids == [], "the split form launched the fused kernel"
@@ -73,7 +82,7 @@ def test_fused_matches_split_route_by_route(layout, K, h0, final, device, seed, 
     N = inputs[0].shape[0] if inputs[6] is None else inputs[6].numel() - 1
     assert fused.grids == [(N * H, 1)], fused.grids
 
-    where = f"[{layout} K={K} h0={h0} final={final} seed={seed}]"
+    where = f"[{layout} K={K} h0={h0} final={final} gates={gates} seed={seed}]"
     B, T = inputs[0].shape[:2]
     plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
     flags = torch.empty((plan.NC, H), dtype=torch.int8, device=device)
@@ -176,6 +185,10 @@ def test_launch_checks(monkeypatch):
     monkeypatch.setattr(gk, "RECURRENCE_WARPS", 8)
     monkeypatch.setattr(gk, "RECURRENCE_BV", 48)
     with pytest.raises(ValueError, match="RECURRENCE_BV 48"):
+        gk.check_recurrence_launch(128)
+    monkeypatch.setattr(gk, "RECURRENCE_BV", 128)
+    monkeypatch.setattr(gk, "RECURRENCE_GATES", "staged")
+    with pytest.raises(ValueError, match="RECURRENCE_GATES 'staged'"):
         gk.check_recurrence_launch(128)
 
 

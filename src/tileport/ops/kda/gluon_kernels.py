@@ -181,13 +181,37 @@ FORWARD_RECURRENCE = "fused"
 # (GDN's best form, gdn.gluon_kernels.RECURRENCE_BV: one wave of N * H programs at S1), or 64 on one.
 RECURRENCE_BV = 128
 RECURRENCE_WARPS = 8
+# When the fused kernel loads a chunk's gates (its GATES): "top" or "ahead" (the kernel's docstring).
+RECURRENCE_GATES = "top"
+RECURRENCE_GATE_FORMS = ("top", "ahead")
 
 if _GLUON_ERROR is None:
 
     @gluon.jit
+    def _chunk_channel_gates(G_ptr, t0, eos, H, hh, rr, kc, kr, K: gl.constexpr):
+        """The gates of the chunk from token t0 of a sequence ending at eos, head hh, from G [Ntok, H,
+        K]: its [64, K] tile (rows past the sequence 0; rr, kc in the tile's layout), its last row
+        G_L in the tile's column layout and in the state's row layout (kr's), and its middle row
+        G_m (`_kda_chunk_output`'s); all 0 for a chunk past the sequence (t0 >= eos: the chunk after
+        a sequence's last, loaded ahead and never used)."""
+        BT: gl.constexpr = rr.shape[0]
+        inside = t0 < eos
+        last = gl.minimum(t0 + BT, eos) - 1
+        mid = t0 + (gl.minimum(eos - t0, BT) - 1) // 2
+        g_last = G_ptr + (last.to(gl.int64) * H + hh) * K
+        GL_rows = gl.load(g_last + kc, mask=inside & (kc < K), other=0.0)
+        GL_state = gl.load(g_last + kr, mask=inside & (kr < K), other=0.0)
+        Gm = gl.load(G_ptr + (mid.to(gl.int64) * H + hh) * K + kc, mask=inside & (kc < K), other=0.0)
+        r_ok = t0 + rr < eos
+        # lint: allow TP001 -- the chunk's per-channel gates meet k and q in registers (no shared memory is left for a third [64, K] TMA tile beside the ring)
+        Gt = gl.load(G_ptr + ((t0 + rr).to(gl.int64) * H + hh)[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
+        return Gt, GL_rows, GL_state, Gm
+
+    @gluon.jit
     def _kda_states_output_kernel(q_desc, k_desc, w_desc, u_desc, o_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, h_ptr, vn_ptr,
                                   cu_ptr, choff_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr,
-                                  BV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr):
+                                  BV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
+                                  GATES: gl.constexpr):
         """Stages 5 and 6 of KDA's forward in one kernel: one program per (sequence, head, V block of
         BV columns), sequential over the sequence's chunks; grid (N * H, V / BV), 4 or 8 warps (one
         or two warpgroups, each owning BV / WG columns of every [64, BV] and [K, BV] accumulator).
@@ -209,6 +233,12 @@ if _GLUON_ERROR is None:
         The output's three operands that TMA cannot give scaled are written over the chunk's own
         TMA tiles once every warp has read them: Q e^d over q, K e^-d over k, Q e^(d + G_m) over W
         (after W h retired): no buffers beyond GDN's fused kernel's.
+
+        GATES: when a chunk's gates (G's [64, K] tile, G_L and G_m) are loaded: "top" (at the top of
+        the chunk, before its tiles are waited for; with the ring two deep those are usually in,
+        so the loads' latency is exposed) or "ahead" (at the end of the previous chunk, after its
+        WGMMAs retired, where the tile's 32 registers a thread are free: in flight under that
+        chunk's stores, barrier and refill).
 
         Explicit here (Triton would choose): the TMA ring and its refill point, the accumulator
         layouts, which WGMMAs run asynchronously and the order they are waited for (W h alone
@@ -243,7 +273,10 @@ if _GLUON_ERROR is None:
                                                       instr_shape=[16, BV // WG, 16])
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                       instr_shape=[16, BT // WG, 16])
-        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        # [64, K] tiles (G, k, q and the scaled operands): 8 contiguous channels a thread and a row's
+        # K channels in one pass of a warp's lanes, so the row vectors G_L and G_m cost 8 registers
+        # a thread each (with 8 lanes a row at K = 128 they cost 16, and the kernel spilled)
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [256 // K, K // 8], [NW, 1], [1, 0])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=V_L, k_width=2)
 
         kr = gl.arange(0, K, layout=gl.SliceLayout(1, V_L))
@@ -265,6 +298,8 @@ if _GLUON_ERROR is None:
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, V_L))
         rs = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
         cs = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
+        if GATES == "ahead":
+            Gt, GL_rows, GL_state, Gm = _chunk_channel_gates(G_ptr, bos, eos, H, hh, rr, kc, kr, K)
         for i in range(nc):
             buf = i % RING
             t0 = bos + i * BT
@@ -279,14 +314,9 @@ if _GLUON_ERROR is None:
             r_ok = t0 + rr < eos
             ro_ok = t0 + ro < eos
             unflagged = gl.load(flags_ptr + (c0 + i) * H + hh) == 0
-            # the chunk's gates, before its tiles are waited for: their latency hides under the wait
-            last = gl.minimum(t0 + BT, eos) - 1
-            g_last = G_ptr + (last.to(gl.int64) * H + hh) * K
-            GL_rows = gl.load(g_last + kc)
-            GL_state = gl.load(g_last + kr)
-            # lint: allow TP001 -- the chunk's per-channel gates meet k and q in registers (no shared memory is left for a third [64, K] TMA tile beside the ring)
-            Gt = gl.load(G_ptr + ((t0 + rr).to(gl.int64) * H + hh)[:, None] * K + kc[None, :], mask=r_ok[:, None],
-                         other=0.0)
+            if GATES == "top":
+                # the chunk's gates, before its tiles are waited for (their latency partly under the wait)
+                Gt, GL_rows, GL_state, Gm = _chunk_channel_gates(G_ptr, t0, eos, H, hh, rr, kc, kr, K)
             mbarrier.wait(bars.index(buf), (i // RING) & 1)
             fence_async_shared()  # h_s, written by the generic proxy at the end of chunk i - 1, read by WGMMA
             gl.thread_barrier()
@@ -303,8 +333,6 @@ if _GLUON_ERROR is None:
             vn_s.store(vn.to(vn_s.dtype))
             if unflagged:
                 # the output's operands, `_kda_chunk_output`'s exactly
-                mid = t0 + (gl.minimum(eos - t0, BT) - 1) // 2
-                Gm = gl.load(G_ptr + (mid.to(gl.int64) * H + hh) * K + kc)
                 d = gl.where(r_ok[:, None], (Gt - Gm[None, :]).to(gl.float32), 0.0)
                 ke = (kf * gl.exp(-d)).to(k_s.dtype)
                 qf = q_s.index(buf).load(ROWS_L).to(gl.float32)
@@ -337,13 +365,16 @@ if _GLUON_ERROR is None:
             else:
                 # Triton's block kernel forms this chunk's output from the h entering it and Vn
                 # lint: allow TP001 -- only flagged chunks store h and Vn, from the registers they are in
-                gl.store(h_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + in_state, h.to(h_ptr.dtype.element_ty))
+                gl.store(h_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + in_state,
+                         h.to(h_ptr.dtype.element_ty))
                 offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
                 # lint: allow TP001 -- only flagged chunks store Vn; a tail chunk's rows past the sequence are the next one's
                 gl.store(vn_ptr + offs, vn.to(vn_ptr.dtype.element_ty), mask=ro_ok[:, None])
                 fence_async_shared()
                 gl.thread_barrier()  # Vn and the scaled keys of every warp, before the update reads them
                 h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL_state.to(gl.float32))[:, None])
+            if GATES == "ahead":  # the next chunk's gates, in flight under this chunk's stores and barriers
+                Gt, GL_rows, GL_state, Gm = _chunk_channel_gates(G_ptr, t0 + BT, eos, H, hh, rr, kc, kr, K)
             gl.thread_barrier()  # every warpgroup's WGMMAs have read h_s, vn_s and kd_s; o_s is whole
             if unflagged & (t0 + BT <= eos):
                 tma.async_copy_shared_to_global(o_desc, [t0, hh * V + jv * BV], o_s)
@@ -378,6 +409,7 @@ def states_output_kernel_for(q, k, w, u, G, span_flags) -> str:
 def check_recurrence_launch(V: int) -> int:
     """The fused kernel's BV for head dim V (RECURRENCE_BV, RECURRENCE_WARPS), or a ValueError
     naming the switch it cannot take."""
+    kk._checked("RECURRENCE_GATES", RECURRENCE_GATES, RECURRENCE_GATE_FORMS)
     BV = min(V, RECURRENCE_BV)
     if RECURRENCE_WARPS not in (4, 8):
         raise ValueError(f"RECURRENCE_WARPS {RECURRENCE_WARPS}: the fused KDA kernel runs on 4 or 8 warps")
@@ -413,7 +445,7 @@ def chunk_states_output_kda_gluon(q, k, w, u, G, h0, plan, output_final_state: b
         _kda_states_output_kernel[(plan.N * H, V // BV)](
             *descs, G, h0 if h0 is not None else o, ht if ht is not None else o, o, h, vn, plan.cu,
             plan.chunk_offsets, span_flags, H, float(scale), K, V, BV, h0 is not None, output_final_state,
-            num_warps=RECURRENCE_WARPS)
+            RECURRENCE_GATES, num_warps=RECURRENCE_WARPS)
         kk.output_flagged_chunks(q, k, G, h, vn, o, scale, plan, span_flags)
     return o, ht
 
@@ -1490,7 +1522,8 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
         return descriptor_stand_in([Ntok, H * D], bf, block, _smem_layout(tuple(block), bf))
 
     cases = []
-    for K, BV, warps, states in ((128, 128, 8, True), (128, 128, 8, False), (64, 64, 8, True)):
+    for K, BV, warps, states, gates in ((128, 128, 8, True, "top"), (128, 128, 8, False, "top"),
+                                        (64, 64, 8, True, "top"), (128, 128, 8, True, "ahead")):
         V = K
         args = dict(q_desc=desc(K, [BT, K]), k_desc=desc(K, [BT, K]), w_desc=desc(K, [BT, K]), u_desc=desc(V, [BT, BV]),
                     o_desc=desc(V, [BT, BV]), G_ptr=TensorStandIn([Ntok, H, K], f32),
@@ -1498,8 +1531,8 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
                     o_ptr=TensorStandIn([Ntok, H, V], bf), h_ptr=TensorStandIn([NC, H, K, V], bf),
                     vn_ptr=TensorStandIn([Ntok, H, V], bf), cu_ptr=TensorStandIn([N + 1], torch.int32),
                     choff_ptr=TensorStandIn([N + 1], torch.int32), flags_ptr=TensorStandIn([NC, H], torch.int8),
-                    H=H, scale=0.1, K=K, V=V, BV=BV, HAS_H0=states, STORE_FINAL=states)
-        tag = f"K{K}_BV{BV}_w{warps}{'_states' if states else ''}"
+                    H=H, scale=0.1, K=K, V=V, BV=BV, HAS_H0=states, STORE_FINAL=states, GATES=gates)
+        tag = f"K{K}_BV{BV}_w{warps}{'_states' if states else ''}_{gates}"
         cases.append(CompileCase(name=f"kda_states_output_{tag}", kernel=_kda_states_output_kernel, args=args,
                                  num_warps=warps, expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor",
                                                               "mbarrier.try_wait"],
