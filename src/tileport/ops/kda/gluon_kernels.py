@@ -25,7 +25,8 @@ on Triton's `_kda_dqkwg_kernel`, CHUNKS "flagged", into the same buffers).
 Stages 5 and 6 of the forward run fused on `_kda_states_output_kernel` (FORWARD_RECURRENCE
 "fused", the default: h never leaves the chip; the unflagged chunks' output is formed there as
 `_kda_chunk_output` forms it, the flagged chunks' by Triton's block kernel from the h and Vn the
-kernel stores for them only; 1.618 -> 1.426 ms forward at S1, docs/perf/kda.md row 25); "split"
+kernel stores for them only; each chunk's gates loaded at the end of the one before:
+RECURRENCE_GATES "ahead"; 1.614 -> 1.256 ms forward at S1, docs/perf/kda.md rows 25, 26); "split"
 keeps Triton's states kernel and `_kda_output_wgmma_kernel` above.
 
 Stage 3 of the forward has a Gluon kernel too, `_kda_solve_wgmma_kernel` (FORWARD_SOLVE, off: bitwise
@@ -182,7 +183,10 @@ FORWARD_RECURRENCE = "fused"
 RECURRENCE_BV = 128
 RECURRENCE_WARPS = 8
 # When the fused kernel loads a chunk's gates (its GATES): "top" or "ahead" (the kernel's docstring).
-RECURRENCE_GATES = "top"
+# "ahead" since the H200 timed both (kda_ab "recurrence" at c946a7a, S1, keeping T, same inputs,
+# the same o and final state to the bit): the forward 1.388 ms at "top" and 1.256 at "ahead" (the
+# kernel 0.503 -> 0.372 ms; the split form 1.614); steep gates 13.284 and 13.255 (split 13.182).
+RECURRENCE_GATES = "ahead"
 RECURRENCE_GATE_FORMS = ("top", "ahead")
 
 if _GLUON_ERROR is None:
