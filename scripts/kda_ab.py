@@ -309,54 +309,48 @@ for section, switch, choices in (("wy", "BACKWARD_WY", ("triton", "gluon")), ("d
                          f"kda backward (gluon, kept), {switch} {choices[-1]}", calls=3, rows=14)
         setattr(kg, switch, default_choice)
 
-# "solve": the gluon backend's forward, keeping its tiles as training runs it, with stage 3 on
-# Triton's tile kernel or on the Gluon one (gluon_kernels.FORWARD_SOLVE), same inputs, both gate
-# kinds; the output's and the kept T's distance from Triton's; then its kernels
-if "solve" in SECTIONS and dev == "cuda":
+def forward_ab(section: str, forms: dict, kept_name: str, final_state: bool, table_every_form: bool) -> None:
+    """The gluon backend's forward, keeping its tiles as training runs it, in each of `forms`
+    ({label: {switch of gluon_kernels: value}}), same inputs, both gate kinds: do_bench median,
+    o's and the kept item's distance from the first form's (kept_name: "T", the kept tiles' T, or
+    "final state" with final_state); the per-kernel table of the last form (of every form with
+    table_every_form) with logsigmoid gates. Switches are restored after."""
     from tileport.ops.kda import gluon_kernels as kg
 
-    default_solve = kg.FORWARD_SOLVE
+    names = {switch for form in forms.values() for switch in form}
+    defaults = {switch: getattr(kg, switch) for switch in names}
     for name, g in gates.items():
-        fargs = (q, k, v, g, beta, K ** -0.5, None, False, True, None)
+        fargs = (q, k, v, g, beta, K ** -0.5, None, final_state, True, None)
         base = None
-        for choice in ("triton", "gluon"):
-            kg.FORWARD_SOLVE = choice
-            o, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
-            base = (o.float(), kept.T) if base is None else base
+        for i, (label, form) in enumerate(forms.items()):
+            for switch in names:
+                setattr(kg, switch, form.get(switch, defaults[switch]))
+            o, ht, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
+            other = ht if final_state else kept.T
+            base = (o.float(), other) if base is None else base
             err_o = ((o.float() - base[0]).norm() / base[0].norm().clamp_min(1e-30)).item()
-            err_t = ((kept.T - base[1]).norm() / base[1].norm().clamp_min(1e-30)).item()
+            err_x = ((other - base[1]).norm() / base[1].norm().clamp_min(1e-30)).item()
             ms = triton.testing.do_bench(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True), warmup=5, rep=40,
                                          return_mode="median")
-            print(f"kda forward (gluon, keep) gates={name:10} FORWARD_SOLVE {choice:6}: {ms:.3f} ms, "
-                  f"o vs triton {err_o:.2e}, T {err_t:.2e}", flush=True)
-        if name == "logsigmoid":
-            kernel_table(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True),
-                         "kda forward (gluon, keep), FORWARD_SOLVE gluon", rows=10)
-    kg.FORWARD_SOLVE = default_solve
-
-# "recurrence": the gluon backend's forward, keeping its tiles as training runs it, with stages 5
-# and 6 split (Triton's states kernel, then the Gluon output kernel) or fused in one Gluon kernel
-# (gluon_kernels.FORWARD_RECURRENCE), same inputs, both gate kinds, with a final state; o's and the
-# final state's distance from the split form's; then its kernels
-if "recurrence" in SECTIONS and dev == "cuda":
-    from tileport.ops.kda import gluon_kernels as kg
-
-    default_recurrence, default_gates = kg.FORWARD_RECURRENCE, kg.RECURRENCE_GATES
-    for name, g in gates.items():
-        fargs = (q, k, v, g, beta, K ** -0.5, None, True, True, None)
-        base = None
-        for choice in ("split", "fused/top", "fused/ahead"):
-            kg.FORWARD_RECURRENCE = choice.split("/")[0]
-            kg.RECURRENCE_GATES = choice.split("/")[-1] if "/" in choice else default_gates
-            o, ht, _ = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
-            base = (o.float(), ht) if base is None else base
-            err_o = ((o.float() - base[0]).norm() / base[0].norm().clamp_min(1e-30)).item()
-            err_h = ((ht - base[1]).norm() / base[1].norm().clamp_min(1e-30)).item()
-            ms = triton.testing.do_bench(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True), warmup=5, rep=40,
-                                         return_mode="median")
-            print(f"kda forward (gluon, keep) gates={name:10} FORWARD_RECURRENCE {choice:11}: {ms:.3f} ms, "
-                  f"o vs split {err_o:.2e}, final state {err_h:.2e}", flush=True)
-            if name == "logsigmoid":
+            print(f"kda forward (gluon, keep) gates={name:10} {section} {label:11}: {ms:.3f} ms, o vs "
+                  f"{next(iter(forms))} {err_o:.2e}, {kept_name} {err_x:.2e}", flush=True)
+            if name == "logsigmoid" and (table_every_form or i == len(forms) - 1):
                 kernel_table(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True),
-                             f"kda forward (gluon, keep), FORWARD_RECURRENCE {choice}", rows=10)
-    kg.FORWARD_RECURRENCE, kg.RECURRENCE_GATES = default_recurrence, default_gates
+                             f"kda forward (gluon, keep), {section} {label}", rows=10)
+    for switch, value in defaults.items():
+        setattr(kg, switch, value)
+
+
+# "solve": stage 3 on Triton's tile kernel or on the Gluon one (gluon_kernels.FORWARD_SOLVE)
+if "solve" in SECTIONS and dev == "cuda":
+    forward_ab("FORWARD_SOLVE", {"triton": {"FORWARD_SOLVE": "triton"}, "gluon": {"FORWARD_SOLVE": "gluon"}}, "T",
+               final_state=False, table_every_form=False)
+
+# "recurrence": stages 5 and 6 split (Triton's states kernel, then the Gluon output kernel) or fused
+# in one Gluon kernel (gluon_kernels.FORWARD_RECURRENCE), its gates loaded at the chunk's top or a
+# chunk ahead (RECURRENCE_GATES), with a final state
+if "recurrence" in SECTIONS and dev == "cuda":
+    forward_ab("FORWARD_RECURRENCE", {"split": {"FORWARD_RECURRENCE": "split"},
+                                      "fused/top": {"FORWARD_RECURRENCE": "fused", "RECURRENCE_GATES": "top"},
+                                      "fused/ahead": {"FORWARD_RECURRENCE": "fused", "RECURRENCE_GATES": "ahead"}},
+               "final state", final_state=True, table_every_form=True)

@@ -16,7 +16,7 @@ import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
 from kda_stage_cases import LAYOUTS, normwise, route_rows
-from standins import spy_on_kernels
+from standins import operand, spy_on_kernels
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 
 from tileport.testing import poisoned
@@ -126,29 +126,12 @@ def test_gluon_forward_launches_the_solve_kernel(l2, launches, device, gluon_sol
 # --------------------------------------------------------------------------------------------
 # CPU: the switch, the rule, the threshold, the plumbing
 # --------------------------------------------------------------------------------------------
-class _Operand:
-    """A tensor as `solve_kernel_for` sees it: shape, dtype, is_cuda, is_contiguous(), dim(), data_ptr()."""
-
-    def __init__(self, shape, dtype, is_cuda=True, contiguous=True, data_ptr=1024):
-        self.shape, self.dtype, self.is_cuda, self._contiguous = torch.Size(shape), dtype, is_cuda, contiguous
-        self._data_ptr = data_ptr
-
-    def is_contiguous(self) -> bool:
-        return self._contiguous
-
-    def data_ptr(self) -> int:
-        return self._data_ptr
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-
 def _rule(K=128, V=128, compact=True, keys_normalised=True, **changes):
     from tileport.ops.kda import gluon_kernels as gk
 
     bf, f32, Ntok, H, NC = torch.bfloat16, torch.float32, 256, 2, 4
-    ops = dict(k=_Operand([Ntok, H, K], bf), v=_Operand([Ntok, H, V], bf), G=_Operand([Ntok, H, K], f32),
-               g=_Operand([Ntok, H, K], f32), span_flags=_Operand([NC, H], torch.int8))
+    ops = dict(k=operand([Ntok, H, K], bf), v=operand([Ntok, H, V], bf), G=operand([Ntok, H, K], f32),
+               g=operand([Ntok, H, K], f32), span_flags=operand([NC, H], torch.int8))
     ops.update(changes)
     return gk.solve_kernel_for(ops["k"], ops["v"], ops["G"], ops["g"], ops["span_flags"], compact, keys_normalised)
 
@@ -174,17 +157,17 @@ def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
     for K in (64, 128):
         assert _rule(K, K) == "gluon", K
     refused = {
-        "bf16 g (compile-checked, never run on the GPU)": dict(g=_Operand([256, 2, 128], bf)),
-        "a TMA source off 16 bytes": dict(v=_Operand([256, 2, 128], bf, data_ptr=8)),
+        "bf16 g (compile-checked, never run on the GPU)": dict(g=operand([256, 2, 128], bf)),
+        "a TMA source off 16 bytes": dict(v=operand([256, 2, 128], bf, data_ptr=8)),
         "no flags": dict(span_flags=None),
         "G formed by stage 2 (no g)": dict(g=None),
         "K != V": dict(V=64),
         "K = 32": dict(K=32, V=32),
-        "fp16 keys": dict(k=_Operand([256, 2, 128], torch.float16)),
-        "fp32 values": dict(v=_Operand([256, 2, 128], f32)),
-        "fp64 G": dict(G=_Operand([256, 2, 128], torch.float64)),
-        "on the CPU": dict(G=_Operand([256, 2, 128], f32, is_cuda=False)),
-        "strided keys": dict(k=_Operand([256, 2, 128], bf, contiguous=False)),
+        "fp16 keys": dict(k=operand([256, 2, 128], torch.float16)),
+        "fp32 values": dict(v=operand([256, 2, 128], f32)),
+        "fp64 G": dict(G=operand([256, 2, 128], torch.float64)),
+        "on the CPU": dict(G=operand([256, 2, 128], f32, is_cuda=False)),
+        "strided keys": dict(k=operand([256, 2, 128], bf, contiguous=False)),
         "raw keys (tf32x3 products)": dict(keys_normalised=False),
         "fp32 W and U (not the forward's)": dict(compact=False),
     }

@@ -14,7 +14,7 @@ import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
 from kda_stage_cases import LAYOUTS, normwise, route_rows
-from standins import spy_on_kernels
+from standins import operand, spy_on_kernels
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 
 from tileport.testing import poisoned
@@ -116,27 +116,13 @@ def test_gate_cases_with_the_fused_kernel(case_id, device, seed, fused):
 # --------------------------------------------------------------------------------------------
 # CPU: the switch, the rule, the launch checks
 # --------------------------------------------------------------------------------------------
-class _Operand:
-    """A tensor as `states_output_kernel_for` sees it: shape, dtype, is_cuda, is_contiguous(), data_ptr()."""
-
-    def __init__(self, shape, dtype, is_cuda=True, contiguous=True, data_ptr=1024):
-        self.shape, self.dtype, self.is_cuda, self._contiguous = torch.Size(shape), dtype, is_cuda, contiguous
-        self._data_ptr = data_ptr
-
-    def is_contiguous(self) -> bool:
-        return self._contiguous
-
-    def data_ptr(self) -> int:
-        return self._data_ptr
-
-
 def _rule(K=128, V=128, **changes):
     from tileport.ops.kda import gluon_kernels as gk
 
     bf, Ntok, H, NC = torch.bfloat16, 256, 2, 4
-    ops = dict(q=_Operand([Ntok, H, K], bf), k=_Operand([Ntok, H, K], bf), w=_Operand([Ntok, H, K], bf),
-               u=_Operand([Ntok, H, V], bf), G=_Operand([Ntok, H, K], torch.float32),
-               span_flags=_Operand([NC, H], torch.int8))
+    ops = dict(q=operand([Ntok, H, K], bf), k=operand([Ntok, H, K], bf), w=operand([Ntok, H, K], bf),
+               u=operand([Ntok, H, V], bf), G=operand([Ntok, H, K], torch.float32),
+               span_flags=operand([NC, H], torch.int8))
     ops.update(changes)
     return gk.states_output_kernel_for(ops["q"], ops["k"], ops["w"], ops["u"], ops["G"], ops["span_flags"])
 
@@ -164,12 +150,12 @@ def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
         "no flags (fp32 inputs, or DIAGONAL_FORM other than chunk)": dict(span_flags=None),
         "K != V": dict(V=64),
         "K = 32": dict(K=32, V=32),
-        "fp32 W (not stage 3's compact form)": dict(w=_Operand([256, 2, 128], f32)),
-        "fp16 queries": dict(q=_Operand([256, 2, 128], torch.float16)),
-        "fp64 G": dict(G=_Operand([256, 2, 128], torch.float64)),
-        "on the CPU": dict(G=_Operand([256, 2, 128], f32, is_cuda=False)),
-        "strided U": dict(u=_Operand([256, 2, 128], bf, contiguous=False)),
-        "a TMA source off 16 bytes": dict(k=_Operand([256, 2, 128], bf, data_ptr=1032)),
+        "fp32 W (not stage 3's compact form)": dict(w=operand([256, 2, 128], f32)),
+        "fp16 queries": dict(q=operand([256, 2, 128], torch.float16)),
+        "fp64 G": dict(G=operand([256, 2, 128], torch.float64)),
+        "on the CPU": dict(G=operand([256, 2, 128], f32, is_cuda=False)),
+        "strided U": dict(u=operand([256, 2, 128], bf, contiguous=False)),
+        "a TMA source off 16 bytes": dict(k=operand([256, 2, 128], bf, data_ptr=1032)),
     }
     for why, change in refused.items():
         assert _rule(**change) == "split", why

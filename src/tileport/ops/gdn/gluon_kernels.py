@@ -252,6 +252,32 @@ if _GLUON_ERROR is None:
         tma.async_copy_global_to_shared(u_desc, [t0, ucol], bar, u_b)
 
     @gluon.jit
+    def _recurrence_buffers(q_desc, k_desc, w_desc, u_desc, o_desc, K: gl.constexpr, BV: gl.constexpr,
+                            RING: gl.constexpr, O_STAGED: gl.constexpr):
+        """The shared memory of the fused states + output kernels (GDN's `_states_output_kernel`,
+        KDA's `_kda_states_output_kernel`): a ring of RING TMA sets of q, k, W [64, K] and U [64,
+        BV]; h's bf16 copy [K, BV] and Vn [64, BV] (U's 128-byte swizzle), the scaled keys [64, K];
+        o's staging [64, BV] for its TMA store where O_STAGED (else U's ring stands in, unused); the
+        ring's mbarriers, initialised and fenced."""
+        BT: gl.constexpr = q_desc.block_type.shape[0]
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [RING, BT, K], q_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [RING, BT, K], k_desc.layout)
+        w_s = gl.allocate_shared_memory(w_desc.dtype, [RING, BT, K], w_desc.layout)
+        u_s = gl.allocate_shared_memory(u_desc.dtype, [RING, BT, BV], u_desc.layout)
+        h_s = gl.allocate_shared_memory(u_desc.dtype, [K, BV], u_desc.layout)
+        vn_s = gl.allocate_shared_memory(u_desc.dtype, [BT, BV], u_desc.layout)
+        kd_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
+        if O_STAGED:
+            o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, BV], o_desc.layout)
+        else:
+            o_s = u_s
+        bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(RING):
+            mbarrier.init(bars.index(b), count=1)
+        fence_async_shared()
+        return q_s, k_s, w_s, u_s, h_s, vn_s, kd_s, o_s, bars
+
+    @gluon.jit
     def _states_output_kernel(q_desc, k_desc, w_desc, u_desc, o_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, H, scale, eps,
                               K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HAS_H0: gl.constexpr,
                               STORE_FINAL: gl.constexpr, L2NORM_Q: gl.constexpr, GATES: gl.constexpr,
@@ -309,19 +335,9 @@ if _GLUON_ERROR is None:
         WG: gl.constexpr = NW // 4  # warpgroups, side by side along the accumulators' columns
         n, hh, jv, bos, eos, nc = _sequence_program(cu_ptr, H, BT)
 
-        q_s = gl.allocate_shared_memory(q_desc.dtype, [RING, BT, K], q_desc.layout)
-        k_s = gl.allocate_shared_memory(k_desc.dtype, [RING, BT, K], k_desc.layout)
-        w_s = gl.allocate_shared_memory(w_desc.dtype, [RING, BT, K], w_desc.layout)
-        u_s = gl.allocate_shared_memory(u_desc.dtype, [RING, BT, BV], u_desc.layout)
-        h_s = gl.allocate_shared_memory(u_desc.dtype, [K, BV], u_desc.layout)  # the same 128-byte swizzle
-        vn_s = gl.allocate_shared_memory(u_desc.dtype, [BT, BV], u_desc.layout)
-        kd_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
-        if O_STORE == "tma":
-            o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, BV], o_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(RING):
-            mbarrier.init(bars.index(b), count=1)
-        fence_async_shared()
+        # lint: allow TP004 -- the ring's barriers are initialised in the helper and invalidated after the chunk loop below
+        q_s, k_s, w_s, u_s, h_s, vn_s, kd_s, o_s, bars = _recurrence_buffers(q_desc, k_desc, w_desc, u_desc, o_desc, K, BV,
+                                                                             RING, O_STORE == "tma")
 
         V_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                       instr_shape=[16, BV // WG, 16])
@@ -1359,11 +1375,17 @@ def check_recurrence_launch(V: int) -> int:
     _checked("RECURRENCE_GATES", RECURRENCE_GATES, GATE_FORMS)
     _checked("RECURRENCE_RING", RECURRENCE_RING, (1, 2))
     _checked("RECURRENCE_O_STORE", RECURRENCE_O_STORE, ("masked", "tma"))
-    BV = min(V, RECURRENCE_BV)
-    if RECURRENCE_WARPS not in (4, 8):
-        raise ValueError(f"RECURRENCE_WARPS {RECURRENCE_WARPS}: the fused kernel runs on 4 or 8 warps")
-    if BV < 16 or BV & (BV - 1) or V % BV or (BV // (RECURRENCE_WARPS // 4)) % 8:
-        raise ValueError(f"RECURRENCE_BV {RECURRENCE_BV} (BV {BV} at V={V}, {RECURRENCE_WARPS} warps): a power of two "
+    return recurrence_block(V, RECURRENCE_BV, RECURRENCE_WARPS)
+
+
+def recurrence_block(V: int, bv: int, warps: int) -> int:
+    """BV = min(V, bv) for a fused states + output kernel on `warps` warps (GDN's and KDA's, whose
+    switches RECURRENCE_BV and RECURRENCE_WARPS these are), or a ValueError naming the switch."""
+    BV = min(V, bv)
+    if warps not in (4, 8):
+        raise ValueError(f"RECURRENCE_WARPS {warps}: the fused kernel runs on 4 or 8 warps")
+    if BV < 16 or BV & (BV - 1) or V % BV or (BV // (warps // 4)) % 8:
+        raise ValueError(f"RECURRENCE_BV {bv} (BV {BV} at V={V}, {warps} warps): a power of two "
                          f">= 16 dividing V, at least 8 columns per warpgroup")
     return BV
 

@@ -52,7 +52,7 @@ import torch
 from tileport.memory import new_empty
 from tileport.ops.gdn.gluon_kernels import (SMEM_PER_SM, _GLUON_ERROR, _descriptor, _smem_layout,
                                             chunk_dstates_gluon, chunk_states_recompute_gluon,
-                                            chunk_tile_descriptors)
+                                            chunk_tile_descriptors, recurrence_block)
 from tileport.ops.gdn import triton_kernels as gdn_tk
 from tileport.ops.kda import triton_kernels as kk
 
@@ -63,8 +63,8 @@ if _GLUON_ERROR is None:
                                                                   warpgroup_mma_wait)
 
     from tileport.ops.gdn.gluon_kernels import (_chunk_bounds, _issue_chunk_tiles, _issue_recurrence_tiles,
-                                                _sequence_program, _store_transposed, _sum_combine,
-                                                _transposed_rows)
+                                                _recurrence_buffers, _sequence_program, _store_transposed,
+                                                _sum_combine, _transposed_rows)
 
 BT = 64  # the chunk: M of every WGMMA here, one warpgroup of 4 warps
 HEAD_DIMS = (64, 128)
@@ -260,18 +260,8 @@ if _GLUON_ERROR is None:
         n, hh, jv, bos, eos, nc = _sequence_program(cu_ptr, H, BT)
         c0 = gl.load(choff_ptr + n).to(gl.int32)  # the sequence's first chunk: the flags' row
 
-        q_s = gl.allocate_shared_memory(q_desc.dtype, [RING, BT, K], q_desc.layout)
-        k_s = gl.allocate_shared_memory(k_desc.dtype, [RING, BT, K], k_desc.layout)
-        w_s = gl.allocate_shared_memory(w_desc.dtype, [RING, BT, K], w_desc.layout)
-        u_s = gl.allocate_shared_memory(u_desc.dtype, [RING, BT, BV], u_desc.layout)
-        h_s = gl.allocate_shared_memory(u_desc.dtype, [K, BV], u_desc.layout)
-        vn_s = gl.allocate_shared_memory(u_desc.dtype, [BT, BV], u_desc.layout)
-        kd_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
-        o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, BV], o_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(RING):
-            mbarrier.init(bars.index(b), count=1)
-        fence_async_shared()
+        q_s, k_s, w_s, u_s, h_s, vn_s, kd_s, o_s, bars = _recurrence_buffers(q_desc, k_desc, w_desc, u_desc, o_desc, K, BV,
+                                                                             RING, True)
 
         V_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                       instr_shape=[16, BV // WG, 16])
@@ -411,16 +401,10 @@ def states_output_kernel_for(q, k, w, u, G, span_flags) -> str:
 
 
 def check_recurrence_launch(V: int) -> int:
-    """The fused kernel's BV for head dim V (RECURRENCE_BV, RECURRENCE_WARPS), or a ValueError
-    naming the switch it cannot take."""
+    """The fused kernel's BV for head dim V (RECURRENCE_BV, RECURRENCE_WARPS, checked as GDN's are),
+    or a ValueError naming the switch it cannot take."""
     kk._checked("RECURRENCE_GATES", RECURRENCE_GATES, RECURRENCE_GATE_FORMS)
-    BV = min(V, RECURRENCE_BV)
-    if RECURRENCE_WARPS not in (4, 8):
-        raise ValueError(f"RECURRENCE_WARPS {RECURRENCE_WARPS}: the fused KDA kernel runs on 4 or 8 warps")
-    if BV < 16 or BV & (BV - 1) or V % BV or (BV // (RECURRENCE_WARPS // 4)) % 8:
-        raise ValueError(f"RECURRENCE_BV {RECURRENCE_BV} (BV {BV} at V={V}, {RECURRENCE_WARPS} warps): a power of two "
-                         f">= 16 dividing V, at least 8 columns per warpgroup")
-    return BV
+    return recurrence_block(V, RECURRENCE_BV, RECURRENCE_WARPS)
 
 
 def chunk_states_output_kda_gluon(q, k, w, u, G, h0, plan, output_final_state: bool, scale: float,
