@@ -218,17 +218,18 @@ if _GLUON_ERROR is None:
                                   GATES: gl.constexpr):
         """Stages 5 and 6 of KDA's forward in one kernel: one program per (sequence, head, V block of
         BV columns), sequential over the sequence's chunks; grid (N * H, V / BV), 4 or 8 warps (one
-        or two warpgroups, each owning BV / WG columns of every [64, BV] and [K, BV] accumulator).
+        or two warpgroups, each owning BV / WG columns of every [64, BV] and [K, BV] accumulator;
+        4 warps at K = 128 spill, 8 do not).
         h [K, BV] fp32 lives in registers (WGMMA accumulator layout), its bf16 copy in shared memory
         (h_s, the state entering the chunk). Per chunk, with G the chunk's per-channel gate sums
-        [64, K] (fp32 or fp64, loaded into registers), G_L its last row:
+        [64, K] (fp32, loaded into registers), G_L its last row:
             Vn = U - W h                                       (bf16 W and h, as Triton's states kernel)
             h <- diag(exp(G_L)) h + (K * exp(G_L - G))^T Vn    (rows past the sequence: 0)
         and, for a chunk whose flag (stage 3's, int8 [NC, H]) is clear, its output as
         `_kda_chunk_output` forms it, with d = G - G_m (m the chunk's middle row):
             O = scale ((Q e^(d + G_m)) h + lower((Q e^d)(K e^-d)^T) Vn)
-        with the same bf16 roundings and product order, so O equals the split form's to the
-        rounding of its h and Vn. A flagged chunk (gates spanning more than 60 about G_m, where e^d
+        with the same bf16 roundings and product order (o and the final state bitwise equal to the
+        split form's on the H200: tests/test_kda_gluon_states.py). A flagged chunk (gates spanning more than 60 about G_m, where e^d
         overflows) stores h and Vn instead (bf16, into buffers only flagged chunks write) and
         Triton's `output_flagged_chunks` forms its output after this kernel.
 
