@@ -254,6 +254,58 @@ def test_softmax_backward_where_it_cancels(backend, form, D, device, seed, monke
         assert len(spy.grids) == 1, f"the Gluon backward ran {len(spy.grids)} times"
 
 
+# (backend, form, D, weight) of rms_norm's fp32 backward: Triton's one-tile and chunked kernel (the
+# chunked one forced by shrinking its widest tile) and cuTile's (one tile: rms_norm has no chunked
+# cuTile form), with and without a weight; the Gluon kernel (power-of-two D) with a row inside one
+# warp (D = 256) and across warps (D = 1024: its sums cross warps through shared memory)
+RMS_CANCEL_FORMS = [("triton", "one-tile", 130, True), ("triton", "chunked", 130, True),
+                    ("triton", "one-tile", 130, False), ("gluon", "one-warp", 256, True),
+                    ("gluon", "across-warps", 1024, True), ("gluon", "one-warp", 256, False),
+                    ("cutile", "one-tile", 130, True), ("cutile", "one-tile", 130, False)]
+
+
+@pytest.mark.parametrize("backend,form,D,weight", RMS_CANCEL_FORMS,
+                         ids=[f"{b}-{f}-{'w' if w else 'no-w'}" for b, f, _, w in RMS_CANCEL_FORMS])
+def test_rms_norm_backward_where_it_cancels(backend, form, D, weight, device, seed, monkeypatch):
+    """fp32 rms_norm backward on rows whose g = dy w is nearly parallel to x: dx = rstd (g - x rstd^2
+    sum(g x) / D) is a factor ~eps / mean(x^2) + 1e-4 of g rstd, so fp32 roundings of g, of the
+    row sums and of rstd come back ~1e4x relative (the fp32 form drew 2.1e-3 on these rows; torch's
+    fp32 backward 9.1e-4). The bound stays fp32's 1e-5; the kernels meet it with g, the sums, rstd
+    and the difference in fp64 (FP64_SUMS of each backend's `_rms_norm_bwd_kernel`). The gluon
+    backend runs its own backward (BACKWARD "gluon", seen launched by a spy)."""
+    _skip_unless_runs("rms_norm", backend, device)
+    spy = None
+    if backend == "triton" and form == "chunked":
+        from tileport.ops.rms_norm import triton_kernels as rk
+
+        monkeypatch.setattr(rk, "_MAX_TILE_D", 64)
+    elif backend == "gluon":
+        from standins import spy_on_kernels
+
+        from tileport.ops.rms_norm import gluon_kernels as gk
+
+        spy, = spy_on_kernels(monkeypatch, gk, ["_rms_norm_bwd_kernel"], BACKWARD="gluon")
+    M = 6
+    x = torch.randn(M, D, device=device)
+    w = 0.5 + torch.rand(D, device=device)
+    scale_w = w if weight else torch.ones_like(w)
+    dy = torch.randn(M, 1, device=device) * x / scale_w * (1.0 + 1e-4 * torch.randn(M, D, device=device))
+    x.requires_grad_(True)
+    w.requires_grad_(weight)
+    with poisoned(), use_backend(backend, op="rms_norm"):
+        y = tileport.rms_norm(x, w if weight else None)
+        grads = torch.autograd.grad(y, [x, w] if weight else [x], dy)
+    ref = rms_norm_reference(x, w if weight else None)
+    ref_grads = torch.autograd.grad(ref, [x, w] if weight else [x], dy.to(torch.float64))
+    rstd = torch.rsqrt(x.detach().double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    amplification = (dy.double() * scale_w.double() * rstd).norm() / ref_grads[0].norm()
+    assert amplification > 1000, f"the rows should cancel: |g rstd| / |dx| = {amplification:.0f}"
+    for i, (got, want) in enumerate(zip(grads, ref_grads)):
+        check(f"grad {i} [op=rms_norm backend={backend} {form} cancelling rows seed={seed}]", got, want, torch.float32)
+    if spy is not None:
+        assert len(spy.grids) == 1, f"the Gluon backward ran {len(spy.grids)} times"
+
+
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
 def test_triton_chunked_rows_and_pointer_path(dt, device, seed, monkeypatch):
     """The wide-row (chunked, two-pass) kernels and the raw-pointer path on aligned shapes,

@@ -440,8 +440,8 @@ def test_grouped_gemm_candidates_compile_for_sm90a(index, dt):
 # and raw pointers): no spills, PER_SM programs resident on one SM by registers and shared memory,
 # ptxas's shared memory under `shared_bound`, and the tile loop software-pipelined (STAGES - 1
 # tiles of x and dy in shared memory: Triton does not pipeline a loop without a dot unless asked).
-RMS_BWD_WIDTHS = [(4096, bf, True), (4096, f32, True), (1024, bf, False), (128, f32, True), (8192, bf, True),
-                  (16384, bf, True)]
+RMS_BWD_WIDTHS = [(4096, bf, True), (4096, f32, True), (1024, bf, False), (1024, f32, False), (128, f32, True),
+                  (8192, bf, True), (8192, f32, True), (16384, bf, True)]
 
 
 @pytest.mark.parametrize("D,dt,use_desc", RMS_BWD_WIDTHS,
@@ -450,20 +450,21 @@ RMS_BWD_WIDTHS = [(4096, bf, True), (4096, f32, True), (1024, bf, False), (128, 
                                                        fromlist=["BWD_OPTIONS"]).BWD_OPTIONS)))
 def test_rms_norm_backward_candidates_compile_for_sm90a(index, D, dt, use_desc):
     from tileport.ops.rms_norm import triton_kernels as rk
-    from tileport.triton_rows import row_width, tile_rows
+    from tileport.triton_rows import tile_rows
 
     o = rk.BWD_OPTIONS[index]
     size = torch.finfo(dt).bits // 8
-    if index == 0:
-        assert rk.candidate_fits(o, D, size), "the first candidate is the autotuner's fallback: it must fit every width"
+    fallback = 0 if dt == bf else 4  # the first candidate, or fp32's (FP64_SUMS: fp64 tiles)
+    if index == fallback:
+        assert rk.candidate_fits(o, D, size), "the autotuner's fallback for this dtype must fit every width"
     if not rk.candidate_fits(o, D, size):
         return  # pruned for this width and dtype: it never runs
     M = 8192
-    block_d, one_tile = row_width(D, min(rk._MAX_TILE_D, rk._MAX_TILE_D_BWD))
+    block_d, one_tile = rk.bwd_row_width(D, size)
     args = dict(x_ptr=T([M, D], dt), w_ptr=T([D], dt), dy_ptr=T([M, D], dt), dx_ptr=T([M, D], dt),
                 dw_part_ptr=T([132, D], f32), M=M, D=D, D_BUCKET=block_d, stride_x=D, stride_dy=D, stride_dx=D,
                 eps=1e-6, BLOCK_D=block_d, ONE_TILE=one_tile, USE_DESC=use_desc, HAS_WEIGHT=True, WANT_DW=True,
-                TILE=o["TILE"], STAGES=o["STAGES"], PER_SM=o["PER_SM"])
+                TILE=o["TILE"], STAGES=o["STAGES"], PER_SM=o["PER_SM"], FP64_SUMS=dt == f32)
     report = compile_case(CompileCase(f"rms_norm bwd D={D} {dt} desc={use_desc} {o}", rk._rms_norm_bwd_kernel.fn, args,
                                       num_warps=o["num_warps"], options={"num_stages": o["num_stages"]}))
     print(f"\n{report.summary()}")

@@ -6,10 +6,14 @@ dy through a paired ring, the weight gradient reduced by a second small kernel;
 
 Per row (fp32 math, y in x's dtype, as triton_kernels.py): rstd = rsqrt(sum(x^2) / D + eps),
 y = x * rstd * w; backward g = dy * w, dx = rstd * g - x * rstd^3 * sum(g * x) / D, and
-dw = sum over rows of dy * x * rstd (fp32, then weight's dtype). Rows of a power-of-two D from 16 (bf16/fp16) or 8 (fp32) to 8192 elements
-(`gluon_rows.rows_refusal`); rows whose base or stride is not 16-byte aligned, which TMA cannot
-read, run Triton's forward (and, with the Gluon backward on, Triton's backward where x or dy can't
-be read by TMA).
+dw = sum over rows of dy * x * rstd (fp32, then weight's dtype). The backward of fp32 inputs
+(FP64_SUMS) forms g = dy * w exactly, both row sums, rstd and dx = rstd * (g - x * c),
+c = rstd^2 * sum(g * x) / D, in fp64 and rounds dx once: where g is nearly parallel to x the two
+terms cancel, and fp32's roundings came back amplified (triton_kernels' `_rms_norm_bwd_kernel`
+says why; docs/perf/llm_ops.md, twentieth session). Rows of a power-of-two D from 16 (bf16/fp16)
+or 8 (fp32) to 8192 elements (`gluon_rows.rows_refusal`); rows whose base or stride is not 16-byte
+aligned, which TMA cannot read, run Triton's forward (and, with the Gluon backward on, Triton's
+backward where x or dy can't be read by TMA).
 """
 
 from __future__ import annotations
@@ -91,9 +95,28 @@ BACKWARDS = ("triton", "gluon")
 if _GLUON_ERROR is None:
 
     @gluon.jit
+    def _fresh(t):
+        """An fp32 tile through an opaque register copy (an inline `mov`, marked impure so that two
+        are never merged nor hoisted out of the tile loop): what is computed from the copy is
+        computed again where it is used, not kept from an earlier use. FP64_SUMS forms its fp64
+        tiles from fresh copies before the row reduction (the sums) and again after it (dx), so
+        only the fp32 tiles live across the reduction: with the fp64 tiles kept (the compiler's
+        common subexpressions, the weight's conversion hoisted out of the loop), fp32 D = 8192
+        with a weight spilled 328 B at 255 registers."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=gl.float32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _exact_g(dy, w, HAS_WEIGHT: gl.constexpr):
+        """g = dy * w in fp64 from fp32 tiles, exact (two 24-bit significands fit in 53 bits), from
+        fresh copies (`_fresh`); dy without a weight."""
+        if HAS_WEIGHT:
+            return _fresh(dy).to(gl.float64) * _fresh(w).to(gl.float64)
+        return _fresh(dy).to(gl.float64)
+
+    @gluon.jit
     def _rms_norm_bwd_kernel(x_desc, dy_desc, w_ptr, dx_ptr, part_ptr, M, row_stride_dx, eps, n_tiles,
                              HAS_WEIGHT: gl.constexpr, WANT_DW: gl.constexpr, STAGES: gl.constexpr,
-                             L: gl.constexpr):
+                             L: gl.constexpr, FP64_SUMS: gl.constexpr = False):
         """dx = rstd * g - x * rstd^3 * sum(g * x) / D (g = dy * w, rstd = rsqrt(mean(x^2) + eps)
         recomputed from x) for the row tiles pid, pid + P, ... (grid (P,), one program per SM), and
         with WANT_DW this program's partial weight gradient, sum over its rows of dy * x * rstd,
@@ -104,24 +127,47 @@ if _GLUON_ERROR is None:
         (x^2 and g * x) in one reduction across warps; the weight gradient accumulated per element
         of the tile, in registers, over all the program's tiles, and reduced over rows once at the
         end (a reduction over rows each tile would cross lanes or warps wherever a warp holds
-        several rows)."""
+        several rows).
+        FP64_SUMS (fp32 inputs; the host's switch): dx = rstd (g - x c), c = rstd^2 sum(g x) / D,
+        with g = dy w exact, x^2 exact and g x rounded once, the sums, rstd, c and the difference in
+        fp64, rounded once to fp32 (rstd for dw rounded to fp32). Why: where g is nearly parallel to
+        x the two terms cancel to a factor eps / (mean(x^2) + eps) of either, so fp32's roundings of
+        g, of the sums and of rstd come back amplified (2.1e-3 against fp32's 1e-5 bound at
+        |g| / |dx| ~ 1e4; triton_kernels.py's `_rms_norm_bwd_kernel`, docs/perf/llm_ops.md,
+        twentieth session). The fp64 tiles are formed from fresh copies of the fp32 ones twice,
+        for the sums and for dx (`_fresh`), so only fp32 tiles live across the reduction (sm_90a:
+        0 spills at every fp32 compile case, fp32 D = 8192 with a weight 238 registers; keeping the
+        fp64 tiles spilled 328 B there). Not timed on the H200."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         NCB: gl.constexpr = x_desc.block_type.shape[1]
         CB: gl.constexpr = x_desc.block_type.shape[2]
         D: gl.constexpr = NCB * CB
+        INV_D: gl.constexpr = 1.0 / D  # exact (D a power of two)
         xbufs, dybufs, bars, pid, P, my_n = pair_ring_open(x_desc, dy_desc, n_tiles, STAGES)
         if HAS_WEIGHT:
             w = row_vector(w_ptr, NCB, CB, L)
+        else:
+            w = None
         dw_acc = gl.zeros([BM, NCB, CB], gl.float32, L)
         for i in range(my_n):
             x, dy = pair_ring_take(x_desc, dy_desc, xbufs, dybufs, bars, i, pid, P, my_n, L)
-            if HAS_WEIGHT:
-                g = dy * w
+            if FP64_SUMS:
+                # fp32 inputs: x^2 exact and g x rounded once in fp64, the sums, rstd, c = rstd^2
+                # sum(g x) / D and g - x c in fp64, dx rounded once to fp32 (why: the docstring)
+                x64 = _fresh(x).to(gl.float64)
+                ss, gx = row_sum_pair(x64 * x64, _exact_g(dy, w, HAS_WEIGHT) * x64)
+                rstd64 = gl.rsqrt(ss * INV_D + eps)
+                c = gx * rstd64 * rstd64 * INV_D
+                dx = (_exact_g(dy, w, HAS_WEIGHT) - _fresh(x).to(gl.float64) * c) * rstd64
+                rstd = rstd64.to(gl.float32)
             else:
-                g = dy
-            ss, gx = row_sum_pair(x * x, g * x)
-            rstd = gl.rsqrt(ss / D + eps)
-            dx = g * rstd - x * (gx * (rstd * rstd * rstd) / D)
+                if HAS_WEIGHT:
+                    g = dy * w
+                else:
+                    g = dy
+                ss, gx = row_sum_pair(x * x, g * x)
+                rstd = gl.rsqrt(ss / D + eps)
+                dx = g * rstd - x * (gx * (rstd * rstd * rstd) / D)
             offs, row_ok = row_tile_offsets(pid + i * P, M, row_stride_dx, BM, NCB, CB, L)
             # lint: allow TP001 -- rows past M are masked; a TMA store would need a staging buffer per tile for no fewer bytes
             gl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=row_ok)
@@ -146,7 +192,7 @@ def _rms_norm_backward_ring(grad_y, x, weight, eps, want_dw):
     w = weight.contiguous() if weight is not None else x2
     _rms_norm_bwd_kernel[(plan.programs,)](plan.a_desc, plan.b_desc, w, dx, partials, M, dx.stride(0), float(eps),
                                            plan.n_tiles, weight is not None, want_dw, plan.stages, plan.layout,
-                                           num_warps=gluon_rows.NUM_WARPS)
+                                           FP64_SUMS=x.dtype == torch.float32, num_warps=gluon_rows.NUM_WARPS)
     dw = sum_partial_rows(partials, new_empty((D,), weight.dtype, x.device)) if want_dw else None
     return dx.view(x.shape), dw
 
@@ -173,7 +219,8 @@ def compile_cases():
     4096 in fp32 without a weight; the backward (`_rms_norm_bwd_kernel`) at D = 4096 bf16 with the
     weight gradient (the standard shape; and in a 6-deep ring of 16 KB tiles, the A/B's other
     ring), 8192 bf16 and fp32 (one row a tile; fp32's ring 3 deep), 64 bf16 (128 rows a tile,
-    rows inside warps), 4096 fp16, 4096 fp32 without a weight; and the weight gradient's sum of
+    rows inside warps), 4096 fp16, 4096 fp32 with and without a weight, 64 fp32 (64 rows a tile;
+    every fp32 case with FP64_SUMS, as the host launches fp32); and the weight gradient's sum of
     132 partial rows into bf16 and fp32."""
     if _GLUON_ERROR is None:
         from tileport.compile_check import CompileCase, TensorStandIn
@@ -198,7 +245,8 @@ def compile_cases():
         for D, dtype, weight, ring in ((4096, bf16, True, None), (4096, bf16, True, (16 * 1024, 6)),
                                        (8192, bf16, True, None), (8192, torch.float32, True, None),
                                        (64, bf16, True, None), (4096, torch.float16, True, None),
-                                       (4096, torch.float32, False, None), (4096, bf16, "frozen", None)):
+                                       (4096, torch.float32, False, None), (4096, bf16, "frozen", None),
+                                       (4096, torch.float32, True, None), (64, torch.float32, True, None)):
             saved = gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES
             if ring is not None:
                 gluon_rows.PAIR_TILE_BYTES, gluon_rows.PAIR_STAGES = ring
@@ -209,7 +257,7 @@ def compile_cases():
             args = dict(x_desc=plan.a_desc, dy_desc=plan.b_desc, w_ptr=TensorStandIn([D], dtype),
                         dx_ptr=TensorStandIn([M, D], dtype), part_ptr=TensorStandIn([132, D], torch.float32), M=M,
                         row_stride_dx=D, eps=1e-6, n_tiles=plan.n_tiles, HAS_WEIGHT=bool(weight),
-                        WANT_DW=weight is True, STAGES=plan.stages, L=plan.layout)
+                        WANT_DW=weight is True, STAGES=plan.stages, L=plan.layout, FP64_SUMS=dtype == torch.float32)
             tag = (f"D{D}_{str(dtype).removeprefix('torch.')}{'_w' if weight is True else '_frozen_w' if weight else ''}"
                    f"{f'_{ring[0] // 1024}kx{ring[1]}' if ring else ''}")
             cases.append(CompileCase(name=f"rms_norm_bwd_{tag}", kernel=_rms_norm_bwd_kernel, args=args,
