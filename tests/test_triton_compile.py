@@ -480,6 +480,25 @@ def test_rms_norm_backward_candidates_compile_for_sm90a(index, D, dt, use_desc):
         assert report.shared >= 2 * (o["STAGES"] - 1) * tile_bytes, f"{report.shared} B: the tile loop is not pipelined"
 
 
+@pytest.mark.parametrize("dt", [bf, f32], ids=["bf16", "fp32"])
+def test_rms_norm_backward_compiles_at_d1(dt):
+    """D = 1, which Triton specialises to a constexpr at launch (the kernel's fp64 1 / D once failed
+    there: a Python int has no .to), in each dtype's fallback candidate."""
+    from tileport.ops.rms_norm import triton_kernels as rk
+
+    size = torch.finfo(dt).bits // 8
+    o = rk.BWD_OPTIONS[0 if dt == bf else 4]
+    block_d, one_tile = rk.bwd_row_width(1, size)
+    args = dict(x_ptr=T([64, 1], dt), w_ptr=T([1], dt), dy_ptr=T([64, 1], dt), dx_ptr=T([64, 1], dt),
+                dw_part_ptr=T([132, 1], f32), M=64, D=1, D_BUCKET=block_d, stride_x=1, stride_dy=1, stride_dx=1,
+                eps=1e-6, BLOCK_D=block_d, ONE_TILE=one_tile, USE_DESC=False, HAS_WEIGHT=True, WANT_DW=True,
+                TILE=o["TILE"], STAGES=o["STAGES"], PER_SM=o["PER_SM"], FP64_SUMS=dt == f32)
+    report = compile_case(CompileCase(f"rms_norm bwd D=1 {dt}", rk._rms_norm_bwd_kernel.fn, args,
+                                      num_warps=o["num_warps"], options={"num_stages": o["num_stages"]}))
+    assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+    assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"
+
+
 def test_rms_norm_dw_sum_compiles_for_sm90a():
     """triton_rows.sum_partial_rows' kernel at 132 partial rows of 4096 into bf16: no spills."""
     from tileport import triton_rows

@@ -230,7 +230,7 @@ def _rms_norm_bwd_kernel(
     dx_dst = _make_rows_desc(dx_ptr, M, D, stride_dx, BLOCK_M, BLOCK_D, USE_DESC)
     cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_D), BLOCK_D), BLOCK_D)
     part_row = dw_part_ptr + pid.to(tl.int64) * D
-    inv_d = 1.0 / D.to(tl.float64)  # FP64_SUMS: one fp64 division a program, not one a row
+    inv_d = 1.0 / tl.cast(D, tl.float64)  # FP64_SUMS: one fp64 division a program, not one a row (D may be a constexpr 1)
     if ONE_TILE:
         w = _weight_chunk(w_ptr, 0, D, BLOCK_D, HAS_WEIGHT)
         dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
