@@ -20,10 +20,11 @@ same for stage 9 (gluon_kernels.BACKWARD_DQKWG); "wy-split": stage 10 as one Glu
 two (gluon_kernels.WY_FORM). "solve": the gluon forward with stage 3 on Triton's kernel or the
 Gluon one (gluon_kernels.FORWARD_SOLVE). "recurrence": the gluon forward with stages 5 and 6 split or
 fused in one Gluon kernel (gluon_kernels.FORWARD_RECURRENCE), its gates loaded at the chunk's top
-or a chunk ahead (RECURRENCE_GATES).
+or a chunk ahead (RECURRENCE_GATES). "vn-from-t": the fused forward from stage 3's W and U
+("fused") or with stage 3 stopped at T and Vn formed from T in the fused kernel ("fused-t").
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -353,4 +354,12 @@ if "recurrence" in SECTIONS and dev == "cuda":
     forward_ab("FORWARD_RECURRENCE", {"split": {"FORWARD_RECURRENCE": "split"},
                                       "fused/top": {"FORWARD_RECURRENCE": "fused", "RECURRENCE_GATES": "top"},
                                       "fused/ahead": {"FORWARD_RECURRENCE": "fused", "RECURRENCE_GATES": "ahead"}},
+               "final state", final_state=True, table_every_form=True)
+
+# "vn-from-t": the fused forward from W and U, or with stage 3 stopping at T and the fused kernel
+# forming Vn = T diag(beta) (V - (e^G K) h) (gluon_kernels.FORWARD_RECURRENCE "fused-t")
+if "vn-from-t" in SECTIONS and dev == "cuda":
+    forward_ab("FORWARD_RECURRENCE", {"fused/ahead": {"FORWARD_RECURRENCE": "fused", "RECURRENCE_GATES": "ahead"},
+                                      "fused-t/ahead": {"FORWARD_RECURRENCE": "fused-t", "RECURRENCE_GATES": "ahead"},
+                                      "fused-t/top": {"FORWARD_RECURRENCE": "fused-t", "RECURRENCE_GATES": "top"}},
                "final state", final_state=True, table_every_form=True)

@@ -1,11 +1,12 @@
 """KDA's forward stages 5 and 6 fused on one Gluon kernel (`gluon_kernels._kda_states_output_kernel`,
 FORWARD_RECURRENCE "fused"): the state recurrence with h kept on the chip, the output of every
 unflagged chunk formed there, the flagged chunks' h and Vn stored for Triton's block kernel
-(`chunk_states_output_kda_gluon`). On the GPU: the gluon backend's forward with the fused kernel
-against the same forward with the split stages (Triton's states kernel, then the Gluon output
-kernel), route by route, and both against the float64 reference through the gate's cases. On the
-CPU: the switch, the rule and the launch checks; tests/test_gluon_compile.py compile-checks the
-kernel for sm_90a.
+(`chunk_states_output_kda_gluon`); and its form "fused-t", where stage 3 stops at T and the kernel
+forms Vn from T. On the GPU: the gluon backend's forward with the fused kernel against the same
+forward with the split stages (Triton's states kernel, then the Gluon output kernel), route by
+route, "fused-t" against "fused" likewise, and every form against the float64 reference through
+the gate's cases. On the CPU: the switch, the rule, the launch checks and stage 3's T alone;
+tests/test_gluon_compile.py compile-checks the kernel for sm_90a.
 """
 
 from __future__ import annotations
@@ -103,12 +104,77 @@ def test_fused_matches_split_route_by_route(layout, K, h0, final, gates, device,
         assert torch.equal(ht, ht_split), f"final state {where}: {normwise(ht, ht_split):.2e} normwise from the split form's"
 
 
+# "fused-t" against "fused": (layout, K, h0 and final, gates)
+FROM_T_CASES = ([(lay, K, True, gates) for lay in LAYOUTS for K in (64, 128) for gates in ("ahead", "top")]
+                + [(lay, 128, False, "ahead") for lay in LAYOUTS])
+# Vn from T rounds other operands to bf16 than Vn from W and U (X = diag(beta)(V - (e^G K) h) once,
+# against W, U and their difference): each form is a few bf16 steps (2^-9 relative) from the exact
+# o; a structural error (a row's beta or a T row left out, a chunk's T from another) moves o by
+# O(1). 2^-6 normwise lies between the two.
+FROM_T_BOUND = 2.0 ** -6
+
+
+@pytest.mark.parametrize("layout,K,states,gates", FROM_T_CASES,
+                         ids=[f"{lay}-K{K}-{'states' if st else 'no-states'}-{gates}" for lay, K, st, gates in FROM_T_CASES])
+def test_vn_from_t_matches_fused_route_by_route(layout, K, states, gates, device, seed, fused, monkeypatch):
+    """o of the forward with stage 3 stopped at T and Vn formed from it in the fused kernel
+    ("fused-t") against the "fused" form's on the same inputs, on the rows of unflagged chunks and
+    of flagged ones apart (both written: outputs and the h and Vn buffers are NaN-poisoned), and
+    the final state, within FROM_T_BOUND; and stage 3 ran without W and U (with_wu off)."""
+    parity._backend_or_skip("gluon", device)
+    from tileport.ops.kda import gluon_kernels as gk
+    from tileport.ops.kda import triton_kernels as kk
+
+    monkeypatch.setattr(gk, "RECURRENCE_GATES", gates)
+    inputs = _inputs(layout, K, states, device)
+    o_ref, ht_ref = _forward("fused", inputs, K, states, monkeypatch)
+    solve_calls = []
+    real_solve = kk.chunk_solve_wu
+
+    def solve_spy(*args, **kwargs):
+        solve_calls.append(kwargs.get("with_wu", True))
+        return real_solve(*args, **kwargs)
+
+    monkeypatch.setattr(kk, "chunk_solve_wu", solve_spy)
+    o, ht = _forward("fused-t", inputs, K, states, monkeypatch)
+    assert solve_calls == [False], f"stage 3 should run once, without W and U: with_wu per call {solve_calls}"
+    H = 2
+    N = inputs[0].shape[0] if inputs[6] is None else inputs[6].numel() - 1
+    assert fused.grids == [(N * H, 1)] * 2, fused.grids
+
+    where = f"[{layout} K={K} states={states} gates={gates} seed={seed}]"
+    B, T = inputs[0].shape[:2]
+    plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
+    flags = torch.empty((plan.NC, H), dtype=torch.int8, device=device)
+    gf = kk._flatten(inputs[3])
+    kf = kk.l2norm_fwd(kk._flatten(inputs[1]))
+    G = torch.empty(gf.shape, dtype=torch.float32, device=device)
+    real_solve(kf, kk._flatten(inputs[2]), kk._flatten(inputs[4]), G, plan, compact=True, keys_normalised=True, g=gf,
+               span_flags=flags)
+    assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
+    unflagged, flagged = (m.to(device) for m in route_rows(plan, flags))
+    of, orf = o.reshape(B * T, H, -1), o_ref.reshape(B * T, H, -1)
+    for route, rows in (("unflagged", unflagged), ("flagged", flagged)):
+        assert not of[rows].isnan().any(), f"o on {route} chunks {where}: not written"
+        err = normwise(of[rows], orf[rows])
+        assert err <= FROM_T_BOUND, f"o on {route} chunks {where}: {err:.2e} normwise from the fused form's"
+    assert (ht is None) == (not states)
+    if states:
+        err = normwise(ht, ht_ref)
+        assert err <= FROM_T_BOUND, f"final state {where}: {err:.2e} normwise from the fused form's"
+
+
+@pytest.mark.parametrize("form", ["fused", "fused-t"])
 @pytest.mark.parametrize("case_id", [cid for cid, c in parity.CASES.items()
                                      if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)])
-def test_gate_cases_with_the_fused_kernel(case_id, device, seed, fused):
+def test_gate_cases_with_the_fused_kernel(case_id, form, device, seed, fused, monkeypatch):
     """The gate's accepted cases (forward and backward against the float64 reference, the gate's
-    bounds) on the gluon backend with the fused forward, which each forward launches once."""
+    bounds) on the gluon backend with the fused forward in each form, which each forward launches
+    once."""
     parity._backend_or_skip("gluon", device)
+    from tileport.ops.kda import gluon_kernels as gk
+
+    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", form)
     parity._run_and_check("gluon", case_id, device, seed)
     assert len(fused.grids) == 1, fused.grids
 
@@ -120,41 +186,41 @@ def _rule(K=128, V=128, **changes):
     from tileport.ops.kda import gluon_kernels as gk
 
     bf, Ntok, H, NC = torch.bfloat16, 256, 2, 4
-    ops = dict(q=operand([Ntok, H, K], bf), k=operand([Ntok, H, K], bf), w=operand([Ntok, H, K], bf),
-               u=operand([Ntok, H, V], bf), G=operand([Ntok, H, K], torch.float32),
-               span_flags=operand([NC, H], torch.int8))
+    ops = dict(q=operand([Ntok, H, K], bf), k=operand([Ntok, H, K], bf), v=operand([Ntok, H, V], bf),
+               G=operand([Ntok, H, K], torch.float32), span_flags=operand([NC, H], torch.int8))
     ops.update(changes)
-    return gk.states_output_kernel_for(ops["q"], ops["k"], ops["w"], ops["u"], ops["G"], ops["span_flags"])
+    return gk.states_output_kernel_for(ops["q"], ops["k"], ops["v"], ops["G"], ops["span_flags"])
 
 
 def test_switch_is_validated(monkeypatch):
     from tileport.ops.kda import gluon_kernels as gk
 
     monkeypatch.setattr(gk, "FORWARD_RECURRENCE", "both")
-    with pytest.raises(ValueError, match="FORWARD_RECURRENCE 'both'.*'split', 'fused'"):
+    with pytest.raises(ValueError, match="FORWARD_RECURRENCE 'both'.*'split', 'fused', 'fused-t'"):
         _rule()
     with pytest.raises(ValueError, match="FORWARD_RECURRENCE"):  # validated before any fallback is decided
         _rule(span_flags=None)
 
 
-def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
+@pytest.mark.parametrize("form", ["fused", "fused-t"])
+def test_rule_takes_what_the_kernel_was_compiled_for(form, monkeypatch):
     from tileport.ops.kda import gluon_kernels as gk
 
     bf, f32 = torch.bfloat16, torch.float32
     monkeypatch.setattr(gk, "FORWARD_RECURRENCE", "split")
     assert _rule() == "split"
-    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", "fused")
+    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", form)
     for K in (64, 128):
-        assert _rule(K, K) == "fused", K
+        assert _rule(K, K) == form, K
     refused = {
         "no flags (fp32 inputs, or DIAGONAL_FORM other than chunk)": dict(span_flags=None),
         "K != V": dict(V=64),
         "K = 32": dict(K=32, V=32),
-        "fp32 W (not stage 3's compact form)": dict(w=operand([256, 2, 128], f32)),
+        "fp32 values (W and U not bf16)": dict(v=operand([256, 2, 128], f32)),
         "fp16 queries": dict(q=operand([256, 2, 128], torch.float16)),
         "fp64 G": dict(G=operand([256, 2, 128], torch.float64)),
         "on the CPU": dict(G=operand([256, 2, 128], f32, is_cuda=False)),
-        "strided U": dict(u=operand([256, 2, 128], bf, contiguous=False)),
+        "strided v": dict(v=operand([256, 2, 128], bf, contiguous=False)),
         "a TMA source off 16 bytes": dict(k=operand([256, 2, 128], bf, data_ptr=1032)),
     }
     for why, change in refused.items():
@@ -178,14 +244,71 @@ def test_launch_checks(monkeypatch):
         gk.check_recurrence_launch(128)
 
 
-def test_split_form_leaves_the_forward_as_it_was(monkeypatch):
-    """With FORWARD_RECURRENCE "split" the fused stage declines (None), so `kda_forward_triton` runs
-    stages 5 and 6 itself; on the CPU the rule declines whatever the switch says."""
+def test_fused_stage_takes_one_set_of_vn_operands():
+    """`chunk_states_output_kda_gluon` takes W and U, or T, v and beta: any other mix is refused
+    by name before anything is launched."""
     from tileport.ops.kda import gluon_kernels as gk
 
-    bf = torch.bfloat16
-    t = torch.zeros(64, 2, 64, dtype=bf)
+    t = torch.zeros(64, 2, 64, dtype=torch.bfloat16)
     flags = torch.zeros(1, 2, dtype=torch.int8)
-    for form in ("split", "fused"):
-        monkeypatch.setattr(gk, "FORWARD_RECURRENCE", form)
-        assert gk.chunk_states_output_kda_gluon(t, t, t, t, t.float(), None, None, False, 1.0, bf, flags) is None
+    T, beta = torch.zeros(64, 2, 64), torch.zeros(64, 2, dtype=torch.bfloat16)
+    for mix in (dict(), dict(w=t), dict(w=t, u=t, T=T, v=t, beta=beta), dict(T=T, v=t), dict(T=T, u=t, beta=beta),
+                dict(w=t, v=t)):
+        with pytest.raises(ValueError, match="either w and u, or T, v and beta"):
+            gk.chunk_states_output_kda_gluon(t, t, t.float(), None, None, False, 1.0, flags, **mix)
+
+
+@pytest.mark.parametrize("form", ["split", "fused", "fused-t"])
+def test_forward_follows_the_rule_before_stage_3(form, device, seed):
+    """`kda_forward_triton` asks the rule first: "split" never calls the fused stage; "fused" hands
+    it stage 3's W and U; "fused-t" runs stage 3 without W and U and hands it T, v and beta, T
+    bitwise the T that stage 3 forms beside W and U (the same tile kernel with WITH_WU off, and the
+    block kernel's for the flagged chunks). The fused stage is a stand-in here (the Triton stages
+    run where the backend does: the interpreter on the CPU)."""
+    parity._backend_or_skip("triton", device)
+    from tileport.ops.kda import triton_kernels as kk
+
+    inputs = _inputs("varlen-empty-len1", 64, True, device)
+    calls = []
+
+    def fused_stage(q, k, G, h0, plan, final, scale, flags, **vn_operands):
+        calls.append(vn_operands)
+        return torch.zeros_like(q), None
+
+    o, _ = kk.kda_forward_triton(*inputs[:5], 0.125, inputs[5], False, True, inputs[6],
+                                 states_output=fused_stage, states_output_form=lambda *args: form)
+    if form == "split":
+        assert calls == [] and not o.isnan().any()
+        return
+    assert len(calls) == 1
+    got = calls[0]
+    if form == "fused":
+        assert sorted(got) == ["u", "w"] and got["w"].dtype == torch.bfloat16
+        return
+    assert sorted(got) == ["T", "beta", "v"]
+    B, T = inputs[0].shape[:2]
+    plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
+    H = inputs[0].shape[2]
+    flags = torch.empty((plan.NC, H), dtype=torch.int8, device=device)
+    gf = kk._flatten(inputs[3])
+    kf = kk.l2norm_fwd(kk._flatten(inputs[1]))
+    G = torch.empty(gf.shape, dtype=torch.float32, device=device)
+    T_with_wu, w, u = kk.chunk_solve_wu(kf, kk._flatten(inputs[2]), kk._flatten(inputs[4]), G, plan, store_T=True,
+                                        compact=True, keys_normalised=True, g=gf, span_flags=flags)
+    assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
+    assert w is not None and got["T"].dtype == torch.float32
+    assert torch.equal(got["T"], T_with_wu), f"T alone vs T with W and U: {normwise(got['T'], T_with_wu):.2e}"
+    assert torch.equal(got["v"], kk._flatten(inputs[2])) and torch.equal(got["beta"], kk._flatten(inputs[4]))
+
+
+def test_stage_3_without_w_and_u_needs_the_kept_t_form():
+    """with_wu=False is the per-channel tile form keeping T (span_flags and store_T): refused by
+    name otherwise."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    x = torch.zeros(64, 2, 64, dtype=torch.bfloat16)
+    plan = kk.make_plan(1, 64, None, x.device)
+    for store_T, flags in ((False, torch.zeros(1, 2, dtype=torch.int8)), (True, None)):
+        with pytest.raises(ValueError, match="with_wu=False"):
+            kk.chunk_solve_wu(x, x, x[..., 0], x.float(), plan, store_T=store_T, compact=True, span_flags=flags,
+                              with_wu=False)

@@ -239,30 +239,33 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, t0, hh, ucol, q_b, k_b, w_b, u_b, bar,
-                                K: gl.constexpr):
+                                K: gl.constexpr, WITH_W: gl.constexpr = True):
         """TMA the q, k, W tiles ([64, K]) and the U tile ([64, BV] from column ucol) of the chunk
-        that starts at token t0, head hh, into one buffer set, all four on `bar`, armed with their
-        bytes."""
-        NBYTES: gl.constexpr = (q_desc.block_type.nbytes + k_desc.block_type.nbytes + w_desc.block_type.nbytes
-                                + u_desc.block_type.nbytes)
+        that starts at token t0, head hh, into one buffer set, all on `bar`, armed with their
+        bytes. Without WITH_W, W's tile is not loaded (KDA's Vn from T: w_b is formed in the kernel)."""
+        NBYTES: gl.constexpr = (q_desc.block_type.nbytes + k_desc.block_type.nbytes
+                                + (w_desc.block_type.nbytes if WITH_W else 0) + u_desc.block_type.nbytes)
         mbarrier.expect(bar, NBYTES)
         tma.async_copy_global_to_shared(q_desc, [t0, hh * K], bar, q_b)
         tma.async_copy_global_to_shared(k_desc, [t0, hh * K], bar, k_b)
-        tma.async_copy_global_to_shared(w_desc, [t0, hh * K], bar, w_b)
+        if WITH_W:
+            tma.async_copy_global_to_shared(w_desc, [t0, hh * K], bar, w_b)
         tma.async_copy_global_to_shared(u_desc, [t0, ucol], bar, u_b)
 
     @gluon.jit
     def _recurrence_buffers(q_desc, k_desc, w_desc, u_desc, o_desc, K: gl.constexpr, BV: gl.constexpr,
-                            RING: gl.constexpr, O_STAGED: gl.constexpr):
+                            RING: gl.constexpr, O_STAGED: gl.constexpr, W_SLOTS: gl.constexpr = 0):
         """The shared memory of the fused states + output kernels (GDN's `_states_output_kernel`,
         KDA's `_kda_states_output_kernel`): a ring of RING TMA sets of q, k, W [64, K] and U [64,
-        BV]; h's bf16 copy [K, BV] and Vn [64, BV] (U's 128-byte swizzle), the scaled keys [64, K];
-        o's staging [64, BV] for its TMA store where O_STAGED (else U's ring stands in, unused); the
+        BV] (W in W_SLOTS slots, 0 for RING: 1 where the kernel forms W's operand itself, KDA's Vn
+        from T); h's
+        bf16 copy [K, BV] and Vn [64, BV] (U's 128-byte swizzle), the scaled keys [64, K]; o's
+        staging [64, BV] for its TMA store where O_STAGED (else U's ring stands in, unused); the
         ring's mbarriers, initialised and fenced."""
         BT: gl.constexpr = q_desc.block_type.shape[0]
         q_s = gl.allocate_shared_memory(q_desc.dtype, [RING, BT, K], q_desc.layout)
         k_s = gl.allocate_shared_memory(k_desc.dtype, [RING, BT, K], k_desc.layout)
-        w_s = gl.allocate_shared_memory(w_desc.dtype, [RING, BT, K], w_desc.layout)
+        w_s = gl.allocate_shared_memory(w_desc.dtype, [W_SLOTS if W_SLOTS else RING, BT, K], w_desc.layout)
         u_s = gl.allocate_shared_memory(u_desc.dtype, [RING, BT, BV], u_desc.layout)
         h_s = gl.allocate_shared_memory(u_desc.dtype, [K, BV], u_desc.layout)
         vn_s = gl.allocate_shared_memory(u_desc.dtype, [BT, BV], u_desc.layout)

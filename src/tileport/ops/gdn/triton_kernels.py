@@ -1467,9 +1467,12 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
                    exact_wu: bool = False, keys_normalised: bool = False, l2norm_k: bool = False,
                    factored_diagonal: bool = False, input_dtype: torch.dtype | None = None,
                    kn_out: torch.Tensor | None = None, g: torch.Tensor | None = None,
-                   span_flags: torch.Tensor | None = None):
+                   span_flags: torch.Tensor | None = None, with_wu: bool = True):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
-    T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. G [Ntok, H, K] (from
+    T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. Without with_wu
+    (KDA's forward that forms Vn from T, with span_flags and store_T): T alone for the whole
+    chunks (the tile kernel's WITH_WU off), W and U None (the flagged chunks' block kernel still
+    forms theirs, into buffers nothing reads). G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
     normalises it (the tile form only; keys_normalised is then implied). factored_diagonal (KDA):
     the kernel's FACTORED_DIAGONAL. input_dtype: the op's input dtype where k is not in it (the
@@ -1485,12 +1488,14 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
     dtype = input_dtype or k.dtype
+    if not with_wu and not (store_T and span_flags is not None):
+        raise ValueError("with_wu=False (T alone) needs span_flags and store_T: the per-channel tile form keeping T")
     inter = _intermediate_dtype(dtype, compact)
     Ai = new_empty((Ntok, H, BT), _F32, k.device) if store_T else None
     w = new_empty((Ntok, H, K), inter, k.device)
     u = new_empty((Ntok, H, V), inter, k.device)
     if not plan.NC:
-        return Ai, w, u
+        return (Ai, w, u) if with_wu else (Ai, None, None)
     DT, DA = _dot_types(dtype)
     form = solve_form(dtype, G.dim() == 3)
     if l2norm_k and form != "tile":
@@ -1510,11 +1515,11 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised)
         Ai_or_w = Ai if store_T else w
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, *_tile_blocks(K, V), BT, DT, DA,
-                                            prec, store_T, exact_wu, L2NORM_EPS, g_ptr=g, CUMSUM_G=g is not None,
-                                            T_CHAIN=_t_chain(), DIAG_PREC=diag_prec, PER_CHANNEL=True,
-                                            flags_ptr=span_flags)
+                                            prec, store_T, exact_wu, L2NORM_EPS, WITH_WU=with_wu, g_ptr=g,
+                                            CUMSUM_G=g is not None, T_CHAIN=_t_chain(), DIAG_PREC=diag_prec,
+                                            PER_CHANNEL=True, flags_ptr=span_flags)
         solve_flagged_chunks(k, v, beta, G, Ai_or_w, w, u, plan, dtype, store_T, exact_wu, factored_diagonal, span_flags)
-        return Ai, w, u
+        return (Ai, w, u) if with_wu else (Ai, None, None)
     if form == "tile":
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised or l2norm_k)
         if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):

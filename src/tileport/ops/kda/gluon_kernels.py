@@ -178,6 +178,9 @@ if _GLUON_ERROR is None:
 # replaces), 13.126 -> 13.312 with steep ones (every chunk flagged: h and Vn stored for all, the
 # update waited for at once); docs/perf/kda.md row 25.
 FORWARD_RECURRENCE = "fused"
+# "fused-t": stage 3 stops at T (no W and U formed, stored or read) and the fused kernel forms Vn
+# from T, v and beta (its VN_FROM_T; docs/perf/kda.md "Plan: stage 3 without W and U").
+FORWARD_RECURRENCE_FORMS = ("split", "fused", "fused-t")
 # The fused kernel's V columns per program and warps: BV = 128 on two warpgroups side by side
 # (GDN's best form, gdn.gluon_kernels.RECURRENCE_BV: one wave of N * H programs at S1), or 64 on one.
 RECURRENCE_BV = 128
@@ -215,7 +218,7 @@ if _GLUON_ERROR is None:
     def _kda_states_output_kernel(q_desc, k_desc, w_desc, u_desc, o_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, h_ptr, vn_ptr,
                                   cu_ptr, choff_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr,
                                   BV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
-                                  GATES: gl.constexpr):
+                                  GATES: gl.constexpr, t_desc=None, beta_ptr=None, VN_FROM_T: gl.constexpr = False):
         """Stages 5 and 6 of KDA's forward in one kernel: one program per (sequence, head, V block of
         BV columns), sequential over the sequence's chunks; grid (N * H, V / BV), 4 or 8 warps (one
         or two warpgroups, each owning BV / WG columns of every [64, BV] and [K, BV] accumulator;
@@ -232,6 +235,17 @@ if _GLUON_ERROR is None:
         split form's on the H200: tests/test_kda_gluon_states.py). A flagged chunk (gates spanning more than 60 about G_m, where e^d
         overflows) stores h and Vn instead (bf16, into buffers only flagged chunks write) and
         Triton's `output_flagged_chunks` forms its output after this kernel.
+
+        VN_FROM_T (FORWARD_RECURRENCE "fused-t"): stage 3 stored T alone (no W, U), u_desc is V's
+        and w_desc a stand-in for W's buffer (k's; never loaded), and with W = T diag(beta)(e^G K),
+        U = T diag(beta) V:
+            Vn = T X,   X = diag(beta) (V - (e^G K) h)
+        (e^G K rounded to bf16 into W's one slot, X rounded to bf16 over V's tile; T's fp32 tile by
+        TMA (t_desc) into a buffer of its own, the next chunk's issued once every warp has read
+        this one's, and met as a bf16 register operand): one more [64, 64] x [64, BV] WGMMA on the chain, and W and U neither
+        formed by stage 3 nor read here. Other roundings than the split form's (not bitwise equal:
+        tests/test_kda_gluon_states.py bounds the difference and the gate checks it against the
+        float64 reference).
 
         Shared memory (K = 128, BV = 128): a ring of two TMA sets of q, k, W [64, K] and U [64, BV]
         (128 KB), h_s 32, Vn 16, the scaled keys 16, o's TMA staging 16: 208 KB, one program per SM.
@@ -261,8 +275,15 @@ if _GLUON_ERROR is None:
         n, hh, jv, bos, eos, nc = _sequence_program(cu_ptr, H, BT)
         c0 = gl.load(choff_ptr + n).to(gl.int32)  # the sequence's first chunk: the flags' row
 
+        WITH_W: gl.constexpr = not VN_FROM_T
+        W_SLOTS: gl.constexpr = RING if WITH_W else 1  # W's operand formed here is used within its chunk
         q_s, k_s, w_s, u_s, h_s, vn_s, kd_s, o_s, bars = _recurrence_buffers(q_desc, k_desc, w_desc, u_desc, o_desc, K, BV,
-                                                                             RING, True)
+                                                                             RING, True, W_SLOTS)
+        if VN_FROM_T:
+            t_s = gl.allocate_shared_memory(t_desc.dtype, [BT, BT], t_desc.layout)
+            t_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(t_bar, count=1)
+            fence_async_shared()
 
         V_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                       instr_shape=[16, BV // WG, 16])
@@ -273,6 +294,8 @@ if _GLUON_ERROR is None:
         # a thread each (with 8 lanes a row at K = 128 they cost 16, and the kernel spilled)
         ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [256 // K, K // 8], [NW, 1], [1, 0])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=V_L, k_width=2)
+        # T's fp32 tile read from shared memory: 4 contiguous columns a thread, a row in 16 lanes
+        T_L: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [NW, 1], [1, 0])
 
         kr = gl.arange(0, K, layout=gl.SliceLayout(1, V_L))
         vcol = gl.arange(0, BV, layout=gl.SliceLayout(0, V_L))
@@ -287,7 +310,10 @@ if _GLUON_ERROR is None:
 
         if nc > 0:
             _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, bos, hh, hh * V + jv * BV, q_s.index(0),
-                                    k_s.index(0), w_s.index(0), u_s.index(0), bars.index(0), K)
+                                    k_s.index(0), w_s.index(0), u_s.index(0), bars.index(0), K, WITH_W)
+            if VN_FROM_T:
+                mbarrier.expect(t_bar, t_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(t_desc, [bos, hh * BT], t_bar, t_s)
         rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
         kc = gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_L))
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, V_L))
@@ -304,8 +330,8 @@ if _GLUON_ERROR is None:
                 # one keeps the refill safe on its own, as in GDN's fused kernel
                 gl.thread_barrier()
                 _issue_recurrence_tiles(q_desc, k_desc, w_desc, u_desc, t0 + BT, hh, hh * V + jv * BV,
-                                        q_s.index(1 - buf), k_s.index(1 - buf), w_s.index(1 - buf),
-                                        u_s.index(1 - buf), bars.index(1 - buf), K)
+                                        q_s.index(1 - buf), k_s.index(1 - buf), w_s.index((1 - buf) % W_SLOTS),
+                                        u_s.index(1 - buf), bars.index(1 - buf), K, WITH_W)
             r_ok = t0 + rr < eos
             ro_ok = t0 + ro < eos
             unflagged = gl.load(flags_ptr + (c0 + i) * H + hh) == 0
@@ -313,21 +339,45 @@ if _GLUON_ERROR is None:
                 # the chunk's gates, before its tiles are waited for (their latency partly under the wait)
                 Gt, GL_rows, GL_state, Gm = _chunk_channel_gates(G_ptr, t0, eos, H, hh, rr, kc, kr, K)
             mbarrier.wait(bars.index(buf), (i // RING) & 1)
-            fence_async_shared()  # h_s, written by the generic proxy at the end of chunk i - 1, read by WGMMA
+            if VN_FROM_T:
+                # e^G K for W h, and the scaled keys K exp(G_L - G) (rows past the sequence: 0)
+                kf = k_s.index(buf).load(ROWS_L).to(gl.float32)
+                w_s.index(buf % W_SLOTS).store((kf * gl.exp(Gt.to(gl.float32))).to(w_s.dtype))
+                kd = kf * gl.exp(gl.where(r_ok[:, None], (GL_rows[None, :] - Gt).to(gl.float32), float("-inf")))
+                kd_s.store(kd.to(kd_s.dtype))
+            fence_async_shared()  # h_s (and W's slot), written by the generic proxy, read by WGMMA
             gl.thread_barrier()
 
-            wh = warpgroup_mma(w_s.index(buf), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
-            # the scaled keys K exp(G_L - G) (rows past the sequence: 0), under W h
-            kf = k_s.index(buf).load(ROWS_L).to(gl.float32)
-            kd = kf * gl.exp(gl.where(r_ok[:, None], (GL_rows[None, :] - Gt).to(gl.float32), float("-inf")))
-            kd_s.store(kd.to(kd_s.dtype))
+            wh = warpgroup_mma(w_s.index(buf % W_SLOTS), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
+            if VN_FROM_T:
+                b_acc = gl.load(beta_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0).to(gl.float32)
+            else:
+                kf = k_s.index(buf).load(ROWS_L).to(gl.float32)
+                # the scaled keys K exp(G_L - G) (rows past the sequence: 0), under W h
+                kd = kf * gl.exp(gl.where(r_ok[:, None], (GL_rows[None, :] - Gt).to(gl.float32), float("-inf")))
+                kd_s.store(kd.to(kd_s.dtype))
             u_r = u_s.index(buf).load(V_L).to(gl.float32)
             wh = warpgroup_mma_wait(0, deps=[wh])
-            vn = u_r - wh
+            if VN_FROM_T:
+                # X over V's tile: each thread rewrites the elements it read (V_L both ways)
+                # lint: allow TP005 -- V's tile is no WGMMA's operand until T X below (W h, waited for, read W's slot and h_s)
+                u_s.index(buf).store((b_acc[:, None] * (u_r - wh)).to(u_s.dtype))  # rows past the sequence: beta 0
+                mbarrier.wait(t_bar, i & 1)
+                Tb = t_s.load(P_L).to(u_s.dtype)  # T's rows straight into the WGMMA's register operand layout
+                fence_async_shared()
+                gl.thread_barrier()  # every warp's X before the product reads it; every warp has read T
+                if i + 1 < nc:  # the next chunk's T, under the rest of this one
+                    mbarrier.expect(t_bar, t_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(t_desc, [t0 + BT, hh * BT], t_bar, t_s)
+                vn = warpgroup_mma(Tb, u_s.index(buf), gl.zeros([BT, BV], gl.float32, V_L))
+            else:
+                vn = u_r - wh
             # lint: allow TP005 -- vn_s's readers (chunk i - 1's update and P Vn) were waited for (wait 0) before the thread barrier that ends that chunk
             vn_s.store(vn.to(vn_s.dtype))
             if unflagged:
                 # the output's operands, `_kda_chunk_output`'s exactly
+                if VN_FROM_T:  # k read again (its tile is intact): not held in registers across the chain
+                    kf = k_s.index(buf).load(ROWS_L).to(gl.float32)
                 d = gl.where(r_ok[:, None], (Gt - Gm[None, :]).to(gl.float32), 0.0)
                 ke = (kf * gl.exp(-d)).to(k_s.dtype)
                 qf = q_s.index(buf).load(ROWS_L).to(gl.float32)
@@ -336,13 +386,13 @@ if _GLUON_ERROR is None:
                 gl.thread_barrier()  # every warp has read k and q, and waited for its W h, before they are overwritten
                 k_s.index(buf).store(ke)
                 q_s.index(buf).store(qd)
-                w_s.index(buf).store(qg)
+                w_s.index(buf % W_SLOTS).store(qg)
                 tma.store_wait(0)  # chunk i - 1's o has left o_s; the barrier below tells every warp
                 fence_async_shared()
                 gl.thread_barrier()  # Vn, the scaled keys and the output's operands of every warp
                 sqk = warpgroup_mma(q_s.index(buf), k_s.index(buf).permute((1, 0)),
                                     gl.zeros([BT, BT], gl.float32, S_L), is_async=True)
-                qh = warpgroup_mma(w_s.index(buf), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
+                qh = warpgroup_mma(w_s.index(buf % W_SLOTS), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
                 h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL_state.to(gl.float32))[:, None],
                                   is_async=True)
                 sqk, qh = warpgroup_mma_wait(1, deps=[sqk, qh])  # the update runs on under P
@@ -380,25 +430,29 @@ if _GLUON_ERROR is None:
             gl.store(ht_ptr + sbase + in_state, h)
         for b in gl.static_range(RING):
             mbarrier.invalidate(bars.index(b))
+        if VN_FROM_T:
+            mbarrier.invalidate(t_bar)
 
 
-def states_output_kernel_for(q, k, w, u, G, span_flags) -> str:
-    """"fused" or "split": whether `_kda_states_output_kernel` runs the forward's stages 5 and 6
-    (FORWARD_RECURRENCE "fused"; stage 3's flags made, so the flagged chunks' output has its
-    route; bf16 q, k, W and U with K == V of HEAD_DIMS, fp32 G, all contiguous and 16-byte
-    aligned for TMA, on the GPU)."""
-    if kk._checked("FORWARD_RECURRENCE", FORWARD_RECURRENCE, ("split", "fused")) == "split" or _GLUON_ERROR is not None:
+def states_output_kernel_for(q, k, v, G, span_flags) -> str:
+    """"split", "fused" or "fused-t": how the forward's stages 5 and 6 run on these operands
+    (FORWARD_RECURRENCE), decided before stage 3 (which "fused-t" stops at T). A fused form needs
+    stage 3's flags (so the flagged chunks' output has its route), bf16 q, k and v (so W and U are
+    bf16 too, stage 3's compact form) with K == V of HEAD_DIMS, fp32 G, all contiguous and 16-byte
+    aligned for TMA, on the GPU; "split" otherwise."""
+    form = kk._checked("FORWARD_RECURRENCE", FORWARD_RECURRENCE, FORWARD_RECURRENCE_FORMS)
+    if form == "split" or _GLUON_ERROR is not None:
         return "split"
     if span_flags is None or not G.is_cuda:
         return "split"
-    K, V = k.shape[-1], u.shape[-1]
-    if K != V or K not in HEAD_DIMS or any(x.dtype != torch.bfloat16 for x in (q, k, w, u)):
+    K, V = k.shape[-1], v.shape[-1]
+    if K != V or K not in HEAD_DIMS or any(x.dtype != torch.bfloat16 for x in (q, k, v)):
         return "split"
-    if G.dtype != torch.float32 or not all(x.is_contiguous() for x in (q, k, w, u, G)):
+    if G.dtype != torch.float32 or not all(x.is_contiguous() for x in (q, k, v, G)):
         return "split"
-    if any(x.data_ptr() % 16 for x in (q, k, w, u)):  # TMA descriptors' bases
+    if any(x.data_ptr() % 16 for x in (q, k, v)):  # TMA descriptors' bases
         return "split"
-    return "fused"
+    return form
 
 
 def check_recurrence_launch(V: int) -> int:
@@ -408,33 +462,42 @@ def check_recurrence_launch(V: int) -> int:
     return recurrence_block(V, RECURRENCE_BV, RECURRENCE_WARPS)
 
 
-def chunk_states_output_kda_gluon(q, k, w, u, G, h0, plan, output_final_state: bool, scale: float,
-                                  out_dtype: torch.dtype, span_flags):
+def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, scale: float, span_flags,
+                                  w=None, u=None, T=None, v=None, beta=None):
     """Stages 5 and 6 on `_kda_states_output_kernel`, then Triton's block kernel on the flagged
-    chunks: (o [Ntok, H, V] in out_dtype, final state [N, H, K, V] fp32 or None) from normalised q
-    and k, W, U (bf16, stage 3's compact form) and G [Ntok, H, K] fp32; None where
-    `states_output_kernel_for` leaves the stages to the split form (the caller runs it)."""
-    if states_output_kernel_for(q, k, w, u, G, span_flags) == "split" or out_dtype != torch.bfloat16:
-        return None
+    chunks: (o [Ntok, H, V] bf16, final state [N, H, K, V] fp32 or None) from normalised q and k
+    (bf16) and G [Ntok, H, K] fp32, where `states_output_kernel_for` chose a fused form, with
+    either W and U (bf16, stage 3's compact form: "fused") or T [Ntok, H, 64] fp32, v and beta
+    ("fused-t": Vn formed from T in the kernel)."""
+    from_t = T is not None
+    if from_t == (w is not None) or (u is None) == (v is None) or from_t != (u is None) or from_t == (beta is None):
+        raise ValueError("chunk_states_output_kda_gluon takes either w and u, or T, v and beta")
     Ntok, H, K = q.shape
-    V = u.shape[-1]
+    V = (v if from_t else u).shape[-1]
     BV = check_recurrence_launch(V)
     if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
         raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
-    o = new_empty((Ntok, H, V), out_dtype, q.device)
+    if from_t and (T.shape != (Ntok, H, BT) or T.dtype != torch.float32 or beta.shape != (Ntok, H)):
+        raise ValueError(f"T must be fp32 [{Ntok}, {H}, {BT}] and beta [{Ntok}, {H}], got T {T.dtype} "
+                         f"{tuple(T.shape)}, beta {tuple(beta.shape)}")
+    o = new_empty((Ntok, H, V), torch.bfloat16, q.device)
     ht = new_empty((plan.N, H, K, V), torch.float32, q.device) if output_final_state else None
     # written for the flagged chunks only (Triton's block kernel reads no other)
     h = new_empty((plan.NC, H, K, V), torch.bfloat16, q.device)
     vn = new_empty((Ntok, H, V), torch.bfloat16, q.device)
     if plan.N:
-        descs = (_descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K]),
-                 _descriptor(w.view(Ntok, H * K), [BT, K]), _descriptor(u.view(Ntok, H * V), [BT, BV]),
-                 _descriptor(o.view(Ntok, H * V), [BT, BV]))
+        q_desc, k_desc = _descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K])
+        # "fused-t": k's descriptor stands in for W's (the buffers' type; nothing is loaded through it)
+        w_desc = k_desc if from_t else _descriptor(w.view(Ntok, H * K), [BT, K])
+        u_desc = _descriptor((v if from_t else u).view(Ntok, H * V), [BT, BV])
+        o_desc = _descriptor(o.view(Ntok, H * V), [BT, BV])
+        t_desc = _descriptor(T.view(Ntok, H * BT), [BT, BT]) if from_t else None
         h0 = h0.float().contiguous() if h0 is not None else None
         _kda_states_output_kernel[(plan.N * H, V // BV)](
-            *descs, G, h0 if h0 is not None else o, ht if ht is not None else o, o, h, vn, plan.cu,
-            plan.chunk_offsets, span_flags, H, float(scale), K, V, BV, h0 is not None, output_final_state,
-            RECURRENCE_GATES, num_warps=RECURRENCE_WARPS)
+            q_desc, k_desc, w_desc, u_desc, o_desc, G, h0 if h0 is not None else o, ht if ht is not None else o, o, h,
+            vn, plan.cu, plan.chunk_offsets, span_flags, H, float(scale), K, V, BV, h0 is not None,
+            output_final_state, RECURRENCE_GATES, t_desc, beta.contiguous() if from_t else None,
+            from_t, num_warps=RECURRENCE_WARPS)
         kk.output_flagged_chunks(q, k, G, h, vn, o, scale, plan, span_flags)
     return o, ht
 
@@ -1138,17 +1201,19 @@ def solve_kernel_for(k, v, G, g, span_flags, compact: bool, keys_normalised: boo
 
 
 def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact: bool = False,
-                             factored_diagonal: bool = False, keys_normalised: bool = False, g=None, span_flags=None):
+                             factored_diagonal: bool = False, keys_normalised: bool = False, g=None, span_flags=None,
+                             with_wu: bool = True):
     """Stage 3 of the forward (`triton_kernels.chunk_solve_wu`'s contract as KDA's forward calls
     it): (T [Ntok, H, 64] fp32 when store_T, else None; W; U). Where `solve_kernel_for` takes it,
     `_kda_solve_wgmma_kernel` forms G and the flags of every chunk and T, W and U of the unflagged
     ones, then Triton's block kernel the flagged ones (as after Triton's tile kernel); Triton's
-    stage 3 whole otherwise."""
-    route = solve_kernel_for(k, v, G, g, span_flags, compact, keys_normalised)
+    stage 3 whole otherwise, and always for T alone (with_wu False; the Gluon kernel forms W and U
+    with T)."""
+    route = solve_kernel_for(k, v, G, g, span_flags, compact, keys_normalised) if with_wu else "triton"
     if route == "triton":  # through triton_kernels' name, which the tests' spies replace
         return kk.chunk_solve_wu(k, v, beta, G, plan, store_T=store_T, compact=compact,
                                  factored_diagonal=factored_diagonal, keys_normalised=keys_normalised, g=g,
-                                 span_flags=span_flags)
+                                 span_flags=span_flags, with_wu=with_wu)
     Ntok, H, K = k.shape
     V = v.shape[-1]
     if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
@@ -1448,7 +1513,8 @@ def kda_forward_gluon(q, k, v, g, beta, scale, initial_state, output_final_state
     on `chunk_output_kda_gluon` (keep_for_backward as there)."""
     return kk.kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                                  cu_seqlens, output=chunk_output_kda_gluon, keep_for_backward=keep_for_backward,
-                                 solve=chunk_solve_wu_kda_gluon, states_output=chunk_states_output_kda_gluon)
+                                 solve=chunk_solve_wu_kda_gluon, states_output=chunk_states_output_kda_gluon,
+                                 states_output_form=states_output_kernel_for)
 
 
 def kda_backward_gluon(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
@@ -1511,8 +1577,10 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
         return descriptor_stand_in([Ntok, H * D], bf, block, _smem_layout(tuple(block), bf))
 
     cases = []
-    for K, BV, warps, states, gates in ((128, 128, 8, True, "top"), (128, 128, 8, False, "top"),
-                                        (64, 64, 8, True, "top"), (128, 128, 8, True, "ahead")):
+    for K, BV, warps, states, gates, from_t in ((128, 128, 8, True, "top", False), (128, 128, 8, False, "top", False),
+                                                (64, 64, 8, True, "top", False), (128, 128, 8, True, "ahead", False),
+                                                (128, 128, 8, True, "ahead", True), (128, 128, 8, False, "top", True),
+                                                (64, 64, 8, True, "ahead", True)):
         V = K
         args = dict(q_desc=desc(K, [BT, K]), k_desc=desc(K, [BT, K]), w_desc=desc(K, [BT, K]), u_desc=desc(V, [BT, BV]),
                     o_desc=desc(V, [BT, BV]), G_ptr=TensorStandIn([Ntok, H, K], f32),
@@ -1521,7 +1589,10 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
                     vn_ptr=TensorStandIn([Ntok, H, V], bf), cu_ptr=TensorStandIn([N + 1], torch.int32),
                     choff_ptr=TensorStandIn([N + 1], torch.int32), flags_ptr=TensorStandIn([NC, H], torch.int8),
                     H=H, scale=0.1, K=K, V=V, BV=BV, HAS_H0=states, STORE_FINAL=states, GATES=gates)
-        tag = f"K{K}_BV{BV}_w{warps}{'_states' if states else ''}_{gates}"
+        if from_t:
+            args.update(t_desc=descriptor_stand_in([Ntok, H * BT], f32, [BT, BT], _smem_layout((BT, BT), f32)),
+                        beta_ptr=TensorStandIn([Ntok, H], bf), VN_FROM_T=True)
+        tag = f"K{K}_BV{BV}_w{warps}{'_states' if states else ''}_{gates}{'_from_t' if from_t else ''}"
         cases.append(CompileCase(name=f"kda_states_output_{tag}", kernel=_kda_states_output_kernel, args=args,
                                  num_warps=warps, expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor",
                                                               "mbarrier.try_wait"],

@@ -354,14 +354,17 @@ def _factored_diagonal() -> bool:
 
 
 def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                       output=None, keep_for_backward: bool = False, solve=None, states_output=None):
+                       output=None, keep_for_backward: bool = False, solve=None, states_output=None,
+                       states_output_form=None):
     """(o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None), and with
     keep_for_backward a third item: `KeptTiles` for `kda_backward_triton` (KEEP_FORWARD_TILES), or
     None. output, solve: the functions that run stage 6 (`chunk_output_kda`'s contract) and stage 3
     (`chunk_solve_wu`'s, as called here); None: this module's, looked up at the call (a default
     argument would bind the function at definition, past a test's spy); the Gluon backend passes
-    its own. states_output: stages 5 and 6 in one (`gluon_kernels.chunk_states_output_kda_gluon`'s
-    contract: (o, final state), or None where it leaves them to the two stages here)."""
+    its own. states_output_form, states_output: the Gluon backend's rule for stages 5 and 6
+    (`gluon_kernels.states_output_kernel_for`: "split" here, or fused in one kernel from W and U,
+    "fused", or from T, "fused-t", for which stage 3 stops at T) and its fused stage
+    (`gluon_kernels.chunk_states_output_kda_gluon`'s contract)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     plan = make_plan(B, T, cu_seqlens, q.device)
@@ -373,12 +376,16 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     flags = _span_flags(plan, H, q, True)
     G, g_in_3 = _gate_sums(gf, plan, flags, q.dtype)  # G [Ntok, H, K], formed by stage 2 or by stage 3 from g
     keep = keep_for_backward and KEEP_FORWARD_TILES and BACKWARD_WHOLE_CHUNKS and flags is not None
-    Ai, w, u = (solve or chunk_solve_wu)(kf, vf, bf, G, plan, store_T=keep, compact=True, factored_diagonal=factored,
+    form = states_output_form(qf, kf, vf, G, flags) if states_output_form is not None else "split"
+    from_t = form == "fused-t"
+    Ai, w, u = (solve or chunk_solve_wu)(kf, vf, bf, G, plan, store_T=keep or from_t, compact=True,
+                                         factored_diagonal=factored,
                                          keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
-                                         span_flags=flags)
-    fused = states_output and states_output(qf, kf, w, u, G, h0, plan, output_final_state, scale, q.dtype, flags)
-    if fused:
-        o, ht = fused
+                                         span_flags=flags, **({"with_wu": False} if from_t else {}))
+    if from_t:
+        o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, T=Ai, v=vf, beta=bf)
+    elif form == "fused":
+        o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, w=w, u=u)
     else:
         h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
         o = (output or chunk_output_kda)(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
