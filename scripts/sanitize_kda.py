@@ -1,6 +1,6 @@
 """Small KDA calls on the gluon backend for compute-sanitizer memcheck and racecheck (issue 6 asks
 for racecheck clean): the forward's fused states + output kernel (`_kda_states_output_kernel`,
-FORWARD_RECURRENCE "fused", the default) on the first pass and its Gluon output kernel
+FORWARD_RECURRENCE "fused-t", the default: Vn formed from stage 3's T) on the first pass and its Gluon output kernel
 (`_kda_output_wgmma_kernel`, whole chunks, after Triton's states kernel: "split") on the second,
 with the forward's stage 3 on its Gluon kernel there (`_kda_solve_wgmma_kernel`, FORWARD_SOLVE "gluon"),
 the backward's two state recurrences on GDN's `_tf32_recurrence_kernel` in its
@@ -34,7 +34,7 @@ if not quick:
     cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
 gdn_gluon.BACKWARD_STATES = "gluon"
 # stage 10 in its split form (the default) and in one kernel (WY_FORM)
-for bv, warps, wy_form, recurrence, solve in ((128, 8, "split", "fused", "triton"), (64, 4, "one-kernel", "split", "gluon")):
+for bv, warps, wy_form, recurrence, solve in ((128, 8, "split", "fused-t", "triton"), (64, 4, "one-kernel", "split", "gluon")):
     gdn_gluon.TF32_RECURRENCE_BV, gdn_gluon.TF32_RECURRENCE_WARPS = bv, warps
     kda_gluon.WY_FORM = wy_form
     kda_gluon.FORWARD_RECURRENCE = recurrence

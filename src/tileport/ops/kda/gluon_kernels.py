@@ -177,7 +177,7 @@ if _GLUON_ERROR is None:
 # 1.426 ms with logsigmoid gates (the kernel 0.535 ms against 0.373 + 0.363 for the two it
 # replaces), 13.126 -> 13.312 with steep ones (every chunk flagged: h and Vn stored for all, the
 # update waited for at once); docs/perf/kda.md row 25.
-FORWARD_RECURRENCE = "fused"
+FORWARD_RECURRENCE = "fused-t"
 # "fused-t": stage 3 stops at T (no W and U formed, stored or read) and the fused kernel forms Vn
 # from T, v and beta (its VN_FROM_T; docs/perf/kda.md "Plan: stage 3 without W and U").
 FORWARD_RECURRENCE_FORMS = ("split", "fused", "fused-t")
@@ -213,6 +213,16 @@ if _GLUON_ERROR is None:
         # lint: allow TP001 -- the chunk's per-channel gates meet k and q in registers (no shared memory is left for a third [64, K] TMA tile beside the ring)
         Gt = gl.load(G_ptr + ((t0 + rr).to(gl.int64) * H + hh)[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
         return Gt, GL_rows, GL_state, Gm
+
+    @gluon.jit
+    def _chunk_betas(beta_ptr, t0, eos, H, hh, ro, VN_FROM_T: gl.constexpr):
+        """beta [Ntok, H] on the rows of the chunk from token t0 (ro's layout; 0 past the sequence,
+        and for the chunk after a sequence's last, loaded ahead and never used), for Vn from T; a
+        scalar 0 without VN_FROM_T."""
+        if VN_FROM_T:
+            return gl.load(beta_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=t0 + ro < eos, other=0.0).to(gl.float32)
+        else:
+            return 0.0
 
     @gluon.jit
     def _kda_states_output_kernel(q_desc, k_desc, w_desc, u_desc, o_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, h_ptr, vn_ptr,
@@ -321,6 +331,7 @@ if _GLUON_ERROR is None:
         cs = gl.arange(0, BT, layout=gl.SliceLayout(0, S_L))
         if GATES == "ahead":
             Gt, GL_rows, GL_state, Gm = _chunk_channel_gates(G_ptr, bos, eos, H, hh, rr, kc, kr, K)
+            b_acc = _chunk_betas(beta_ptr, bos, eos, H, hh, ro, VN_FROM_T)
         for i in range(nc):
             buf = i % RING
             t0 = bos + i * BT
@@ -338,6 +349,7 @@ if _GLUON_ERROR is None:
             if GATES == "top":
                 # the chunk's gates, before its tiles are waited for (their latency partly under the wait)
                 Gt, GL_rows, GL_state, Gm = _chunk_channel_gates(G_ptr, t0, eos, H, hh, rr, kc, kr, K)
+                b_acc = _chunk_betas(beta_ptr, t0, eos, H, hh, ro, VN_FROM_T)
             mbarrier.wait(bars.index(buf), (i // RING) & 1)
             if VN_FROM_T:
                 # e^G K for W h, and the scaled keys K exp(G_L - G) (rows past the sequence: 0)
@@ -349,9 +361,7 @@ if _GLUON_ERROR is None:
             gl.thread_barrier()
 
             wh = warpgroup_mma(w_s.index(buf % W_SLOTS), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
-            if VN_FROM_T:
-                b_acc = gl.load(beta_ptr + (t0 + ro).to(gl.int64) * H + hh, mask=ro_ok, other=0.0).to(gl.float32)
-            else:
+            if not VN_FROM_T:
                 kf = k_s.index(buf).load(ROWS_L).to(gl.float32)
                 # the scaled keys K exp(G_L - G) (rows past the sequence: 0), under W h
                 kd = kf * gl.exp(gl.where(r_ok[:, None], (GL_rows[None, :] - Gt).to(gl.float32), float("-inf")))
@@ -420,6 +430,7 @@ if _GLUON_ERROR is None:
                 h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL_state.to(gl.float32))[:, None])
             if GATES == "ahead":  # the next chunk's gates, in flight under this chunk's stores and barriers
                 Gt, GL_rows, GL_state, Gm = _chunk_channel_gates(G_ptr, t0 + BT, eos, H, hh, rr, kc, kr, K)
+                b_acc = _chunk_betas(beta_ptr, t0 + BT, eos, H, hh, ro, VN_FROM_T)
             gl.thread_barrier()  # every warpgroup's WGMMAs have read h_s, vn_s and kd_s; o_s is whole
             if unflagged & (t0 + BT <= eos):
                 tma.async_copy_shared_to_global(o_desc, [t0, hh * V + jv * BV], o_s)
