@@ -164,6 +164,37 @@ def test_vn_from_t_matches_fused_route_by_route(layout, K, states, gates, device
         assert err <= FROM_T_BOUND, f"final state {where}: {err:.2e} normwise from the fused form's"
 
 
+@pytest.mark.parametrize("layout,K", [(lay, K) for lay in LAYOUTS for K in (64, 128)])
+def test_queries_normalised_in_the_kernel_match_stage_1(layout, K, device, seed):
+    """The fused kernel with raw queries normalised in it (l2norm_q, "fused-t"'s default) against
+    the same kernel on stage 1's normalised queries, on the same stage-3 outputs: o (both routes:
+    the flagged chunks' block kernel reads the rows the kernel stored) and the final state bitwise
+    equal, as both round q * rsqrt(sum(q^2) + eps) to bf16 once."""
+    parity._backend_or_skip("gluon", device)
+    from tileport.ops.kda import gluon_kernels as gk
+    from tileport.ops.kda import triton_kernels as kk
+
+    q, k, v, g, beta, h0, cu = _inputs(layout, K, True, device)
+    B, T, H = q.shape[0], q.shape[1], 2
+    plan = kk.make_plan(B, T, cu, q.device)
+    flags = torch.empty((plan.NC, H), dtype=torch.int8, device=device)
+    gf, vf, bf = (kk._flatten(x) for x in (g, v, beta))
+    qf, kn = kk._flatten(q), kk.l2norm_fwd(kk._flatten(k))
+    G = torch.empty(gf.shape, dtype=torch.float32, device=device)
+    Tm, _, _ = kk.chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, compact=True, keys_normalised=True, g=gf,
+                                 span_flags=flags, with_wu=False)
+    assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
+    outs = []
+    for l2 in (True, False):
+        with poisoned():
+            outs.append(gk.chunk_states_output_kda_gluon(qf if l2 else kk.l2norm_fwd(qf), kn, G, h0, plan, True, K ** -0.5,
+                                                         flags, T=Tm, v=vf, beta=bf, l2norm_q=l2))
+    (o_in, ht_in), (o_pre, ht_pre) = outs
+    assert not o_in.isnan().any(), "o: a row not written"
+    assert torch.equal(o_in, o_pre), f"o: {normwise(o_in, o_pre):.2e} normwise from stage 1's queries' [{layout} K={K}]"
+    assert torch.equal(ht_in, ht_pre), f"final state: {normwise(ht_in, ht_pre):.2e} [{layout} K={K}]"
+
+
 @pytest.mark.parametrize("form", ["fused", "fused-t"])
 @pytest.mark.parametrize("case_id", [cid for cid, c in parity.CASES.items()
                                      if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)])
@@ -245,8 +276,8 @@ def test_launch_checks(monkeypatch):
 
 
 def test_fused_stage_takes_one_set_of_vn_operands():
-    """`chunk_states_output_kda_gluon` takes W and U, or T, v and beta: any other mix is refused
-    by name before anything is launched."""
+    """`chunk_states_output_kda_gluon` takes W and U, or T, v and beta (and only then raw queries,
+    l2norm_q): any other mix is refused by name before anything is launched."""
     from tileport.ops.kda import gluon_kernels as gk
 
     t = torch.zeros(64, 2, 64, dtype=torch.bfloat16)
@@ -256,6 +287,8 @@ def test_fused_stage_takes_one_set_of_vn_operands():
                 dict(w=t, v=t)):
         with pytest.raises(ValueError, match="either w and u, or T, v and beta"):
             gk.chunk_states_output_kda_gluon(t, t, t.float(), None, None, False, 1.0, flags, **mix)
+    with pytest.raises(ValueError, match="l2norm_q"):
+        gk.chunk_states_output_kda_gluon(t, t, t.float(), None, None, False, 1.0, flags, w=t, u=t, l2norm_q=True)
 
 
 @pytest.mark.parametrize("form", ["split", "fused", "fused-t"])
@@ -272,7 +305,7 @@ def test_forward_follows_the_rule_before_stage_3(form, device, seed):
     calls = []
 
     def fused_stage(q, k, G, h0, plan, final, scale, flags, **vn_operands):
-        calls.append(vn_operands)
+        calls.append(dict(vn_operands, q=q))
         return torch.zeros_like(q), None
 
     o, _ = kk.kda_forward_triton(*inputs[:5], 0.125, inputs[5], False, True, inputs[6],
@@ -282,10 +315,13 @@ def test_forward_follows_the_rule_before_stage_3(form, device, seed):
         return
     assert len(calls) == 1
     got = calls[0]
+    qn = kk.l2norm_fwd(kk._flatten(inputs[0]))
     if form == "fused":
-        assert sorted(got) == ["u", "w"] and got["w"].dtype == torch.bfloat16
+        assert sorted(got) == ["q", "u", "w"] and got["w"].dtype == torch.bfloat16
+        assert torch.equal(got["q"], qn), "the fused form takes normalised queries"
         return
-    assert sorted(got) == ["T", "beta", "v"]
+    assert sorted(got) == ["T", "beta", "l2norm_q", "q", "v"] and got["l2norm_q"] is True
+    assert torch.equal(got["q"], kk._flatten(inputs[0])), "the fused-t form takes the raw queries and normalises them"
     B, T = inputs[0].shape[:2]
     plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
     H = inputs[0].shape[2]

@@ -215,6 +215,15 @@ if _GLUON_ERROR is None:
         return Gt, GL_rows, GL_state, Gm
 
     @gluon.jit
+    def _normalised_rows(x, eps, dtype: gl.constexpr, L2NORM: gl.constexpr):
+        """x's rows times rsqrt(sum(x^2) + eps), rounded to dtype and back to fp32 (as stage 1's
+        `l2norm_fwd` stores them and a kernel reads them back), where L2NORM; x otherwise."""
+        if L2NORM:
+            return (x * gl.rsqrt(gl.sum(x * x, axis=1) + eps)[:, None]).to(dtype).to(gl.float32)
+        else:
+            return x
+
+    @gluon.jit
     def _chunk_betas(beta_ptr, t0, eos, H, hh, ro, VN_FROM_T: gl.constexpr):
         """beta [Ntok, H] on the rows of the chunk from token t0 (ro's layout; 0 past the sequence,
         and for the chunk after a sequence's last, loaded ahead and never used), for Vn from T; a
@@ -228,7 +237,8 @@ if _GLUON_ERROR is None:
     def _kda_states_output_kernel(q_desc, k_desc, w_desc, u_desc, o_desc, G_ptr, h0_ptr, ht_ptr, o_ptr, h_ptr, vn_ptr,
                                   cu_ptr, choff_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr,
                                   BV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
-                                  GATES: gl.constexpr, t_desc=None, beta_ptr=None, VN_FROM_T: gl.constexpr = False):
+                                  GATES: gl.constexpr, t_desc=None, beta_ptr=None, VN_FROM_T: gl.constexpr = False,
+                                  qn_ptr=None, eps=1e-6, L2NORM_Q: gl.constexpr = False):
         """Stages 5 and 6 of KDA's forward in one kernel: one program per (sequence, head, V block of
         BV columns), sequential over the sequence's chunks; grid (N * H, V / BV), 4 or 8 warps (one
         or two warpgroups, each owning BV / WG columns of every [64, BV] and [K, BV] accumulator;
@@ -256,6 +266,11 @@ if _GLUON_ERROR is None:
         formed by stage 3 nor read here. Other roundings than the split form's (not bitwise equal:
         tests/test_kda_gluon_states.py bounds the difference and the gate checks it against the
         float64 reference).
+
+        L2NORM_Q (with VN_FROM_T): q is the raw queries, normalised in its tile at the chunk's top (q *
+        rsqrt(sum(q^2) + eps) by rows, rounded to bf16 as stage 1's `l2norm_fwd` stores it), so
+        stage 1 does not normalise q; a flagged chunk stores its normalised rows to qn_ptr for
+        Triton's block kernel.
 
         Shared memory (K = 128, BV = 128): a ring of two TMA sets of q, k, W [64, K] and U [64, BV]
         (128 KB), h_s 32, Vn 16, the scaled keys 16, o's TMA staging 16: 208 KB, one program per SM.
@@ -351,6 +366,11 @@ if _GLUON_ERROR is None:
                 Gt, GL_rows, GL_state, Gm = _chunk_channel_gates(G_ptr, t0, eos, H, hh, rr, kc, kr, K)
                 b_acc = _chunk_betas(beta_ptr, t0, eos, H, hh, ro, VN_FROM_T)
             mbarrier.wait(bars.index(buf), (i // RING) & 1)
+            if L2NORM_Q:
+                # q's rows normalised in place: each thread rewrites the elements it read (ROWS_L
+                # both ways); read back after the barriers below
+                qn = _normalised_rows(q_s.index(buf).load(ROWS_L).to(gl.float32), eps, q_s.dtype, True)
+                q_s.index(buf).store(qn.to(q_s.dtype))
             if VN_FROM_T:
                 # e^G K for W h, and the scaled keys K exp(G_L - G) (rows past the sequence: 0)
                 kf = k_s.index(buf).load(ROWS_L).to(gl.float32)
@@ -418,6 +438,10 @@ if _GLUON_ERROR is None:
                     # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: a 64-row TMA store would overwrite them
                     gl.store(o_ptr + offs, (o * scale).to(o_ptr.dtype.element_ty), mask=ro_ok[:, None])
             else:
+                if L2NORM_Q:  # the block kernel's queries: this chunk's rows, normalised (in q's tile)
+                    # lint: allow TP001 -- only flagged chunks store their normalised queries; a tail chunk's rows past the sequence are the next one's
+                    gl.store(qn_ptr + (t0.to(gl.int64) * H + hh) * K + (rr * (H * K))[:, None] + kc[None, :],
+                             q_s.index(buf).load(ROWS_L), mask=r_ok[:, None])
                 # Triton's block kernel forms this chunk's output from the h entering it and Vn
                 # lint: allow TP001 -- only flagged chunks store h and Vn, from the registers they are in
                 gl.store(h_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + in_state,
@@ -474,15 +498,18 @@ def check_recurrence_launch(V: int) -> int:
 
 
 def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, scale: float, span_flags,
-                                  w=None, u=None, T=None, v=None, beta=None):
+                                  w=None, u=None, T=None, v=None, beta=None, l2norm_q: bool = False):
     """Stages 5 and 6 on `_kda_states_output_kernel`, then Triton's block kernel on the flagged
-    chunks: (o [Ntok, H, V] bf16, final state [N, H, K, V] fp32 or None) from normalised q and k
-    (bf16) and G [Ntok, H, K] fp32, where `states_output_kernel_for` chose a fused form, with
-    either W and U (bf16, stage 3's compact form: "fused") or T [Ntok, H, 64] fp32, v and beta
-    ("fused-t": Vn formed from T in the kernel)."""
+    chunks: (o [Ntok, H, V] bf16, final state [N, H, K, V] fp32 or None) from normalised k (bf16),
+    q (bf16; normalised, or raw with l2norm_q: the kernel normalises it) and G [Ntok, H, K] fp32,
+    where `states_output_kernel_for` chose a fused form, with either W and U (bf16, stage 3's
+    compact form: "fused") or T [Ntok, H, 64] fp32, v and beta ("fused-t": Vn formed from T in
+    the kernel; l2norm_q only there)."""
     from_t = T is not None
     if from_t == (w is not None) or (u is None) == (v is None) or from_t != (u is None) or from_t == (beta is None):
         raise ValueError("chunk_states_output_kda_gluon takes either w and u, or T, v and beta")
+    if l2norm_q and not from_t:
+        raise ValueError("l2norm_q: the kernel normalises q in its Vn-from-T form only (T, v and beta)")
     Ntok, H, K = q.shape
     V = (v if from_t else u).shape[-1]
     BV = check_recurrence_launch(V)
@@ -496,6 +523,7 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
     # written for the flagged chunks only (Triton's block kernel reads no other)
     h = new_empty((plan.NC, H, K, V), torch.bfloat16, q.device)
     vn = new_empty((Ntok, H, V), torch.bfloat16, q.device)
+    qn = new_empty((Ntok, H, K), torch.bfloat16, q.device) if l2norm_q else q
     if plan.N:
         q_desc, k_desc = _descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K])
         # "fused-t": k's descriptor stands in for W's (the buffers' type; nothing is loaded through it)
@@ -508,8 +536,8 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
             q_desc, k_desc, w_desc, u_desc, o_desc, G, h0 if h0 is not None else o, ht if ht is not None else o, o, h,
             vn, plan.cu, plan.chunk_offsets, span_flags, H, float(scale), K, V, BV, h0 is not None,
             output_final_state, RECURRENCE_GATES, t_desc, beta.contiguous() if from_t else None,
-            from_t, num_warps=RECURRENCE_WARPS)
-        kk.output_flagged_chunks(q, k, G, h, vn, o, scale, plan, span_flags)
+            from_t, qn, gdn_tk.L2NORM_EPS, l2norm_q, num_warps=RECURRENCE_WARPS)
+        kk.output_flagged_chunks(qn, k, G, h, vn, o, scale, plan, span_flags)
     return o, ht
 
 
@@ -1602,12 +1630,17 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
                     H=H, scale=0.1, K=K, V=V, BV=BV, HAS_H0=states, STORE_FINAL=states, GATES=gates)
         if from_t:
             args.update(t_desc=descriptor_stand_in([Ntok, H * BT], f32, [BT, BT], _smem_layout((BT, BT), f32)),
-                        beta_ptr=TensorStandIn([Ntok, H], bf), VN_FROM_T=True)
+                        beta_ptr=TensorStandIn([Ntok, H], bf), VN_FROM_T=True, qn_ptr=TensorStandIn([Ntok, H, K], bf),
+                        eps=1e-6, L2NORM_Q=gates == "ahead")
         tag = f"K{K}_BV{BV}_w{warps}{'_states' if states else ''}_{gates}{'_from_t' if from_t else ''}"
+        tag += "_l2q" if from_t and gates == "ahead" else ""
+        # 4 B of spills at K = 128 with an initial and a final state and q normalised in the kernel
+        # (sm_90a; 0 without either, and in every other case): one register, at 255 a thread
+        spills = 4 if (from_t and states and K == 128 and args.get("L2NORM_Q")) else 0
         cases.append(CompileCase(name=f"kda_states_output_{tag}", kernel=_kda_states_output_kernel, args=args,
                                  num_warps=warps, expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor",
                                                               "mbarrier.try_wait"],
-                                 expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+                                 expect_max_spills=spills, expect_max_shared=SMEM_PER_SM))
     return cases
 
 

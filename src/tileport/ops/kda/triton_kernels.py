@@ -363,27 +363,30 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     argument would bind the function at definition, past a test's spy); the Gluon backend passes
     its own. states_output_form, states_output: the Gluon backend's rule for stages 5 and 6
     (`gluon_kernels.states_output_kernel_for`: "split" here, or fused in one kernel from W and U,
-    "fused", or from T, "fused-t", for which stage 3 stops at T) and its fused stage
-    (`gluon_kernels.chunk_states_output_kda_gluon`'s contract)."""
+    "fused", or from T, "fused-t", for which stage 3 stops at T and stage 1 leaves q to the
+    kernel) and its fused stage (`gluon_kernels.chunk_states_output_kda_gluon`'s contract)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
     if use_qk_l2norm_in_kernel:
-        qf, kf = l2norm_fwd(qf), l2norm_fwd(kf)
+        kf = l2norm_fwd(kf)
     factored = _factored_diagonal()
     flags = _span_flags(plan, H, q, True)
     G, g_in_3 = _gate_sums(gf, plan, flags, q.dtype)  # G [Ntok, H, K], formed by stage 2 or by stage 3 from g
     keep = keep_for_backward and KEEP_FORWARD_TILES and BACKWARD_WHOLE_CHUNKS and flags is not None
     form = states_output_form(qf, kf, vf, G, flags) if states_output_form is not None else "split"
     from_t = form == "fused-t"
+    if use_qk_l2norm_in_kernel and not from_t:  # "fused-t" normalises q in its kernel
+        qf = l2norm_fwd(qf)
     Ai, w, u = (solve or chunk_solve_wu)(kf, vf, bf, G, plan, store_T=keep or from_t, compact=True,
                                          factored_diagonal=factored,
                                          keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
                                          span_flags=flags, **({"with_wu": False} if from_t else {}))
     if from_t:
-        o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, T=Ai, v=vf, beta=bf)
+        o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, T=Ai, v=vf, beta=bf,
+                              l2norm_q=use_qk_l2norm_in_kernel)
     elif form == "fused":
         o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, w=w, u=u)
     else:
