@@ -11,7 +11,7 @@ stage 3 leaves unflagged, stage 10 in its split form's two kernels (`_kda_wy_dA_
 `_kda_wy_pairs_kernel`, WY_FORM "split", the default) on the first pass and in one kernel
 (`_kda_wy_bwd_wgmma_kernel`) on the second.
 
-    python3 scripts/sanitize_kda.py [quick]
+    python3 scripts/sanitize_kda.py [quick] [first]     (first: the first pass only, the defaults)
 
 A dense batch with a ragged T (a partial last chunk) and a varlen batch with a length-1 and an
 empty sequence, K = V = 64 and 128, gates whose chunks take both routes of the output (some
@@ -34,7 +34,8 @@ if not quick:
     cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
 gdn_gluon.BACKWARD_STATES = "gluon"
 # stage 10 in its split form (the default) and in one kernel (WY_FORM)
-for bv, warps, wy_form, recurrence, solve in ((128, 8, "split", "fused-t", "triton"), (64, 4, "one-kernel", "split", "gluon")):
+passes = ((128, 8, "split", "fused-t", "triton"), (64, 4, "one-kernel", "split", "gluon"))
+for bv, warps, wy_form, recurrence, solve in passes[:1] if "first" in sys.argv[1:] else passes:
     gdn_gluon.TF32_RECURRENCE_BV, gdn_gluon.TF32_RECURRENCE_WARPS = bv, warps
     kda_gluon.WY_FORM = wy_form
     kda_gluon.FORWARD_RECURRENCE = recurrence
