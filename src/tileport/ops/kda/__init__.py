@@ -12,13 +12,18 @@ then runs through the torch.library custom ops `tileport::kda_forward` / `tilepo
     triton     the chunked WY / UT-transform algorithm, chunks of 64, forward and backward,
                sharing GDN's kernels through their PER_CHANNEL switch where the algebra is the
                same (kda/triton_kernels.py says which); also the CPU path under TRITON_INTERPRET=1
-    gluon      (Hopper, bf16, K = V of 64 or 128) Triton's stages with the output of every chunk
-               stage 3 did not flag on a Gluon TMA + WGMMA kernel (kda/gluon_kernels.py); the
-               backward is Triton's with its two state recurrences on GDN's Gluon tf32 kernel
+    gluon      (Hopper, bf16, K = V of 64 or 128) Triton's stages with the forward's states and
+               output fused in one Gluon TMA + WGMMA kernel, which forms Vn from stage 3's T
+               (kda/gluon_kernels.py); the backward is Triton's with its state recurrences and
+               stages 9 and 10 on Gluon kernels
     reference  float64 PyTorch (reference.py): the step-by-step recurrence forward, and its
                closed-form reverse sweep backward
 
-Status (sixteenth session, docs/perf/kda.md):
+Status (twenty-first session, docs/perf/kda.md): the gluon forward at S1 0.970 ms on the H200
+(rows 27, 28; FLA's 1.887 at f328a34's bench); its backward 6.74 ms at f328a34 (FLA 7.78).
+Issue 6's goals (0.90 and 5.0 fwd+bwd) not met.
+
+Status (sixteenth session):
 - Triton and gluon pass the whole parity gate on the CPU (interpreter) and on the H200 (213 passed
   at 8dc64de; the kept-tiles path of row 19 with the parity and gluon files at c0b5da6, 64 passed).
 - S1 on the H200 (bench at 366abfd, one run beside FLA): forward 1.581 ms (gluon) / 2.007 (triton)
@@ -103,10 +108,10 @@ def _gluon_refusal(call: KDACall) -> str | None:
 
 _triton_impl = lazy_stages("tileport.ops.kda.triton_kernels", "kda_forward_triton", "kda_backward_triton")
 
-# Preference: gluon (Hopper, bf16, K = V of 64 or 128: Triton's stages with the output's whole
-# chunks on a Gluon TMA + WGMMA kernel and the backward's two state recurrences on GDN's Gluon tf32
-# kernel; H200 bench at 366abfd, S1: forward 1.581 ms against Triton's 2.007, backward 8.61
-# against 9.86), then triton, then the float64 reference.
+# Preference: gluon (Hopper, bf16, K = V of 64 or 128: Triton's stages with the forward's states
+# and output on one Gluon kernel and the backward's recurrences and stages 9 and 10 on Gluon
+# kernels; H200 bench at f328a34, S1: forward 1.227 ms against Triton's 2.006, backward 6.74
+# against 9.26; the forward 0.970 since rows 27-28), then triton, then the float64 reference.
 DISPATCHER = register(
     OpDispatcher(
         "kda",

@@ -22,12 +22,14 @@ head and block of 64 key channels (dP, dQh, dKd, dW over V; R and C over the chu
 Triton's exponents d = G - G_m and summation order (`chunk_dqkwg_kda_gluon`; the flagged chunks
 on Triton's `_kda_dqkwg_kernel`, CHUNKS "flagged", into the same buffers).
 
-Stages 5 and 6 of the forward run fused on `_kda_states_output_kernel` (FORWARD_RECURRENCE
-"fused", the default: h never leaves the chip; the unflagged chunks' output is formed there as
-`_kda_chunk_output` forms it, the flagged chunks' by Triton's block kernel from the h and Vn the
-kernel stores for them only; each chunk's gates loaded at the end of the one before:
-RECURRENCE_GATES "ahead"; 1.614 -> 1.256 ms forward at S1, docs/perf/kda.md rows 25, 26); "split"
-keeps Triton's states kernel and `_kda_output_wgmma_kernel` above.
+Stages 5 and 6 of the forward run fused on `_kda_states_output_kernel`: h never leaves the chip;
+the unflagged chunks' output is formed there as `_kda_chunk_output` forms it, the flagged chunks'
+by Triton's block kernel from the h and Vn the kernel stores for them only; each chunk's gates
+loaded at the end of the one before (RECURRENCE_GATES "ahead"; docs/perf/kda.md rows 25, 26). In
+its default form, FORWARD_RECURRENCE "fused-t", stage 3 stops at T and the kernel forms Vn from T,
+v and beta (no W and U in the forward) and normalises q itself (rows 27, 28: the forward 1.249 ->
+0.970 ms at S1); "fused" reads stage 3's W and U; "split" keeps Triton's states kernel and
+`_kda_output_wgmma_kernel` above.
 
 Stage 3 of the forward has a Gluon kernel too, `_kda_solve_wgmma_kernel` (FORWARD_SOLVE, off: bitwise
 equal to Triton's tile kernel but slower on the H200, 0.915 against 0.72 ms at S1; docs/perf/kda.md
@@ -177,9 +179,12 @@ if _GLUON_ERROR is None:
 # 1.426 ms with logsigmoid gates (the kernel 0.535 ms against 0.373 + 0.363 for the two it
 # replaces), 13.126 -> 13.312 with steep ones (every chunk flagged: h and Vn stored for all, the
 # update waited for at once); docs/perf/kda.md row 25.
-FORWARD_RECURRENCE = "fused-t"
 # "fused-t": stage 3 stops at T (no W and U formed, stored or read) and the fused kernel forms Vn
-# from T, v and beta (its VN_FROM_T; docs/perf/kda.md "Plan: stage 3 without W and U").
+# from T, v and beta (its VN_FROM_T) and normalises q (L2NORM_Q). The default since the H200 ran it
+# (tests/test_kda_gluon_states.py: within 2^-6 of "fused" route by route, the gate's cases against
+# the float64 reference; racecheck clean) and timed it (S1, keeping T, same inputs, one process):
+# the forward 1.249 ms ("fused") -> 0.970 (docs/perf/kda.md rows 27, 28).
+FORWARD_RECURRENCE = "fused-t"
 FORWARD_RECURRENCE_FORMS = ("split", "fused", "fused-t")
 # The fused kernel's V columns per program and warps: BV = 128 on two warpgroups side by side
 # (GDN's best form, gdn.gluon_kernels.RECURRENCE_BV: one wave of N * H programs at S1), or 64 on one.
@@ -276,7 +281,8 @@ if _GLUON_ERROR is None:
         (128 KB), h_s 32, Vn 16, the scaled keys 16, o's TMA staging 16: 208 KB, one program per SM.
         The output's three operands that TMA cannot give scaled are written over the chunk's own
         TMA tiles once every warp has read them: Q e^d over q, K e^-d over k, Q e^(d + G_m) over W
-        (after W h retired): no buffers beyond GDN's fused kernel's.
+        (after W h retired): no buffers beyond GDN's fused kernel's. With VN_FROM_T, W's ring is one
+        slot (16 KB freed) and T's fp32 tile takes 16 KB of its own: 212 KB.
 
         GATES: when a chunk's gates (G's [64, K] tile, G_L and G_m) are loaded: "top" (at the top of
         the chunk, before its tiles are waited for; with the ring two deep those are usually in,
