@@ -22,9 +22,11 @@ Gluon one (gluon_kernels.FORWARD_SOLVE). "recurrence": the gluon forward with st
 fused in one Gluon kernel (gluon_kernels.FORWARD_RECURRENCE), its gates loaded at the chunk's top
 or a chunk ahead (RECURRENCE_GATES). "vn-from-t": the fused forward from stage 3's W and U
 ("fused") or with stage 3 stopped at T and Vn formed from T in the fused kernel ("fused-t").
+"keys-in-stage-3": the fused-t forward with k normalised by stage 1 or by stage 3
+(triton_kernels.KEYS_NORMALISED_IN).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3 (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -318,14 +320,17 @@ def forward_ab(section: str, forms: dict, kept_name: str, final_state: bool, tab
     table_every_form) with logsigmoid gates. Switches are restored after."""
     from tileport.ops.kda import gluon_kernels as kg
 
+    def owner(switch):  # "triton_kernels.NAME" names a switch of kda/triton_kernels.py, NAME one of gluon_kernels
+        return (kk, switch.split(".", 1)[1]) if switch.startswith("triton_kernels.") else (kg, switch)
+
     names = {switch for form in forms.values() for switch in form}
-    defaults = {switch: getattr(kg, switch) for switch in names}
+    defaults = {switch: getattr(*owner(switch)) for switch in names}
     for name, g in gates.items():
         fargs = (q, k, v, g, beta, K ** -0.5, None, final_state, True, None)
         base = None
         for i, (label, form) in enumerate(forms.items()):
             for switch in names:
-                setattr(kg, switch, form.get(switch, defaults[switch]))
+                setattr(*owner(switch), form.get(switch, defaults[switch]))
             o, ht, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
             other = ht if final_state else kept.T
             base = (o.float(), other) if base is None else base
@@ -339,7 +344,7 @@ def forward_ab(section: str, forms: dict, kept_name: str, final_state: bool, tab
                 kernel_table(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True),
                              f"kda forward (gluon, keep), {section} {label}", rows=10)
     for switch, value in defaults.items():
-        setattr(kg, switch, value)
+        setattr(*owner(switch), value)
 
 
 # "solve": stage 3 on Triton's tile kernel or on the Gluon one (gluon_kernels.FORWARD_SOLVE)
@@ -362,4 +367,11 @@ if "vn-from-t" in SECTIONS and dev == "cuda":
     forward_ab("FORWARD_RECURRENCE", {"fused/ahead": {"FORWARD_RECURRENCE": "fused", "RECURRENCE_GATES": "ahead"},
                                       "fused-t/ahead": {"FORWARD_RECURRENCE": "fused-t", "RECURRENCE_GATES": "ahead"},
                                       "fused-t/top": {"FORWARD_RECURRENCE": "fused-t", "RECURRENCE_GATES": "top"}},
+               "final state", final_state=True, table_every_form=True)
+
+# "keys-in-stage-3": the fused-t forward with k normalised by stage 1 (l2norm_fwd) or by stage 3's
+# tile kernel as it loads the keys (triton_kernels.KEYS_NORMALISED_IN)
+if "keys-in-stage-3" in SECTIONS and dev == "cuda":
+    forward_ab("KEYS_NORMALISED_IN", {"stage-1": {"triton_kernels.KEYS_NORMALISED_IN": "stage-1"},
+                                      "stage-3": {"triton_kernels.KEYS_NORMALISED_IN": "stage-3"}},
                "final state", final_state=True, table_every_form=True)

@@ -291,21 +291,24 @@ def test_fused_stage_takes_one_set_of_vn_operands():
         gk.chunk_states_output_kda_gluon(t, t, t.float(), None, None, False, 1.0, flags, w=t, u=t, l2norm_q=True)
 
 
-@pytest.mark.parametrize("form", ["split", "fused", "fused-t"])
-def test_forward_follows_the_rule_before_stage_3(form, device, seed):
+@pytest.mark.parametrize("form,keys", [("split", "stage-1"), ("fused", "stage-1"), ("fused-t", "stage-1"),
+                                       ("fused-t", "stage-3")])
+def test_forward_follows_the_rule_before_stage_3(form, keys, device, seed, monkeypatch):
     """`kda_forward_triton` asks the rule first: "split" never calls the fused stage; "fused" hands
     it stage 3's W and U; "fused-t" runs stage 3 without W and U and hands it T, v and beta, T
     bitwise the T that stage 3 forms beside W and U (the same tile kernel with WITH_WU off, and the
     block kernel's for the flagged chunks). The fused stage is a stand-in here (the Triton stages
-    run where the backend does: the interpreter on the CPU)."""
+    run where the backend does: the interpreter on the CPU). keys: KEYS_NORMALISED_IN (the fused-t
+    form's keys normalised by stage 1 or stage 3), the same keys handed on either way."""
     parity._backend_or_skip("triton", device)
     from tileport.ops.kda import triton_kernels as kk
 
+    monkeypatch.setattr(kk, "KEYS_NORMALISED_IN", keys)
     inputs = _inputs("varlen-empty-len1", 64, True, device)
     calls = []
 
     def fused_stage(q, k, G, h0, plan, final, scale, flags, **vn_operands):
-        calls.append(dict(vn_operands, q=q))
+        calls.append(dict(vn_operands, q=q, k=k))
         return torch.zeros_like(q), None
 
     o, _ = kk.kda_forward_triton(*inputs[:5], 0.125, inputs[5], False, True, inputs[6],
@@ -316,11 +319,12 @@ def test_forward_follows_the_rule_before_stage_3(form, device, seed):
     assert len(calls) == 1
     got = calls[0]
     qn = kk.l2norm_fwd(kk._flatten(inputs[0]))
+    assert torch.equal(got["k"], kk.l2norm_fwd(kk._flatten(inputs[1]))), f"the fused stage's keys ({keys})"
     if form == "fused":
-        assert sorted(got) == ["q", "u", "w"] and got["w"].dtype == torch.bfloat16
+        assert sorted(got) == ["k", "q", "u", "w"] and got["w"].dtype == torch.bfloat16
         assert torch.equal(got["q"], qn), "the fused form takes normalised queries"
         return
-    assert sorted(got) == ["T", "beta", "l2norm_q", "q", "v"] and got["l2norm_q"] is True
+    assert sorted(got) == ["T", "beta", "k", "l2norm_q", "q", "v"] and got["l2norm_q"] is True
     assert torch.equal(got["q"], kk._flatten(inputs[0])), "the fused-t form takes the raw queries and normalises them"
     B, T = inputs[0].shape[:2]
     plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
@@ -335,6 +339,36 @@ def test_forward_follows_the_rule_before_stage_3(form, device, seed):
     assert w is not None and got["T"].dtype == torch.float32
     assert torch.equal(got["T"], T_with_wu), f"T alone vs T with W and U: {normwise(got['T'], T_with_wu):.2e}"
     assert torch.equal(got["v"], kk._flatten(inputs[2])) and torch.equal(got["beta"], kk._flatten(inputs[4]))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stage_3_normalises_the_keys_as_stage_1(layout, device, seed):
+    """Stage 3 on raw keys with l2norm_k (KEYS_NORMALISED_IN "stage-3": the tile kernel normalises
+    each chunk's keys and stores them, a flagged chunk's before it returns) against stage 3 on
+    stage 1's normalised keys: the stored keys, T, G and the flags bitwise equal (T of the flagged
+    chunks from the block kernel, which reads the stored keys)."""
+    parity._backend_or_skip("triton", device)
+    from tileport.ops.kda import triton_kernels as kk
+
+    inputs = _inputs(layout, 64, False, device)
+    B, T = inputs[0].shape[:2]
+    H = inputs[0].shape[2]
+    plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
+    kf, vf, gf, bf = (kk._flatten(inputs[i]) for i in (1, 2, 3, 4))
+    outs = []
+    for in_stage_3 in (True, False):
+        flags = torch.empty((plan.NC, H), dtype=torch.int8, device=device)
+        G = torch.empty(gf.shape, dtype=torch.float32, device=device)
+        with poisoned():
+            kn = torch.full_like(kf, float("nan"))
+            extra = dict(l2norm_k=True, kn_out=kn) if in_stage_3 else {}
+            Tm, _, _ = kk.chunk_solve_wu(kf if in_stage_3 else kk.l2norm_fwd(kf), vf, bf, G, plan, store_T=True,
+                                         compact=True, keys_normalised=True, g=gf, span_flags=flags, with_wu=False,
+                                         **extra)
+        outs.append((kn if in_stage_3 else kk.l2norm_fwd(kf), Tm, G, flags))
+    assert (outs[0][3] == 0).any() and (outs[0][3] != 0).any(), f"the draw should flag some chunks and not others"
+    for name, a, b in zip(("normalised keys", "T", "G", "flags"), *outs):
+        assert torch.equal(a, b), f"{name} [{layout}]: stage 3's normalisation differs from stage 1's"
 
 
 def test_stage_3_without_w_and_u_needs_the_kept_t_form():

@@ -222,6 +222,15 @@ def test_kda_whole_chunk_forward_compiles_for_sm90a(recompute, gate_sums):
                           dict(args, PER_CHANNEL=True, FACTORED_DIAGONAL=True, ONLY_FLAGGED=True), num_warps=8,
                           options={"num_stages": 1}), None)]
     if not recompute:
+        # the gluon backend's "fused-t" forward: T alone (WITH_WU off), and with the keys normalised
+        # and stored by stage 3 (KEYS_NORMALISED_IN "stage-3", flagged chunks' keys included)
+        t_alone = dict(args, PER_CHANNEL=True, g_ptr=T([Ntok, H, K], f32), CUMSUM_G=True, STORE_T=True, WITH_WU=False,
+                       **precs)
+        cases += [(CompileCase("kda tile solve forward, T alone", tk._solve_wu_tile_kernel.fn, t_alone, num_warps=8,
+                               options={"num_stages": 1}), 0),
+                  (CompileCase("kda tile solve forward, T alone, keys normalised in it", tk._solve_wu_tile_kernel.fn,
+                               dict(t_alone, eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True),
+                               num_warps=8, options={"num_stages": 1}), 0)]
         BK, BV, NV = tk._blocks(K, V)
         BVW = min(kk.OUTPUT_CHUNK_BV, BV * NV)
         cases += [(CompileCase("kda output, whole chunks", kk._kda_output_kernel,

@@ -718,7 +718,8 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     `_solve_wu_kernel`. L2NORM_K: k is raw and each load normalises it (`_load_keys`), so stage 1
     need not write the normalised keys (L2NORM_K_FORM "in-kernel" and "stage-3"); STORE_KN: it also
     stores them to kn_ptr, as stage 1 would have (L2NORM_K_FORM "stage-3": the states kernel reads
-    them, and stage 1's kernel is not launched). CUMSUM_G: stage 2 here too (CUMSUM_FORM
+    them, and stage 1's kernel is not launched; with PER_CHANNEL the two come together, and a
+    flagged chunk stores its keys before it returns: KDA's KEYS_NORMALISED_IN "stage-3"). CUMSUM_G: stage 2 here too (CUMSUM_FORM
     "stage-3"): G is the in-chunk cumulative sum of the raw gates at g_ptr, formed as
     `_cumsum_kernel` forms it and stored to G_ptr for the states kernel. WITH_WU = False (WU_FORM
     "split"): T alone, stored (STORE_T) in Ai's dtype, and `_wu_from_t_kernel` forms W and U.
@@ -738,7 +739,8 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
     NB: tl.constexpr = BT // 16
     tl.static_assert(NB == 4, "M^NB = 0 ends the series for T at M^3 only when NB = 4")
     if PER_CHANNEL:
-        tl.static_assert(not (L2NORM_K or STORE_KN), "per-channel gates: the keys come formed")
+        tl.static_assert(STORE_KN == L2NORM_K, "per-channel gates: keys normalised here are stored, for the flagged "
+                                               "chunks' block kernel too")
         if CUMSUM_G:
             # stage 2 here too (KDA's CUMSUM_FORM "stage-3"), in 32-channel blocks: the whole [64, 128]
             # fp64 scan in registers spilled 1.4 KB per thread at 4 warps (sm_90a). G is read back
@@ -752,6 +754,10 @@ def _solve_wu_tile_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, c
         d, span = _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
         tl.store(flags_ptr + c * H + hh, tl.where(span <= SPAN_MAX, 0, 1).to(tl.int8))
         if span > SPAN_MAX:  # left to the block kernel
+            if STORE_KN:  # which reads this chunk's keys from kn, as every later stage does
+                tl.store(kn_ptr + row[:, None] * K + kc[None, :],
+                         _load_keys(k_ptr, row[:, None] * K + kc[None, :], mk, eps, L2NORM_K, DA).to(kn_ptr.dtype.element_ty),
+                         mask=mk)
             return
     b = tl.load(beta_ptr + row, mask=valid, other=0.0).to(tl.float32)
     # scalar gates (per-channel ones were read, or formed, above as d)
@@ -1474,7 +1480,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     chunks (the tile kernel's WITH_WU off), W and U None (the flagged chunks' block kernel still
     forms theirs, into buffers nothing reads). G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
-    normalises it (the tile form only; keys_normalised is then implied). factored_diagonal (KDA):
+    normalises it (the tile form only, or the per-channel one with span_flags and kn_out, flagged
+    chunks' keys included; keys_normalised is then implied). factored_diagonal (KDA):
     the kernel's FACTORED_DIAGONAL. input_dtype: the op's input dtype where k is not in it (the
     backward's fp32 normalised keys), which picks the form, the rounding and the precision.
     kn_out (with l2norm_k): where the kernel also stores the normalised keys, k's shape and dtype.
@@ -1498,7 +1505,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         return (Ai, w, u) if with_wu else (Ai, None, None)
     DT, DA = _dot_types(dtype)
     form = solve_form(dtype, G.dim() == 3)
-    if l2norm_k and form != "tile":
+    if l2norm_k and form != "tile" and span_flags is None:
         raise ValueError("l2norm_k needs the tile form of stage 3 (16-bit inputs, SOLVE_FORM = 'tile')")
     if kn_out is not None and not (l2norm_k and kn_out.shape == k.shape and kn_out.dtype == k.dtype):
         raise ValueError("kn_out needs l2norm_k and k's shape and dtype")
@@ -1507,18 +1514,22 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         raise ValueError("g needs the tile form of stage 3 (or span_flags) and G as its output (fp64; fp32 with "
                          "span_flags), g's shape")
     if span_flags is not None:
-        if G.dim() != 3 or dtype == torch.float32 or (exact_wu and not store_T) or l2norm_k or kn_out is not None:
+        if G.dim() != 3 or dtype == torch.float32 or (exact_wu and not store_T) or l2norm_k != (kn_out is not None):
             raise ValueError("span_flags: the per-channel tile form is for 16-bit inputs, in the forward (which may "
-                             "keep T for its backward: store_T) or the backward's recompute (store_T with exact_wu)")
+                             "keep T for its backward: store_T) or the backward's recompute (store_T with exact_wu); "
+                             "keys it normalises (l2norm_k) it stores (kn_out)")
         if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
             raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
-        prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised)
+        prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised or l2norm_k)
         Ai_or_w = Ai if store_T else w
         _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, *_tile_blocks(K, V), BT, DT, DA,
-                                            prec, store_T, exact_wu, L2NORM_EPS, WITH_WU=with_wu, g_ptr=g,
-                                            CUMSUM_G=g is not None, T_CHAIN=_t_chain(), DIAG_PREC=diag_prec,
-                                            PER_CHANNEL=True, flags_ptr=span_flags)
-        solve_flagged_chunks(k, v, beta, G, Ai_or_w, w, u, plan, dtype, store_T, exact_wu, factored_diagonal, span_flags)
+                                            prec, store_T, exact_wu, L2NORM_EPS, L2NORM_K=l2norm_k, WITH_WU=with_wu,
+                                            kn_ptr=kn_out, STORE_KN=l2norm_k, g_ptr=g, CUMSUM_G=g is not None,
+                                            T_CHAIN=_t_chain(), DIAG_PREC=diag_prec, PER_CHANNEL=True,
+                                            flags_ptr=span_flags)
+        # the flagged chunks' keys: stored normalised by the tile kernel where it normalised them
+        solve_flagged_chunks(kn_out if l2norm_k else k, v, beta, G, Ai_or_w, w, u, plan, dtype, store_T, exact_wu,
+                             factored_diagonal, span_flags)
         return (Ai, w, u) if with_wu else (Ai, None, None)
     if form == "tile":
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised or l2norm_k)

@@ -1247,18 +1247,20 @@ def solve_kernel_for(k, v, G, g, span_flags, compact: bool, keys_normalised: boo
 
 def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact: bool = False,
                              factored_diagonal: bool = False, keys_normalised: bool = False, g=None, span_flags=None,
-                             with_wu: bool = True):
+                             with_wu: bool = True, l2norm_k: bool = False, kn_out=None):
     """Stage 3 of the forward (`triton_kernels.chunk_solve_wu`'s contract as KDA's forward calls
     it): (T [Ntok, H, 64] fp32 when store_T, else None; W; U). Where `solve_kernel_for` takes it,
     `_kda_solve_wgmma_kernel` forms G and the flags of every chunk and T, W and U of the unflagged
     ones, then Triton's block kernel the flagged ones (as after Triton's tile kernel); Triton's
     stage 3 whole otherwise, and always for T alone (with_wu False; the Gluon kernel forms W and U
-    with T)."""
-    route = solve_kernel_for(k, v, G, g, span_flags, compact, keys_normalised) if with_wu else "triton"
+    with T) or raw keys (l2norm_k, kn_out: Triton's tile kernel normalises and stores them)."""
+    triton_only = not with_wu or l2norm_k
+    route = "triton" if triton_only else solve_kernel_for(k, v, G, g, span_flags, compact, keys_normalised)
     if route == "triton":  # through triton_kernels' name, which the tests' spies replace
+        extra = dict(l2norm_k=True, kn_out=kn_out) if l2norm_k else {}
         return kk.chunk_solve_wu(k, v, beta, G, plan, store_T=store_T, compact=compact,
                                  factored_diagonal=factored_diagonal, keys_normalised=keys_normalised, g=g,
-                                 span_flags=span_flags, with_wu=with_wu)
+                                 span_flags=span_flags, with_wu=with_wu, **extra)
     Ntok, H, K = k.shape
     V = v.shape[-1]
     if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:

@@ -332,6 +332,15 @@ CUMSUM_FORM = "stage-3"
 GATE_SUMS_16BIT = "fp32"
 
 
+# Where the gluon backend's "fused-t" forward normalises k (use_qk_l2norm_in_kernel): "stage-1"
+# (`l2norm_fwd`, then stage 3 and the fused kernel read the normalised keys) or "stage-3" (the tile
+# kernel normalises each chunk's keys as it loads them and stores them, flagged chunks' included,
+# for the block kernel, the fused kernel and the flagged output: stage 1's launch and one read of
+# k saved, ~0.05 ms at S1 by bytes). The same keys to the bit (`_load_keys` rounds as
+# `l2norm_fwd` stores: tests/test_kda_gluon_states.py). "stage-1" until the H200 times it.
+KEYS_NORMALISED_IN = "stage-1"
+
+
 def _gate_sums_dtype(input_dtype: torch.dtype) -> torch.dtype:
     form = _checked("GATE_SUMS_16BIT", GATE_SUMS_16BIT, ("fp64", "fp32"))
     return torch.float32 if form == "fp32" and input_dtype != torch.float32 else torch.float64
@@ -370,20 +379,27 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    if use_qk_l2norm_in_kernel:
-        kf = l2norm_fwd(kf)
     factored = _factored_diagonal()
     flags = _span_flags(plan, H, q, True)
     G, g_in_3 = _gate_sums(gf, plan, flags, q.dtype)  # G [Ntok, H, K], formed by stage 2 or by stage 3 from g
     keep = keep_for_backward and KEEP_FORWARD_TILES and BACKWARD_WHOLE_CHUNKS and flags is not None
     form = states_output_form(qf, kf, vf, G, flags) if states_output_form is not None else "split"
     from_t = form == "fused-t"
+    solve_kwargs = {"with_wu": False} if from_t else {}
+    if use_qk_l2norm_in_kernel and from_t and _checked("KEYS_NORMALISED_IN", KEYS_NORMALISED_IN,
+                                                       ("stage-1", "stage-3")) == "stage-3":
+        kn = new_empty(tuple(kf.shape), kf.dtype, kf.device)  # stage 3 normalises k and stores it here
+        solve_kwargs.update(l2norm_k=True, kn_out=kn)
+    elif use_qk_l2norm_in_kernel:
+        kf = l2norm_fwd(kf)
     if use_qk_l2norm_in_kernel and not from_t:  # "fused-t" normalises q in its kernel
         qf = l2norm_fwd(qf)
     Ai, w, u = (solve or chunk_solve_wu)(kf, vf, bf, G, plan, store_T=keep or from_t, compact=True,
                                          factored_diagonal=factored,
                                          keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
-                                         span_flags=flags, **({"with_wu": False} if from_t else {}))
+                                         span_flags=flags, **solve_kwargs)
+    if "kn_out" in solve_kwargs:
+        kf = solve_kwargs["kn_out"]
     if from_t:
         o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, T=Ai, v=vf, beta=bf,
                               l2norm_q=use_qk_l2norm_in_kernel)
