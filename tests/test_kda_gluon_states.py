@@ -38,6 +38,23 @@ def _inputs(layout: str, K: int, h0: bool, device: str):
     return q, k, v, g, beta, h0_t, cu_t
 
 
+def _chunk_routes(inputs, device, solve):
+    """(B, T, unflagged, flagged) for `_inputs`' draw: [Ntok, H] masks of the rows of the chunks
+    stage 3 (solve: `chunk_solve_wu`) leaves whole and of those it flags; the draw must take both."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    B, T, H = inputs[0].shape[:3]
+    plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
+    flags = torch.empty((plan.NC, H), dtype=torch.int8, device=device)
+    gf = kk._flatten(inputs[3])
+    G = torch.empty(gf.shape, dtype=torch.float32, device=device)
+    solve(kk.l2norm_fwd(kk._flatten(inputs[1])), kk._flatten(inputs[2]), kk._flatten(inputs[4]), G, plan, compact=True,
+          keys_normalised=True, g=gf, span_flags=flags)
+    assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
+    unflagged, flagged = (m.to(device) for m in route_rows(plan, flags))
+    return B, T, unflagged, flagged
+
+
 def _forward(form: str, inputs, K: int, final: bool, monkeypatch):
     from tileport.ops.kda import gluon_kernels as gk
 
@@ -84,16 +101,7 @@ def test_fused_matches_split_route_by_route(layout, K, h0, final, gates, device,
     assert fused.grids == [(N * H, 1)], fused.grids
 
     where = f"[{layout} K={K} h0={h0} final={final} gates={gates} seed={seed}]"
-    B, T = inputs[0].shape[:2]
-    plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
-    flags = torch.empty((plan.NC, H), dtype=torch.int8, device=device)
-    gf = kk._flatten(inputs[3])
-    kf = kk.l2norm_fwd(kk._flatten(inputs[1]))
-    G = torch.empty(gf.shape, dtype=torch.float32, device=device)
-    kk.chunk_solve_wu(kf, kk._flatten(inputs[2]), kk._flatten(inputs[4]), G, plan, compact=True,
-                      keys_normalised=True, g=gf, span_flags=flags)
-    assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
-    unflagged, flagged = (m.to(device) for m in route_rows(plan, flags))
+    B, T, unflagged, flagged = _chunk_routes(inputs, device, kk.chunk_solve_wu)
     of, osf = o.reshape(B * T, H, -1), o_split.reshape(B * T, H, -1)
     for route, rows in (("unflagged", unflagged), ("flagged", flagged)):
         assert not of[rows].isnan().any(), f"o on {route} chunks {where}: not written"
@@ -143,16 +151,7 @@ def test_vn_from_t_matches_fused_route_by_route(layout, K, states, gates, device
     assert fused.grids == [(N * H, 1)] * 2, fused.grids
 
     where = f"[{layout} K={K} states={states} gates={gates} seed={seed}]"
-    B, T = inputs[0].shape[:2]
-    plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
-    flags = torch.empty((plan.NC, H), dtype=torch.int8, device=device)
-    gf = kk._flatten(inputs[3])
-    kf = kk.l2norm_fwd(kk._flatten(inputs[1]))
-    G = torch.empty(gf.shape, dtype=torch.float32, device=device)
-    real_solve(kf, kk._flatten(inputs[2]), kk._flatten(inputs[4]), G, plan, compact=True, keys_normalised=True, g=gf,
-               span_flags=flags)
-    assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
-    unflagged, flagged = (m.to(device) for m in route_rows(plan, flags))
+    B, T, unflagged, flagged = _chunk_routes(inputs, device, real_solve)
     of, orf = o.reshape(B * T, H, -1), o_ref.reshape(B * T, H, -1)
     for route, rows in (("unflagged", unflagged), ("flagged", flagged)):
         assert not of[rows].isnan().any(), f"o on {route} chunks {where}: not written"
