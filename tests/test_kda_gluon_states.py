@@ -22,7 +22,8 @@ from tileport.testing import poisoned
 
 @pytest.fixture
 def fused(monkeypatch):
-    """FORWARD_RECURRENCE "fused", and the fused kernel's launches recorded (their grids)."""
+    """FORWARD_RECURRENCE "fused" (W and U read; the tests that want "fused-t", the default, set
+    it), and the fused kernel's launches recorded (their grids)."""
     from tileport.ops.kda import gluon_kernels as gk
 
     return spy_on_kernels(monkeypatch, gk, ["_kda_states_output_kernel"], FORWARD_RECURRENCE="fused")[0]
@@ -194,6 +195,25 @@ def test_queries_normalised_in_the_kernel_match_stage_1(layout, K, device, seed)
     assert torch.equal(ht_in, ht_pre), f"final state: {normwise(ht_in, ht_pre):.2e} [{layout} K={K}]"
 
 
+@pytest.mark.parametrize("layout,K", [(lay, K) for lay in LAYOUTS for K in (64, 128)])
+def test_keys_normalised_in_stage_3_leave_the_forward_unchanged(layout, K, device, seed, monkeypatch):
+    """The fused-t forward with k normalised by stage 3 (KEYS_NORMALISED_IN "stage-3") against
+    stage 1's: o and the final state bitwise equal (the same keys to the bit reach every kernel;
+    flagged chunks' included, as the draw flags some)."""
+    parity._backend_or_skip("gluon", device)
+    from tileport.ops.kda import triton_kernels as kk
+
+    inputs = _inputs(layout, K, True, device)
+    outs = []
+    for keys in ("stage-1", "stage-3"):
+        monkeypatch.setattr(kk, "KEYS_NORMALISED_IN", keys)
+        outs.append(_forward("fused-t", inputs, K, True, monkeypatch))
+    (o1, ht1), (o3, ht3) = outs
+    assert not o3.isnan().any(), f"o: a row not written [{layout} K={K}]"
+    assert torch.equal(o3, o1), f"o [{layout} K={K}]: {normwise(o3, o1):.2e} normwise from stage 1's keys"
+    assert torch.equal(ht3, ht1), f"final state [{layout} K={K}]: {normwise(ht3, ht1):.2e}"
+
+
 @pytest.mark.parametrize("form", ["fused", "fused-t"])
 @pytest.mark.parametrize("case_id", [cid for cid, c in parity.CASES.items()
                                      if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)])
@@ -305,6 +325,14 @@ def test_forward_follows_the_rule_before_stage_3(form, keys, device, seed, monke
     monkeypatch.setattr(kk, "KEYS_NORMALISED_IN", keys)
     inputs = _inputs("varlen-empty-len1", 64, True, device)
     calls = []
+    solve_kwargs = []
+    real_solve = kk.chunk_solve_wu
+
+    def solve_spy(*args, **kwargs):
+        solve_kwargs.append(kwargs)
+        return real_solve(*args, **kwargs)
+
+    monkeypatch.setattr(kk, "chunk_solve_wu", solve_spy)
 
     def fused_stage(q, k, G, h0, plan, final, scale, flags, **vn_operands):
         calls.append(dict(vn_operands, q=q, k=k))
@@ -312,6 +340,8 @@ def test_forward_follows_the_rule_before_stage_3(form, keys, device, seed, monke
 
     o, _ = kk.kda_forward_triton(*inputs[:5], 0.125, inputs[5], False, True, inputs[6],
                                  states_output=fused_stage, states_output_form=lambda *args: form)
+    assert len(solve_kwargs) == 1 and solve_kwargs[0].get("with_wu", True) == (form != "fused-t"), solve_kwargs
+    assert solve_kwargs[0].get("l2norm_k", False) == (form == "fused-t" and keys == "stage-3"), solve_kwargs
     if form == "split":
         assert calls == [] and not o.isnan().any()
         return
@@ -332,7 +362,7 @@ def test_forward_follows_the_rule_before_stage_3(form, keys, device, seed, monke
     gf = kk._flatten(inputs[3])
     kf = kk.l2norm_fwd(kk._flatten(inputs[1]))
     G = torch.empty(gf.shape, dtype=torch.float32, device=device)
-    T_with_wu, w, u = kk.chunk_solve_wu(kf, kk._flatten(inputs[2]), kk._flatten(inputs[4]), G, plan, store_T=True,
+    T_with_wu, w, u = real_solve(kf, kk._flatten(inputs[2]), kk._flatten(inputs[4]), G, plan, store_T=True,
                                         compact=True, keys_normalised=True, g=gf, span_flags=flags)
     assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
     assert w is not None and got["T"].dtype == torch.float32
@@ -340,8 +370,8 @@ def test_forward_follows_the_rule_before_stage_3(form, keys, device, seed, monke
     assert torch.equal(got["v"], kk._flatten(inputs[2])) and torch.equal(got["beta"], kk._flatten(inputs[4]))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stage_3_normalises_the_keys_as_stage_1(layout, device, seed):
+@pytest.mark.parametrize("layout,K", [(lay, K) for lay in LAYOUTS for K in (64, 128)])
+def test_stage_3_normalises_the_keys_as_stage_1(layout, K, device, seed):
     """Stage 3 on raw keys with l2norm_k (KEYS_NORMALISED_IN "stage-3": the tile kernel normalises
     each chunk's keys and stores them, a flagged chunk's before it returns) against stage 3 on
     stage 1's normalised keys: the stored keys, T, G and the flags bitwise equal (T of the flagged
@@ -349,7 +379,7 @@ def test_stage_3_normalises_the_keys_as_stage_1(layout, device, seed):
     parity._backend_or_skip("triton", device)
     from tileport.ops.kda import triton_kernels as kk
 
-    inputs = _inputs(layout, 64, False, device)
+    inputs = _inputs(layout, K, False, device)
     B, T = inputs[0].shape[:2]
     H = inputs[0].shape[2]
     plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
@@ -367,7 +397,7 @@ def test_stage_3_normalises_the_keys_as_stage_1(layout, device, seed):
         outs.append((kn if in_stage_3 else kk.l2norm_fwd(kf), Tm, G, flags))
     assert (outs[0][3] == 0).any() and (outs[0][3] != 0).any(), f"the draw should flag some chunks and not others"
     for name, a, b in zip(("normalised keys", "T", "G", "flags"), *outs):
-        assert torch.equal(a, b), f"{name} [{layout}]: stage 3's normalisation differs from stage 1's"
+        assert torch.equal(a, b), f"{name} [{layout} K={K}]: stage 3's normalisation differs from stage 1's"
 
 
 def test_stage_3_without_w_and_u_needs_the_kept_t_form():

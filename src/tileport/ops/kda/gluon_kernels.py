@@ -325,8 +325,6 @@ if _GLUON_ERROR is None:
         # a thread each (with 8 lanes a row at K = 128 they cost 16, and the kernel spilled)
         ROWS_L: gl.constexpr = gl.BlockedLayout([1, 8], [256 // K, K // 8], [NW, 1], [1, 0])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=V_L, k_width=2)
-        # T's fp32 tile read from shared memory: 4 contiguous columns a thread, a row in 16 lanes
-        T_L: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [NW, 1], [1, 0])
 
         kr = gl.arange(0, K, layout=gl.SliceLayout(1, V_L))
         vcol = gl.arange(0, BV, layout=gl.SliceLayout(0, V_L))

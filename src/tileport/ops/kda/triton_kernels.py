@@ -386,8 +386,8 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     form = states_output_form(qf, kf, vf, G, flags) if states_output_form is not None else "split"
     from_t = form == "fused-t"
     solve_kwargs = {"with_wu": False} if from_t else {}
-    if use_qk_l2norm_in_kernel and from_t and _checked("KEYS_NORMALISED_IN", KEYS_NORMALISED_IN,
-                                                       ("stage-1", "stage-3")) == "stage-3":
+    keys_in = _checked("KEYS_NORMALISED_IN", KEYS_NORMALISED_IN, ("stage-1", "stage-3"))
+    if use_qk_l2norm_in_kernel and from_t and keys_in == "stage-3":
         kn = new_empty(tuple(kf.shape), kf.dtype, kf.device)  # stage 3 normalises k and stores it here
         solve_kwargs.update(l2norm_k=True, kn_out=kn)
     elif use_qk_l2norm_in_kernel:
