@@ -230,7 +230,10 @@ def test_kda_whole_chunk_forward_compiles_for_sm90a(recompute, gate_sums):
                                options={"num_stages": 1}), 0),
                   (CompileCase("kda tile solve forward, T alone, keys normalised in it", tk._solve_wu_tile_kernel.fn,
                                dict(t_alone, eps=1e-6, L2NORM_K=True, kn_ptr=T([Ntok, H, K], bf), STORE_KN=True),
-                               num_warps=8, options={"num_stages": 1}), 0)]
+                               num_warps=8, options={"num_stages": 1}), 0),
+                  (CompileCase("kda block solve, flagged chunks, T alone", tk._solve_wu_kernel.fn,
+                               dict(args, PER_CHANNEL=True, FACTORED_DIAGONAL=True, ONLY_FLAGGED=True, STORE_T=True,
+                                    WITH_WU=False), num_warps=8, options={"num_stages": 1}), None)]
         BK, BV, NV = tk._blocks(K, V)
         BVW = min(kk.OUTPUT_CHUNK_BV, BV * NV)
         cases += [(CompileCase("kda output, whole chunks", kk._kda_output_kernel,

@@ -454,15 +454,59 @@ def _rounded_for(x, ptr, DA: tl.constexpr):
     return y
 
 
+# lint: allow-function TP001,TP007 -- [16, K] block rows of [T, H, K] tensors, `_solve_wu_kernel`'s: a TMA port belongs to the Gluon backend (issue 5)
+@triton.jit
+def _wu_by_blocks(k_ptr, v_ptr, G_ptr, w_ptr, u_ptr, Ts, bs, gs, vs, rows, kc, K: tl.constexpr, V: tl.constexpr,
+                  BV: tl.constexpr, NV: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr, EXACT_WU: tl.constexpr):
+    """`_solve_wu_kernel`'s W and U from its T blocks Ts (row-major, j <= i), by block rows: W_i =
+    sum_{j <= i} T_ij diag(beta exp(G)) K_j and U_i = sum_{j <= i} T_ij diag(beta) V_j, the keys
+    and values of block j reloaded for each row i >= j (L1/L2 hits) rather than held: keeping all
+    four blocks live through the solve spilled registers."""
+    WT: tl.constexpr = tl.float32 if EXACT_WU else DT  # W/U operand rounding (see EXACT_WU)
+    WA: tl.constexpr = tl.float32 if EXACT_WU else DA
+    Tops = ()  # T's blocks as matmul operands (rounded to WT, as a stored-and-reloaded T would be)
+    for t in tl.static_range(len(Ts)):
+        Tops = Tops + (_op(Ts[t], WT, WA),)
+    for i in tl.static_range(NB):
+        mk = vs[i][:, None] & (kc < K)[None, :]
+        for j in tl.static_range(i + 1):
+            mkj = vs[j][:, None] & (kc < K)[None, :]
+            kj = tl.load(k_ptr + rows[j][:, None] * K + kc[None, :], mask=mkj, other=0.0).to(tl.float32)
+            if PER_CHANNEL:
+                Gj = tl.load(G_ptr + rows[j][:, None] * K + kc[None, :], mask=mkj, other=0.0)
+                kw = _op(kj * tl.exp(Gj.to(tl.float32)) * bs[j], WT, WA)
+            else:
+                kw = _op(kj * (bs[j] * tl.exp(gs[j].to(tl.float32))[:, None]), WT, WA)
+            if j == 0:
+                w = tl.dot(Tops[(i * (i + 1)) // 2], kw, input_precision="ieee")
+            else:
+                w += tl.dot(Tops[(i * (i + 1)) // 2 + j], kw, input_precision="ieee")
+        tl.store(w_ptr + rows[i][:, None] * K + kc[None, :], _rounded_for(w, w_ptr, DA), mask=mk)
+    for jv in tl.static_range(NV):
+        vc = jv * BV + tl.arange(0, BV)
+        for i in tl.static_range(NB):
+            mv = vs[i][:, None] & (vc < V)[None, :]
+            for j in tl.static_range(i + 1):
+                mvj = vs[j][:, None] & (vc < V)[None, :]
+                vj = tl.load(v_ptr + rows[j][:, None] * V + vc[None, :], mask=mvj, other=0.0).to(tl.float32)
+                if j == 0:
+                    u = tl.dot(Tops[(i * (i + 1)) // 2], _op(vj * bs[j], WT, WA), input_precision="ieee")
+                else:
+                    u += tl.dot(Tops[(i * (i + 1)) // 2 + j], _op(vj * bs[j], WT, WA), input_precision="ieee")
+            tl.store(u_ptr + rows[i][:, None] * V + vc[None, :], _rounded_for(u, u_ptr, DA), mask=mv)
+
+
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
 @triton.autotune(configs=_tuned(SOLVE_WU_OPTIONS), key=["K", "V", "H", "PER_CHANNEL", "STORE_T", "EXACT_WU",
-                                                       "FACTORED_DIAGONAL", "ONLY_FLAGGED"])
+                                                       "FACTORED_DIAGONAL", "ONLY_FLAGGED", "WITH_WU"])
 @triton.jit
 def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PER_CHANNEL: tl.constexpr,
                      STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, FACTORED_DIAGONAL: tl.constexpr = False,
-                     SPAN_MAX: tl.constexpr = 40.0, ONLY_FLAGGED: tl.constexpr = False, flags_ptr=None):
+                     SPAN_MAX: tl.constexpr = 40.0, ONLY_FLAGGED: tl.constexpr = False, flags_ptr=None,
+                     WITH_WU: tl.constexpr = True):
     """3: T = (I + A)^-1, A = strict_lower(diag(beta) (K K^T * Gam)), then W = T diag(beta exp(G)) K
     and U = T diag(beta) V, for one chunk and head; grid (NC, H). T never leaves registers unless
     STORE_T (the backward reads it): the forward saves T's round trip through HBM and the
@@ -488,7 +532,10 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
     SPAN_MAX (max abs(G_s - G_r) over its rows and channels, checked at run time) is one dot of the
     same reference-row factors instead (KDA's DIAGONAL_FORM; kda/triton_kernels.py says why).
     ONLY_FLAGGED: only the chunks whose flag (int8 at flags_ptr, per chunk and head) the tile
-    kernel set, those whose gates span too much for its whole-chunk factors; the others return."""
+    kernel set, those whose gates span too much for its whole-chunk factors; the others return.
+    WITH_WU = False: T alone (with STORE_T; KDA's forward that forms Vn from T), w_ptr and u_ptr
+    untouched."""
+    tl.static_assert(WITH_WU or STORE_T, "T alone is stored T")
     c = tl.program_id(0)
     hh = tl.program_id(1)
     if _not_this_route("flagged" if ONLY_FLAGGED else "all", flags_ptr, c, H, hh):
@@ -570,40 +617,9 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
                 acc += tl.dot(A_row[m], Ts[(m * (m + 1)) // 2 + j], input_precision="ieee")
             Ts = Ts + (-tl.dot(Tii, acc, input_precision="ieee"),)
         Ts = Ts + (Tii,)
-    WT: tl.constexpr = tl.float32 if EXACT_WU else DT  # W/U operand rounding (see EXACT_WU)
-    WA: tl.constexpr = tl.float32 if EXACT_WU else DA
-    Tops = ()  # T's blocks as matmul operands (rounded to WT, as a stored-and-reloaded T would be)
-    for t in tl.static_range(len(Ts)):
-        Tops = Tops + (_op(Ts[t], WT, WA),)
-    # W and U by block rows, the keys and values of block j reloaded for each row i >= j (L1/L2
-    # hits) rather than held: keeping all four blocks live through the solve spilled registers.
-    for i in tl.static_range(NB):
-        mk = vs[i][:, None] & (kc < K)[None, :]
-        for j in tl.static_range(i + 1):
-            mkj = vs[j][:, None] & (kc < K)[None, :]
-            kj = tl.load(k_ptr + rows[j][:, None] * K + kc[None, :], mask=mkj, other=0.0).to(tl.float32)
-            if PER_CHANNEL:
-                Gj = tl.load(G_ptr + rows[j][:, None] * K + kc[None, :], mask=mkj, other=0.0)
-                kw = _op(kj * tl.exp(Gj.to(tl.float32)) * bs[j], WT, WA)
-            else:
-                kw = _op(kj * (bs[j] * tl.exp(gs[j].to(tl.float32))[:, None]), WT, WA)
-            if j == 0:
-                w = tl.dot(Tops[(i * (i + 1)) // 2], kw, input_precision="ieee")
-            else:
-                w += tl.dot(Tops[(i * (i + 1)) // 2 + j], kw, input_precision="ieee")
-        tl.store(w_ptr + rows[i][:, None] * K + kc[None, :], _rounded_for(w, w_ptr, DA), mask=mk)
-    for jv in tl.static_range(NV):
-        vc = jv * BV + tl.arange(0, BV)
-        for i in tl.static_range(NB):
-            mv = vs[i][:, None] & (vc < V)[None, :]
-            for j in tl.static_range(i + 1):
-                mvj = vs[j][:, None] & (vc < V)[None, :]
-                vj = tl.load(v_ptr + rows[j][:, None] * V + vc[None, :], mask=mvj, other=0.0).to(tl.float32)
-                if j == 0:
-                    u = tl.dot(Tops[(i * (i + 1)) // 2], _op(vj * bs[j], WT, WA), input_precision="ieee")
-                else:
-                    u += tl.dot(Tops[(i * (i + 1)) // 2 + j], _op(vj * bs[j], WT, WA), input_precision="ieee")
-            tl.store(u_ptr + rows[i][:, None] * V + vc[None, :], _rounded_for(u, u_ptr, DA), mask=mv)
+    if WITH_WU:
+        _wu_by_blocks(k_ptr, v_ptr, G_ptr, w_ptr, u_ptr, Ts, bs, gs, vs, rows, kc, K, V, BV, NV, NB, DT, DA,
+                      PER_CHANNEL, EXACT_WU)
     if STORE_T:
         for i in tl.static_range(NB):
             base = Ai_ptr + rows[i][:, None] * BT
@@ -1476,9 +1492,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
                    span_flags: torch.Tensor | None = None, with_wu: bool = True):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. Without with_wu
-    (KDA's forward that forms Vn from T, with span_flags and store_T): T alone for the whole
-    chunks (the tile kernel's WITH_WU off), W and U None (the flagged chunks' block kernel still
-    forms theirs, into buffers nothing reads). G [Ntok, H, K] (from
+    (KDA's forward that forms Vn from T, with span_flags and store_T): T alone (both kernels'
+    WITH_WU off), W and U None. G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
     normalises it (the tile form only, or the per-channel one with span_flags and kn_out, flagged
     chunks' keys included; keys_normalised is then implied). factored_diagonal (KDA):
@@ -1499,10 +1514,11 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         raise ValueError("with_wu=False (T alone) needs span_flags and store_T: the per-channel tile form keeping T")
     inter = _intermediate_dtype(dtype, compact)
     Ai = new_empty((Ntok, H, BT), _F32, k.device) if store_T else None
-    w = new_empty((Ntok, H, K), inter, k.device)
-    u = new_empty((Ntok, H, V), inter, k.device)
+    # T alone (with_wu False): no W and U (the kernels' w and u pointers are then T's, untouched)
+    w = new_empty((Ntok, H, K), inter, k.device) if with_wu else None
+    u = new_empty((Ntok, H, V), inter, k.device) if with_wu else None
     if not plan.NC:
-        return (Ai, w, u) if with_wu else (Ai, None, None)
+        return Ai, w, u
     DT, DA = _dot_types(dtype)
     form = solve_form(dtype, G.dim() == 3)
     if l2norm_k and form != "tile" and span_flags is None:
@@ -1522,7 +1538,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
             raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised or l2norm_k)
         Ai_or_w = Ai if store_T else w
-        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, *_tile_blocks(K, V), BT, DT, DA,
+        _solve_wu_tile_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w if with_wu else Ai, u if with_wu else Ai, plan.chunks,
+                                            H, K, V, *_tile_blocks(K, V), BT, DT, DA,
                                             prec, store_T, exact_wu, L2NORM_EPS, L2NORM_K=l2norm_k, WITH_WU=with_wu,
                                             kn_ptr=kn_out, STORE_KN=l2norm_k, g_ptr=g, CUMSUM_G=g is not None,
                                             T_CHAIN=_t_chain(), DIAG_PREC=diag_prec, PER_CHANNEL=True,
@@ -1530,7 +1547,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
         # the flagged chunks' keys: stored normalised by the tile kernel where it normalised them
         solve_flagged_chunks(kn_out if l2norm_k else k, v, beta, G, Ai_or_w, w, u, plan, dtype, store_T, exact_wu,
                              factored_diagonal, span_flags)
-        return (Ai, w, u) if with_wu else (Ai, None, None)
+        return Ai, w, u
     if form == "tile":
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised or l2norm_k)
         if WU_FORM == "split" and inter != _F32 and not (store_T or exact_wu or l2norm_k or g is not None):
@@ -1558,13 +1575,16 @@ def solve_flagged_chunks(k, v, beta, G, Ai_or_w, w, u, plan: ChunkPlan, input_dt
                          exact_wu: bool, factored_diagonal: bool, span_flags: torch.Tensor):
     """3 for the chunks a whole-chunk stage-3 kernel flagged (KDA, span_flags int8 [NC, H]):
     `_solve_wu_kernel` with ONLY_FLAGGED, in 16-row blocks, into the same T (Ai_or_w, when
-    store_T), W and U; input_dtype: the op's (which sets the products' rounding)."""
+    store_T), W and U (T alone where w and u are None); input_dtype: the op's (which sets the
+    products' rounding)."""
     H, K = k.shape[1], k.shape[2]
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
     DT, DA = _dot_types(input_dtype)
-    _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w, u, plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True,
-                                   store_T, exact_wu, factored_diagonal, ONLY_FLAGGED=True, flags_ptr=span_flags)
+    with_wu = w is not None
+    _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w if with_wu else Ai_or_w, u if with_wu else Ai_or_w,
+                                   plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True, store_T, exact_wu,
+                                   factored_diagonal, ONLY_FLAGGED=True, flags_ptr=span_flags, WITH_WU=with_wu)
 
 
 def _tile_precisions(dtype: torch.dtype, compact: bool, store_T: bool, exact_wu: bool, keys_normalised: bool):
