@@ -510,7 +510,8 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
     compact form: "fused") or T [Ntok, H, 64] fp32, v and beta ("fused-t": Vn formed from T in
     the kernel; l2norm_q only there)."""
     from_t = T is not None
-    if from_t == (w is not None) or (u is None) == (v is None) or from_t != (u is None) or from_t == (beta is None):
+    given = [x is not None for x in (w, u, T, v, beta)]
+    if given not in ([True, True, False, False, False], [False, False, True, True, True]):
         raise ValueError("chunk_states_output_kda_gluon takes either w and u, or T, v and beta")
     if l2norm_q and not from_t:
         raise ValueError("l2norm_q: the kernel normalises q in its Vn-from-T form only (T, v and beta)")
@@ -1255,10 +1256,9 @@ def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact
     triton_only = not with_wu or l2norm_k
     route = "triton" if triton_only else solve_kernel_for(k, v, G, g, span_flags, compact, keys_normalised)
     if route == "triton":  # through triton_kernels' name, which the tests' spies replace
-        extra = dict(l2norm_k=True, kn_out=kn_out) if l2norm_k else {}
         return kk.chunk_solve_wu(k, v, beta, G, plan, store_T=store_T, compact=compact,
                                  factored_diagonal=factored_diagonal, keys_normalised=keys_normalised, g=g,
-                                 span_flags=span_flags, with_wu=with_wu, **extra)
+                                 span_flags=span_flags, with_wu=with_wu, l2norm_k=l2norm_k, kn_out=kn_out)
     Ntok, H, K = k.shape
     V = v.shape[-1]
     if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:

@@ -385,21 +385,20 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     keep = keep_for_backward and KEEP_FORWARD_TILES and BACKWARD_WHOLE_CHUNKS and flags is not None
     form = states_output_form(qf, kf, vf, G, flags) if states_output_form is not None else "split"
     from_t = form == "fused-t"
-    solve_kwargs = {"with_wu": False} if from_t else {}
     keys_in = _checked("KEYS_NORMALISED_IN", KEYS_NORMALISED_IN, ("stage-1", "stage-3"))
-    if use_qk_l2norm_in_kernel and from_t and keys_in == "stage-3":
-        kn = new_empty(tuple(kf.shape), kf.dtype, kf.device)  # stage 3 normalises k and stores it here
-        solve_kwargs.update(l2norm_k=True, kn_out=kn)
-    elif use_qk_l2norm_in_kernel:
+    # "fused-t" with KEYS_NORMALISED_IN "stage-3": stage 3 normalises k and stores it in kn
+    kn = new_empty(tuple(kf.shape), kf.dtype, kf.device) if use_qk_l2norm_in_kernel and from_t \
+        and keys_in == "stage-3" else None
+    if use_qk_l2norm_in_kernel and kn is None:
         kf = l2norm_fwd(kf)
     if use_qk_l2norm_in_kernel and not from_t:  # "fused-t" normalises q in its kernel
         qf = l2norm_fwd(qf)
+    solve_kwargs = ({"with_wu": False} if from_t else {}) | ({"l2norm_k": True, "kn_out": kn} if kn is not None else {})
     Ai, w, u = (solve or chunk_solve_wu)(kf, vf, bf, G, plan, store_T=keep or from_t, compact=True,
                                          factored_diagonal=factored,
                                          keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
                                          span_flags=flags, **solve_kwargs)
-    if "kn_out" in solve_kwargs:
-        kf = solve_kwargs["kn_out"]
+    kf = kf if kn is None else kn
     if from_t:
         o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, T=Ai, v=vf, beta=bf,
                               l2norm_q=use_qk_l2norm_in_kernel)
