@@ -23,10 +23,12 @@ fused in one Gluon kernel (gluon_kernels.FORWARD_RECURRENCE), its gates loaded a
 or a chunk ahead (RECURRENCE_GATES). "vn-from-t": the fused forward from stage 3's W and U
 ("fused") or with stage 3 stopped at T and Vn formed from T in the fused kernel ("fused-t").
 "keys-in-stage-3": the fused-t forward with k normalised by stage 1 or by stage 3
-(triton_kernels.KEYS_NORMALISED_IN).
+(triton_kernels.KEYS_NORMALISED_IN). "inference": the fused-t forward under no_grad (the bench's
+"fwd"), T in fp32 or bf16 (triton_kernels.FORWARD_T_DTYPE), q normalised in place or in registers
+(gluon_kernels.Q_NORM).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3 (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -312,8 +314,10 @@ for section, switch, choices in (("wy", "BACKWARD_WY", ("triton", "gluon")), ("d
                          f"kda backward (gluon, kept), {switch} {choices[-1]}", calls=3, rows=14)
         setattr(kg, switch, default_choice)
 
-def forward_ab(section: str, forms: dict, kept_name: str, final_state: bool, table_every_form: bool) -> None:
-    """The gluon backend's forward, keeping its tiles as training runs it, in each of `forms`
+def forward_ab(section: str, forms: dict, kept_name: str, final_state: bool, table_every_form: bool,
+               keep: bool = True) -> None:
+    """The gluon backend's forward, keeping its tiles as training runs it (keep; else as inference
+    runs it, under no_grad, as the bench's "fwd" rows), in each of `forms`
     ({label: {switch of gluon_kernels: value}}), same inputs, both gate kinds: do_bench median,
     o's and the kept item's distance from the first form's (kept_name: "T", the kept tiles' T, or
     "final state" with final_state); the per-kernel table of the last form (of every form with
@@ -331,18 +335,22 @@ def forward_ab(section: str, forms: dict, kept_name: str, final_state: bool, tab
         for i, (label, form) in enumerate(forms.items()):
             for switch in names:
                 setattr(*owner(switch), form.get(switch, defaults[switch]))
-            o, ht, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
-            other = ht if final_state else kept.T
+            def run():
+                with torch.no_grad() if not keep else torch.enable_grad():
+                    return kg.kda_forward_gluon(*fargs, keep_for_backward=keep)
+
+            o, ht, *kept = run()
+            other = ht if final_state else kept[0].T
             base = (o.float(), other) if base is None else base
             err_o = ((o.float() - base[0]).norm() / base[0].norm().clamp_min(1e-30)).item()
             err_x = ((other - base[1]).norm() / base[1].norm().clamp_min(1e-30)).item()
-            ms = triton.testing.do_bench(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True), warmup=5, rep=40,
-                                         return_mode="median")
-            print(f"kda forward (gluon, keep) gates={name:10} {section} {label:11}: {ms:.3f} ms, o vs "
-                  f"{next(iter(forms))} {err_o:.2e}, {kept_name} {err_x:.2e}", flush=True)
+            same = torch.equal(o.float(), base[0]) and torch.equal(other, base[1])
+            ms = triton.testing.do_bench(run, warmup=5, rep=40, return_mode="median")
+            how = "keep" if keep else "no_grad"
+            print(f"kda forward (gluon, {how}) gates={name:10} {section} {label:11}: {ms:.3f} ms, o vs "
+                  f"{next(iter(forms))} {err_o:.2e}, {kept_name} {err_x:.2e}{' (bitwise)' if same else ''}", flush=True)
             if name == "logsigmoid" and (table_every_form or i == len(forms) - 1):
-                kernel_table(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True),
-                             f"kda forward (gluon, keep), {section} {label}", rows=10)
+                kernel_table(run, f"kda forward (gluon, {how}), {section} {label}", rows=10)
     for switch, value in defaults.items():
         setattr(*owner(switch), value)
 
@@ -375,3 +383,13 @@ if "keys-in-stage-3" in SECTIONS and dev == "cuda":
     forward_ab("KEYS_NORMALISED_IN", {"stage-1": {"triton_kernels.KEYS_NORMALISED_IN": "stage-1"},
                                       "stage-3": {"triton_kernels.KEYS_NORMALISED_IN": "stage-3"}},
                "final state", final_state=True, table_every_form=True)
+
+# "inference": the fused-t forward as the bench's "fwd" rows run it (no_grad: T kept by no backward),
+# with T stored by stage 3 in fp32 or bf16 (triton_kernels.FORWARD_T_DTYPE) and q normalised in its
+# tile in place or in registers where it is read (gluon_kernels.Q_NORM)
+if "inference" in SECTIONS and dev == "cuda":
+    forward_ab("T, Q_NORM", {"t32/inplace": {"triton_kernels.FORWARD_T_DTYPE": "fp32", "Q_NORM": "in-place"},
+                             "t16/inplace": {"triton_kernels.FORWARD_T_DTYPE": "input", "Q_NORM": "in-place"},
+                             "t32/regs": {"triton_kernels.FORWARD_T_DTYPE": "fp32", "Q_NORM": "registers"},
+                             "t16/regs": {"triton_kernels.FORWARD_T_DTYPE": "input", "Q_NORM": "registers"}},
+               "final state", final_state=True, table_every_form=True, keep=False)

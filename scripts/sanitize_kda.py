@@ -11,7 +11,10 @@ stage 3 leaves unflagged, stage 10 in its split form's two kernels (`_kda_wy_dA_
 `_kda_wy_pairs_kernel`, WY_FORM "split", the default) on the first pass and in one kernel
 (`_kda_wy_bwd_wgmma_kernel`) on the second.
 
-    python3 scripts/sanitize_kda.py [quick] [first]     (first: the first pass only, the defaults)
+    python3 scripts/sanitize_kda.py [quick] [first] [q-registers]
+        (first: the first pass only, the defaults; q-registers: gluon_kernels.Q_NORM "registers")
+
+Each case runs the forward and backward (T kept for the backward) and a forward under no_grad.
 
 A dense batch with a ragged T (a partial last chunk) and a varlen batch with a length-1 and an
 empty sequence, K = V = 64 and 128, gates whose chunks take both routes of the output (some
@@ -33,6 +36,8 @@ cases = [dict(B=2, T=130, H=2, K=64, cu=None), dict(B=1, T=200, H=2, K=128, cu=[
 if not quick:
     cases.append(dict(B=1, T=1000, H=4, K=128, cu=None))
 gdn_gluon.BACKWARD_STATES = "gluon"
+if "q-registers" in sys.argv[1:]:
+    kda_gluon.Q_NORM = "registers"
 # stage 10 in its split form (the default) and in one kernel (WY_FORM)
 passes = ((128, 8, "split", "fused-t", "triton"), (64, 4, "one-kernel", "split", "gluon"))
 for bv, warps, wy_form, recurrence, solve in passes[:1] if "first" in sys.argv[1:] else passes:
@@ -52,5 +57,7 @@ for bv, warps, wy_form, recurrence, solve in passes[:1] if "first" in sys.argv[1
         with use_backend("gluon", op="kda"):
             o, _ = tileport.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
             o.backward(torch.randn_like(o))
+            with torch.no_grad():  # as inference runs it: no T kept (fused-t's T in bf16, FORWARD_T_DTYPE)
+                tileport.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
         torch.cuda.synchronize()
         print(f"forward {recurrence}, stage 3 {solve}, gluon recurrences BV{bv} {warps}w, stage 10 {wy_form} B={B} T={T} H={H} K={K} varlen={cu is not None}: ok")

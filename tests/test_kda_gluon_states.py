@@ -195,23 +195,38 @@ def test_queries_normalised_in_the_kernel_match_stage_1(layout, K, device, seed)
     assert torch.equal(ht_in, ht_pre), f"final state: {normwise(ht_in, ht_pre):.2e} [{layout} K={K}]"
 
 
-@pytest.mark.parametrize("layout,K", [(lay, K) for lay in LAYOUTS for K in (64, 128)])
-def test_keys_normalised_in_stage_3_leave_the_forward_unchanged(layout, K, device, seed, monkeypatch):
-    """The fused-t forward with k normalised by stage 3 (KEYS_NORMALISED_IN "stage-3") against
-    stage 1's: o and the final state bitwise equal (the same keys to the bit reach every kernel;
-    flagged chunks' included, as the draw flags some)."""
-    parity._backend_or_skip("gluon", device)
-    from tileport.ops.kda import triton_kernels as kk
+# fused-t forms that must not change the forward's values: (module, switch, the default's
+# alternative first, then the form compared with it)
+SAME_VALUE_FORMS = {
+    # k normalised by stage 3 (the tile kernel, flagged chunks' included) or by stage 1
+    "keys-normalised-in": ("triton_kernels", "KEYS_NORMALISED_IN", "stage-1", "stage-3"),
+    # T stored by stage 3 in bf16 (rounded as the fused kernel rounds it when it reads fp32 T)
+    "t-dtype": ("triton_kernels", "FORWARD_T_DTYPE", "fp32", "input"),
+    # q normalised in its tile in place or where the kernel reads it
+    "q-norm": ("gluon_kernels", "Q_NORM", "in-place", "registers"),
+}
 
+
+@pytest.mark.parametrize("layout,K", [(lay, K) for lay in LAYOUTS for K in (64, 128)])
+@pytest.mark.parametrize("forms", list(SAME_VALUE_FORMS))
+def test_forms_leave_the_forward_unchanged(forms, layout, K, device, seed, monkeypatch):
+    """The fused-t forward in each pair of SAME_VALUE_FORMS' forms: o and the final state bitwise
+    equal (the same bf16 values reach every product, the flagged chunks' included, as the draw
+    flags some)."""
+    parity._backend_or_skip("gluon", device)
+    import importlib
+
+    module_name, switch, first, second = SAME_VALUE_FORMS[forms]
+    module = importlib.import_module(f"tileport.ops.kda.{module_name}")
     inputs = _inputs(layout, K, True, device)
     outs = []
-    for keys in ("stage-1", "stage-3"):
-        monkeypatch.setattr(kk, "KEYS_NORMALISED_IN", keys)
+    for form in (first, second):
+        monkeypatch.setattr(module, switch, form)
         outs.append(_forward("fused-t", inputs, K, True, monkeypatch))
-    (o1, ht1), (o3, ht3) = outs
-    assert not o3.isnan().any(), f"o: a row not written [{layout} K={K}]"
-    assert torch.equal(o3, o1), f"o [{layout} K={K}]: {normwise(o3, o1):.2e} normwise from stage 1's keys"
-    assert torch.equal(ht3, ht1), f"final state [{layout} K={K}]: {normwise(ht3, ht1):.2e}"
+    (o1, ht1), (o2, ht2) = outs
+    assert not o2.isnan().any(), f"o: a row not written [{switch} {second!r}, {layout} K={K}]"
+    assert torch.equal(o2, o1), f"o [{layout} K={K}]: {normwise(o2, o1):.2e} normwise between {switch}'s forms"
+    assert torch.equal(ht2, ht1), f"final state [{layout} K={K}]: {normwise(ht2, ht1):.2e} between {switch}'s forms"
 
 
 @pytest.mark.parametrize("form", ["fused", "fused-t"])
@@ -250,6 +265,22 @@ def test_switch_is_validated(monkeypatch):
         _rule()
     with pytest.raises(ValueError, match="FORWARD_RECURRENCE"):  # validated before any fallback is decided
         _rule(span_flags=None)
+    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", "fused-t")
+    monkeypatch.setattr(gk, "Q_NORM", "smem")
+    with pytest.raises(ValueError, match="Q_NORM 'smem'.*'in-place', 'registers'"):
+        _rule(span_flags=None)
+
+
+def test_t_dtype_switch_is_validated(monkeypatch):
+    """FORWARD_T_DTYPE is checked at every forward call, on every machine (not only where the
+    fused kernel runs)."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    monkeypatch.setattr(kk, "FORWARD_T_DTYPE", "bf16")
+    q, k, v, g, beta, _, _ = parity.make_inputs(1, 16, 1, 16, 16, torch.bfloat16, None, False, True, "normal", "rand",
+                                                "cpu")
+    with pytest.raises(ValueError, match="FORWARD_T_DTYPE 'bf16'.*'fp32', 'input'"):
+        kk.kda_forward_triton(q, k, v, g, beta, 0.25, None, False, True, None)
 
 
 @pytest.mark.parametrize("form", ["fused", "fused-t"])
@@ -310,19 +341,36 @@ def test_fused_stage_takes_one_set_of_vn_operands():
         gk.chunk_states_output_kda_gluon(t, t, t.float(), None, None, False, 1.0, flags, w=t, u=t, l2norm_q=True)
 
 
-@pytest.mark.parametrize("form,keys", [("split", "stage-1"), ("fused", "stage-1"), ("fused-t", "stage-1"),
-                                       ("fused-t", "stage-3")])
-def test_forward_follows_the_rule_before_stage_3(form, keys, device, seed, monkeypatch):
+def _rounded_as_stage_3(T16: torch.Tensor, T32: torch.Tensor) -> bool:
+    """Whether T16 (bf16) is fp32 T32 rounded as stage 3's kernels round it: to nearest even, bit
+    for bit, on the GPU; on the CPU the interpreter's emulation (`gdn.triton_kernels._op`,
+    Veltkamp splitting in fp32) rounds to nearest but for some ties and for fp32 subnormals, so
+    there within half a bf16 ulp (at most 2^-8 relative) plus the subnormal step 2^-126 (a
+    truncating store, up to a whole ulp off, fails this on any draw of a few thousand values)."""
+    if T16.dtype != torch.bfloat16:
+        return False
+    if T32.is_cuda:
+        return torch.equal(T16, T32.to(torch.bfloat16))
+    return bool(((T16.float() - T32).abs() <= T32.abs() * 2.0 ** -8 + 2.0 ** -126).all())
+
+
+@pytest.mark.parametrize("form,keys,t_dtype", [("split", "stage-1", "input"), ("fused", "stage-1", "input"),
+                                               ("fused-t", "stage-1", "input"), ("fused-t", "stage-3", "input"),
+                                               ("fused-t", "stage-3", "fp32")])
+def test_forward_follows_the_rule_before_stage_3(form, keys, t_dtype, device, seed, monkeypatch):
     """`kda_forward_triton` asks the rule first: "split" never calls the fused stage; "fused" hands
     it stage 3's W and U; "fused-t" runs stage 3 without W and U and hands it T, v and beta, T
     bitwise the T that stage 3 forms beside W and U (the same tile kernel with WITH_WU off, and the
     block kernel's for the flagged chunks). The fused stage is a stand-in here (the Triton stages
     run where the backend does: the interpreter on the CPU). keys: KEYS_NORMALISED_IN (the fused-t
-    form's keys normalised by stage 1 or stage 3), the same keys handed on either way."""
+    form's keys normalised by stage 1 or stage 3), the same keys handed on either way. t_dtype:
+    FORWARD_T_DTYPE (T handed on in bf16, rounded as stage 3 rounds it, or fp32; no backward keeps
+    it here)."""
     parity._backend_or_skip("triton", device)
     from tileport.ops.kda import triton_kernels as kk
 
     monkeypatch.setattr(kk, "KEYS_NORMALISED_IN", keys)
+    monkeypatch.setattr(kk, "FORWARD_T_DTYPE", t_dtype)
     inputs = _inputs("varlen-empty-len1", 64, True, device)
     calls = []
     solve_kwargs = []
@@ -365,8 +413,11 @@ def test_forward_follows_the_rule_before_stage_3(form, keys, device, seed, monke
     T_with_wu, w, u = real_solve(kf, kk._flatten(inputs[2]), kk._flatten(inputs[4]), G, plan, store_T=True,
                                         compact=True, keys_normalised=True, g=gf, span_flags=flags)
     assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
-    assert w is not None and got["T"].dtype == torch.float32
-    assert torch.equal(got["T"], T_with_wu), f"T alone vs T with W and U: {normwise(got['T'], T_with_wu):.2e}"
+    assert w is not None
+    if t_dtype == "fp32":
+        assert torch.equal(got["T"], T_with_wu), f"T alone vs T with W and U: {normwise(got['T'], T_with_wu):.2e}"
+    else:
+        assert _rounded_as_stage_3(got["T"], T_with_wu), f"T alone ({got['T'].dtype}) vs T with W and U rounded"
     assert torch.equal(got["v"], kk._flatten(inputs[2])) and torch.equal(got["beta"], kk._flatten(inputs[4]))
 
 
@@ -398,6 +449,49 @@ def test_stage_3_normalises_the_keys_as_stage_1(layout, K, device, seed):
     assert (outs[0][3] == 0).any() and (outs[0][3] != 0).any(), f"the draw should flag some chunks and not others"
     for name, a, b in zip(("normalised keys", "T", "G", "flags"), *outs):
         assert torch.equal(a, b), f"{name} [{layout} K={K}]: stage 3's normalisation differs from stage 1's"
+
+
+@pytest.mark.parametrize("layout,K", [(lay, K) for lay in LAYOUTS for K in (64, 128)])
+def test_stage_3_stores_t_in_16_bits_as_its_reader_rounds_it(layout, K, device, seed):
+    """Stage 3's T alone with t_dtype bf16 (FORWARD_T_DTYPE "input") against the fp32 T of the same
+    call rounded to bf16 as the kernels round (to nearest even on the GPU; the interpreter's
+    emulation, `gdn.triton_kernels._op`, on the CPU): equal, both routes (the block kernel's flagged
+    chunks and the tile kernel's others), and G and the flags unchanged."""
+    parity._backend_or_skip("triton", device)
+    from tileport.ops.kda import triton_kernels as kk
+
+    inputs = _inputs(layout, K, False, device)
+    B, T = inputs[0].shape[:2]
+    H = inputs[0].shape[2]
+    plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
+    kn = kk.l2norm_fwd(kk._flatten(inputs[1]))
+    vf, gf, bf = (kk._flatten(inputs[i]) for i in (2, 3, 4))
+    outs = []
+    for t_dtype in (torch.float32, torch.bfloat16):
+        flags = torch.empty((plan.NC, H), dtype=torch.int8, device=device)
+        G = torch.empty(gf.shape, dtype=torch.float32, device=device)
+        with poisoned():
+            Tm, _, _ = kk.chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, compact=True, keys_normalised=True, g=gf,
+                                         span_flags=flags, with_wu=False, t_dtype=t_dtype)
+        outs.append((Tm, G, flags))
+    (T32, G32, f32), (T16, G16, f16) = outs
+    assert (f32 == 0).any() and (f32 != 0).any(), "the draw should flag some chunks and not others"
+    assert _rounded_as_stage_3(T16, T32), f"T [{layout} K={K}]: not fp32 T rounded to bf16"
+    assert torch.equal(G16, G32) and torch.equal(f16, f32), f"G or the flags changed with T's dtype [{layout} K={K}]"
+
+
+def test_stage_3_keeps_fp32_t_but_for_t_alone():
+    """t_dtype other than fp32 is for T alone (with_wu=False) in the op's 16-bit dtype: refused by
+    name otherwise."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    x = torch.zeros(64, 2, 64, dtype=torch.bfloat16)
+    plan = kk.make_plan(1, 64, None, x.device)
+    flags = torch.zeros(1, 2, dtype=torch.int8)
+    for with_wu, t_dtype in ((True, torch.bfloat16), (False, torch.float16)):
+        with pytest.raises(ValueError, match="t_dtype"):
+            kk.chunk_solve_wu(x, x, x[..., 0], x.float(), plan, store_T=True, compact=True, span_flags=flags,
+                              with_wu=with_wu, t_dtype=t_dtype)
 
 
 def test_stage_3_without_w_and_u_needs_the_kept_t_form():

@@ -624,7 +624,8 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
         for i in tl.static_range(NB):
             base = Ai_ptr + rows[i][:, None] * BT
             for j in tl.static_range(i + 1):
-                tl.store(base + (j * 16 + r)[None, :], Ts[(i * (i + 1)) // 2 + j], mask=vs[i][:, None])
+                tl.store(base + (j * 16 + r)[None, :], _rounded_for(Ts[(i * (i + 1)) // 2 + j], Ai_ptr, DA),
+                         mask=vs[i][:, None])
             if i + 1 < NB:
                 tl.store(base + cols[None, :], tl.full([16, BT], 0.0, tl.float32),
                          mask=vs[i][:, None] & (cols >= (i + 1) * 16)[None, :])
@@ -1489,9 +1490,11 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
                    exact_wu: bool = False, keys_normalised: bool = False, l2norm_k: bool = False,
                    factored_diagonal: bool = False, input_dtype: torch.dtype | None = None,
                    kn_out: torch.Tensor | None = None, g: torch.Tensor | None = None,
-                   span_flags: torch.Tensor | None = None, with_wu: bool = True):
+                   span_flags: torch.Tensor | None = None, with_wu: bool = True,
+                   t_dtype: torch.dtype = torch.float32):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
-    T) when store_T; W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. Without with_wu
+    T) when store_T (t_dtype: the op's 16-bit dtype instead, for T alone that no backward reads:
+    KDA's forward whose fused kernel rounds T to that dtype as it reads it); W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. Without with_wu
     (KDA's forward that forms Vn from T, with span_flags and store_T): T alone (both kernels'
     WITH_WU off), W and U None. G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
@@ -1512,8 +1515,11 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     dtype = input_dtype or k.dtype
     if not with_wu and not (store_T and span_flags is not None):
         raise ValueError("with_wu=False (T alone) needs span_flags and store_T: the per-channel tile form keeping T")
+    if t_dtype != _F32 and (with_wu or t_dtype != dtype):
+        raise ValueError(f"t_dtype {t_dtype}: T is fp32, or in the 16-bit input dtype ({dtype}) for T alone "
+                         "(with_wu=False)")
     inter = _intermediate_dtype(dtype, compact)
-    Ai = new_empty((Ntok, H, BT), _F32, k.device) if store_T else None
+    Ai = new_empty((Ntok, H, BT), t_dtype, k.device) if store_T else None
     # T alone (with_wu False): no W and U (the kernels' w and u pointers are then T's, untouched)
     w = new_empty((Ntok, H, K), inter, k.device) if with_wu else None
     u = new_empty((Ntok, H, V), inter, k.device) if with_wu else None

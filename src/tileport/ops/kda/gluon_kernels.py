@@ -196,6 +196,13 @@ RECURRENCE_WARPS = 8
 # kernel 0.503 -> 0.372 ms; the split form 1.614); steep gates 13.284 and 13.255 (split 13.182).
 RECURRENCE_GATES = "ahead"
 RECURRENCE_GATE_FORMS = ("top", "ahead")
+# Where "fused-t" normalises q (its Q_NORM): "in-place" (each chunk's q tile normalised and
+# written back over itself at the chunk's top: a shared-memory store and the CTA barrier the
+# compiler puts before it, on the chain's first link) or "registers" (normalised where it is read:
+# the unflagged chunk's output operands, and a flagged chunk's rows as they are stored for the
+# block kernel; q's tile never rewritten). The same bf16 values either way.
+Q_NORM = "in-place"
+Q_NORM_FORMS = ("in-place", "registers")
 
 if _GLUON_ERROR is None:
 
@@ -243,7 +250,8 @@ if _GLUON_ERROR is None:
                                   cu_ptr, choff_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr,
                                   BV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
                                   GATES: gl.constexpr, t_desc=None, beta_ptr=None, VN_FROM_T: gl.constexpr = False,
-                                  qn_ptr=None, eps=1e-6, L2NORM_Q: gl.constexpr = False):
+                                  qn_ptr=None, eps=1e-6, L2NORM_Q: gl.constexpr = False,
+                                  Q_IN_REGISTERS: gl.constexpr = False):
         """Stages 5 and 6 of KDA's forward in one kernel: one program per (sequence, head, V block of
         BV columns), sequential over the sequence's chunks; grid (N * H, V / BV), 4 or 8 warps (one
         or two warpgroups, each owning BV / WG columns of every [64, BV] and [K, BV] accumulator;
@@ -265,7 +273,8 @@ if _GLUON_ERROR is None:
         and w_desc a stand-in for W's buffer (k's; never loaded), and with W = T diag(beta)(e^G K),
         U = T diag(beta) V:
             Vn = T X,   X = diag(beta) (V - (e^G K) h)
-        (e^G K rounded to bf16 into W's one slot, X rounded to bf16 over V's tile; T's fp32 tile by
+        (e^G K rounded to bf16 into W's one slot, X rounded to bf16 over V's tile; T's tile (fp32,
+        or bf16 where stage 3 stored it so: the same operand, half the bytes) by
         TMA (t_desc) into a buffer of its own, the next chunk's issued once every warp has read
         this one's, and met as a bf16 register operand): one more [64, 64] x [64, BV] WGMMA on the chain, and W and U neither
         formed by stage 3 nor read here. Other roundings than the split form's (not bitwise equal:
@@ -275,7 +284,8 @@ if _GLUON_ERROR is None:
         L2NORM_Q (with VN_FROM_T): q is the raw queries, normalised in its tile at the chunk's top (q *
         rsqrt(sum(q^2) + eps) by rows, rounded to bf16 as stage 1's `l2norm_fwd` stores it), so
         stage 1 does not normalise q; a flagged chunk stores its normalised rows to qn_ptr for
-        Triton's block kernel.
+        Triton's block kernel. Q_IN_REGISTERS (Q_NORM "registers"): the same values formed where
+        q's tile is read instead, the tile left raw.
 
         Shared memory (K = 128, BV = 128): a ring of two TMA sets of q, k, W [64, K] and U [64, BV]
         (128 KB), h_s 32, Vn 16, the scaled keys 16, o's TMA staging 16: 208 KB, one program per SM.
@@ -370,7 +380,7 @@ if _GLUON_ERROR is None:
                 Gt, GL_rows, GL_state, Gm = _chunk_channel_gates(G_ptr, t0, eos, H, hh, rr, kc, kr, K)
                 b_acc = _chunk_betas(beta_ptr, t0, eos, H, hh, ro, VN_FROM_T)
             mbarrier.wait(bars.index(buf), (i // RING) & 1)
-            if L2NORM_Q:
+            if L2NORM_Q and not Q_IN_REGISTERS:
                 # q's rows normalised in place: each thread rewrites the elements it read (ROWS_L
                 # both ways); read back after the barriers below
                 qn = _normalised_rows(q_s.index(buf).load(ROWS_L).to(gl.float32), eps, q_s.dtype, True)
@@ -414,7 +424,8 @@ if _GLUON_ERROR is None:
                     kf = k_s.index(buf).load(ROWS_L).to(gl.float32)
                 d = gl.where(r_ok[:, None], (Gt - Gm[None, :]).to(gl.float32), 0.0)
                 ke = (kf * gl.exp(-d)).to(k_s.dtype)
-                qf = q_s.index(buf).load(ROWS_L).to(gl.float32)
+                qf = _normalised_rows(q_s.index(buf).load(ROWS_L).to(gl.float32), eps, q_s.dtype,
+                                      L2NORM_Q and Q_IN_REGISTERS)
                 qd = (qf * gl.exp(d)).to(q_s.dtype)
                 qg = (qf * gl.exp(d + Gm.to(gl.float32)[None, :])).to(w_s.dtype)
                 gl.thread_barrier()  # every warp has read k and q, and waited for its W h, before they are overwritten
@@ -442,10 +453,11 @@ if _GLUON_ERROR is None:
                     # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: a 64-row TMA store would overwrite them
                     gl.store(o_ptr + offs, (o * scale).to(o_ptr.dtype.element_ty), mask=ro_ok[:, None])
             else:
-                if L2NORM_Q:  # the block kernel's queries: this chunk's rows, normalised (in q's tile)
+                if L2NORM_Q:  # the block kernel's queries: this chunk's rows, normalised (in q's tile, or here)
+                    qn = _normalised_rows(q_s.index(buf).load(ROWS_L).to(gl.float32), eps, q_s.dtype, Q_IN_REGISTERS)
                     # lint: allow TP001 -- only flagged chunks store their normalised queries; a tail chunk's rows past the sequence are the next one's
                     gl.store(qn_ptr + (t0.to(gl.int64) * H + hh) * K + (rr * (H * K))[:, None] + kc[None, :],
-                             q_s.index(buf).load(ROWS_L), mask=r_ok[:, None])
+                             qn.to(qn_ptr.dtype.element_ty), mask=r_ok[:, None])
                 # Triton's block kernel forms this chunk's output from the h entering it and Vn
                 # lint: allow TP001 -- only flagged chunks store h and Vn, from the registers they are in
                 gl.store(h_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + in_state,
@@ -480,6 +492,7 @@ def states_output_kernel_for(q, k, v, G, span_flags) -> str:
     bf16 too, stage 3's compact form) with K == V of HEAD_DIMS, fp32 G, all contiguous and 16-byte
     aligned for TMA, on the GPU; "split" otherwise."""
     form = kk._checked("FORWARD_RECURRENCE", FORWARD_RECURRENCE, FORWARD_RECURRENCE_FORMS)
+    kk._checked("Q_NORM", Q_NORM, Q_NORM_FORMS)
     if form == "split" or _GLUON_ERROR is not None:
         return "split"
     if span_flags is None or not G.is_cuda:
@@ -507,7 +520,7 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
     chunks: (o [Ntok, H, V] bf16, final state [N, H, K, V] fp32 or None) from normalised k (bf16),
     q (bf16; normalised, or raw with l2norm_q: the kernel normalises it) and G [Ntok, H, K] fp32,
     where `states_output_kernel_for` chose a fused form, with either W and U (bf16, stage 3's
-    compact form: "fused") or T [Ntok, H, 64] fp32, v and beta ("fused-t": Vn formed from T in
+    compact form: "fused") or T [Ntok, H, 64] (fp32, or bf16 as the kernel rounds it), v and beta ("fused-t": Vn formed from T in
     the kernel; l2norm_q only there)."""
     from_t = T is not None
     given = [x is not None for x in (w, u, T, v, beta)]
@@ -520,8 +533,8 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
     BV = check_recurrence_launch(V)
     if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
         raise ValueError(f"span_flags must be int8 [{plan.NC}, {H}], got {span_flags.dtype} {tuple(span_flags.shape)}")
-    if from_t and (T.shape != (Ntok, H, BT) or T.dtype != torch.float32 or beta.shape != (Ntok, H)):
-        raise ValueError(f"T must be fp32 [{Ntok}, {H}, {BT}] and beta [{Ntok}, {H}], got T {T.dtype} "
+    if from_t and (T.shape != (Ntok, H, BT) or T.dtype not in (torch.float32, v.dtype) or beta.shape != (Ntok, H)):
+        raise ValueError(f"T must be fp32 or v's dtype, [{Ntok}, {H}, {BT}], and beta [{Ntok}, {H}], got T {T.dtype} "
                          f"{tuple(T.shape)}, beta {tuple(beta.shape)}")
     o = new_empty((Ntok, H, V), torch.bfloat16, q.device)
     ht = new_empty((plan.N, H, K, V), torch.float32, q.device) if output_final_state else None
@@ -541,7 +554,8 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
             q_desc, k_desc, w_desc, u_desc, o_desc, G, h0 if h0 is not None else o, ht if ht is not None else o, o, h,
             vn, plan.cu, plan.chunk_offsets, span_flags, H, float(scale), K, V, BV, h0 is not None,
             output_final_state, RECURRENCE_GATES, t_desc, beta.contiguous() if from_t else None,
-            from_t, qn, gdn_tk.L2NORM_EPS, l2norm_q, num_warps=RECURRENCE_WARPS)
+            from_t, qn, gdn_tk.L2NORM_EPS, l2norm_q,
+            l2norm_q and kk._checked("Q_NORM", Q_NORM, Q_NORM_FORMS) == "registers", num_warps=RECURRENCE_WARPS)
         kk.output_flagged_chunks(qn, k, G, h, vn, o, scale, plan, span_flags)
     return o, ht
 
@@ -1246,19 +1260,22 @@ def solve_kernel_for(k, v, G, g, span_flags, compact: bool, keys_normalised: boo
 
 def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact: bool = False,
                              factored_diagonal: bool = False, keys_normalised: bool = False, g=None, span_flags=None,
-                             with_wu: bool = True, l2norm_k: bool = False, kn_out=None):
+                             with_wu: bool = True, l2norm_k: bool = False, kn_out=None,
+                             t_dtype: torch.dtype = torch.float32):
     """Stage 3 of the forward (`triton_kernels.chunk_solve_wu`'s contract as KDA's forward calls
     it): (T [Ntok, H, 64] fp32 when store_T, else None; W; U). Where `solve_kernel_for` takes it,
     `_kda_solve_wgmma_kernel` forms G and the flags of every chunk and T, W and U of the unflagged
     ones, then Triton's block kernel the flagged ones (as after Triton's tile kernel); Triton's
     stage 3 whole otherwise, and always for T alone (with_wu False; the Gluon kernel forms W and U
-    with T) or raw keys (l2norm_k, kn_out: Triton's tile kernel normalises and stores them)."""
+    with T) or raw keys (l2norm_k, kn_out: Triton's tile kernel normalises and stores them);
+    t_dtype (T alone only) as there."""
     triton_only = not with_wu or l2norm_k
     route = "triton" if triton_only else solve_kernel_for(k, v, G, g, span_flags, compact, keys_normalised)
     if route == "triton":  # through triton_kernels' name, which the tests' spies replace
         return kk.chunk_solve_wu(k, v, beta, G, plan, store_T=store_T, compact=compact,
                                  factored_diagonal=factored_diagonal, keys_normalised=keys_normalised, g=g,
-                                 span_flags=span_flags, with_wu=with_wu, l2norm_k=l2norm_k, kn_out=kn_out)
+                                 span_flags=span_flags, with_wu=with_wu, l2norm_k=l2norm_k, kn_out=kn_out,
+                                 **({"t_dtype": t_dtype} if t_dtype != torch.float32 else {}))
     Ntok, H, K = k.shape
     V = v.shape[-1]
     if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
@@ -1622,10 +1639,15 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
         return descriptor_stand_in([Ntok, H * D], bf, block, _smem_layout(tuple(block), bf))
 
     cases = []
-    for K, BV, warps, states, gates, from_t in ((128, 128, 8, True, "top", False), (128, 128, 8, False, "top", False),
-                                                (64, 64, 8, True, "top", False), (128, 128, 8, True, "ahead", False),
-                                                (128, 128, 8, True, "ahead", True), (128, 128, 8, False, "top", True),
-                                                (64, 64, 8, True, "ahead", True)):
+    # from_t: T's dtype (fp32 where a backward keeps it, bf16 where only this kernel reads it), or None
+    # q_regs: Q_NORM "registers" (with q normalised in the kernel: gates "ahead" and from_t)
+    for K, BV, warps, states, gates, from_t, q_regs in (
+            (128, 128, 8, True, "top", None, False), (128, 128, 8, False, "top", None, False),
+            (64, 64, 8, True, "top", None, False), (128, 128, 8, True, "ahead", None, False),
+            (128, 128, 8, True, "ahead", f32, False), (128, 128, 8, False, "top", f32, False),
+            (64, 64, 8, True, "ahead", f32, False), (128, 128, 8, False, "ahead", bf, False),
+            (64, 64, 8, True, "ahead", bf, False), (128, 128, 8, False, "ahead", bf, True),
+            (128, 128, 8, True, "ahead", bf, True)):
         V = K
         args = dict(q_desc=desc(K, [BT, K]), k_desc=desc(K, [BT, K]), w_desc=desc(K, [BT, K]), u_desc=desc(V, [BT, BV]),
                     o_desc=desc(V, [BT, BV]), G_ptr=TensorStandIn([Ntok, H, K], f32),
@@ -1634,15 +1656,16 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
                     vn_ptr=TensorStandIn([Ntok, H, V], bf), cu_ptr=TensorStandIn([N + 1], torch.int32),
                     choff_ptr=TensorStandIn([N + 1], torch.int32), flags_ptr=TensorStandIn([NC, H], torch.int8),
                     H=H, scale=0.1, K=K, V=V, BV=BV, HAS_H0=states, STORE_FINAL=states, GATES=gates)
-        if from_t:
-            args.update(t_desc=descriptor_stand_in([Ntok, H * BT], f32, [BT, BT], _smem_layout((BT, BT), f32)),
+        if from_t is not None:
+            args.update(t_desc=descriptor_stand_in([Ntok, H * BT], from_t, [BT, BT], _smem_layout((BT, BT), from_t)),
                         beta_ptr=TensorStandIn([Ntok, H], bf), VN_FROM_T=True, qn_ptr=TensorStandIn([Ntok, H, K], bf),
-                        eps=1e-6, L2NORM_Q=gates == "ahead")
-        tag = f"K{K}_BV{BV}_w{warps}{'_states' if states else ''}_{gates}{'_from_t' if from_t else ''}"
-        tag += "_l2q" if from_t and gates == "ahead" else ""
+                        eps=1e-6, L2NORM_Q=gates == "ahead", Q_IN_REGISTERS=q_regs)
+        tag = f"K{K}_BV{BV}_w{warps}{'_states' if states else ''}_{gates}"
+        tag += "" if from_t is None else "_from_t" if from_t == f32 else "_from_t16"
+        tag += ("_l2q_regs" if q_regs else "_l2q") if from_t is not None and gates == "ahead" else ""
         # 4 B of spills at K = 128 with an initial and a final state and q normalised in the kernel
         # (sm_90a; 0 without either, and in every other case): one register, at 255 a thread
-        spills = 4 if (from_t and states and K == 128 and args.get("L2NORM_Q")) else 0
+        spills = 4 if (from_t is not None and states and K == 128 and args.get("L2NORM_Q")) else 0
         cases.append(CompileCase(name=f"kda_states_output_{tag}", kernel=_kda_states_output_kernel, args=args,
                                  num_warps=warps, expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor",
                                                               "mbarrier.try_wait"],

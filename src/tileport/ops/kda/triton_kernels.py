@@ -342,6 +342,14 @@ GATE_SUMS_16BIT = "fp32"
 KEYS_NORMALISED_IN = "stage-3"
 
 
+# The dtype of T in the gluon backend's "fused-t" forward when no backward keeps it (no_grad, or
+# KEEP_FORWARD_TILES off): "fp32" or "input" (bf16: the fused kernel rounds T to bf16 as it reads
+# it for its WGMMA, and stage 3 now rounds it so as it stores it, the same rounding to nearest
+# even: o unchanged to the bit, 134 MB less written by stage 3 and read by the fused kernel at S1).
+# A forward that keeps T for its backward stores fp32 (the backward's W and U take fp32 T).
+FORWARD_T_DTYPE = "input"
+
+
 def _gate_sums_dtype(input_dtype: torch.dtype) -> torch.dtype:
     form = _checked("GATE_SUMS_16BIT", GATE_SUMS_16BIT, ("fp64", "fp32"))
     return torch.float32 if form == "fp32" and input_dtype != torch.float32 else torch.float64
@@ -387,6 +395,7 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     form = states_output_form(qf, kf, vf, G, flags) if states_output_form is not None else "split"
     from_t = form == "fused-t"
     keys_in = _checked("KEYS_NORMALISED_IN", KEYS_NORMALISED_IN, ("stage-1", "stage-3"))
+    t_form = _checked("FORWARD_T_DTYPE", FORWARD_T_DTYPE, ("fp32", "input"))
     # "fused-t" with KEYS_NORMALISED_IN "stage-3": stage 3 normalises k and stores it in kn
     kn = new_empty(tuple(kf.shape), kf.dtype, kf.device) if use_qk_l2norm_in_kernel and from_t \
         and keys_in == "stage-3" else None
@@ -395,6 +404,8 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     if use_qk_l2norm_in_kernel and not from_t:  # "fused-t" normalises q in its kernel
         qf = l2norm_fwd(qf)
     solve_kwargs = ({"with_wu": False} if from_t else {}) | ({"l2norm_k": True, "kn_out": kn} if kn is not None else {})
+    if from_t and not keep and t_form == "input":
+        solve_kwargs["t_dtype"] = vf.dtype  # T read by the fused kernel alone, which rounds it to v's dtype
     Ai, w, u = (solve or chunk_solve_wu)(kf, vf, bf, G, plan, store_T=keep or from_t, compact=True,
                                          factored_diagonal=factored,
                                          keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
