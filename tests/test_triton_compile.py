@@ -207,6 +207,7 @@ def test_kda_whole_chunk_forward_compiles_for_sm90a(recompute, gate_sums):
     from tileport.ops.kda import triton_kernels as kk
 
     flags = dict(flags_ptr=T([NC, H], torch.int8))
+    worklist = dict(flags_ptr=T([1 + NC * H], torch.int32))  # the flagged routes' (`flagged_worklist`)
     precs = dict(PREC=tk.RECOMPUTE_NORMALISED_KEYS_PREC, DIAG_PREC=tk.RECOMPUTE_NORMALISED_KEYS_DIAG_PREC) if recompute \
         else dict(PREC=tk.NORMALISED_KEYS_PREC, DIAG_PREC=tk.NORMALISED_KEYS_DIAG_PREC)
     args = dict(_args(recompute), G_ptr=T([Ntok, H, K], gate_sums), **flags)
@@ -219,7 +220,7 @@ def test_kda_whole_chunk_forward_compiles_for_sm90a(recompute, gate_sums):
                           dict(args, PER_CHANNEL=True, g_ptr=T([Ntok, H, K], f32), CUMSUM_G=True, **precs),
                           num_warps=8, options={"num_stages": 1}), 0),
              (CompileCase("kda block solve, flagged chunks", tk._solve_wu_kernel.fn,
-                          dict(args, PER_CHANNEL=True, FACTORED_DIAGONAL=True, ONLY_FLAGGED=True), num_warps=8,
+                          dict(args, PER_CHANNEL=True, FACTORED_DIAGONAL=True, ONLY_FLAGGED=True, **worklist), num_warps=8,
                           options={"num_stages": 1}), None)]
     if not recompute:
         # the gluon backend's "fused-t" forward: T alone (WITH_WU off), and with the keys normalised
@@ -233,7 +234,7 @@ def test_kda_whole_chunk_forward_compiles_for_sm90a(recompute, gate_sums):
                                num_warps=8, options={"num_stages": 1}), 0),
                   (CompileCase("kda block solve, flagged chunks, T alone", tk._solve_wu_kernel.fn,
                                dict(args, PER_CHANNEL=True, FACTORED_DIAGONAL=True, ONLY_FLAGGED=True, STORE_T=True,
-                                    WITH_WU=False), num_warps=8, options={"num_stages": 1}), None)]
+                                    WITH_WU=False, **worklist), num_warps=8, options={"num_stages": 1}), None)]
         BK, BV, NV = tk._blocks(K, V)
         BVW = min(kk.OUTPUT_CHUNK_BV, BV * NV)
         cases += [(CompileCase("kda output, whole chunks", kk._kda_output_kernel,
@@ -241,7 +242,7 @@ def test_kda_whole_chunk_forward_compiles_for_sm90a(recompute, gate_sums):
                                     **flags),
                                num_warps=kk.OUTPUT_CHUNK_WARPS, options={"num_stages": 1}), None),
                   (CompileCase("kda output, flagged chunks", kk._kda_output_kernel,
-                               dict(_kda_output_args(True), CHUNKS="flagged", G_ptr=args["G_ptr"], **flags), num_warps=4,
+                               dict(_kda_output_args(True), CHUNKS="flagged", G_ptr=args["G_ptr"], **worklist), num_warps=4,
                                options={"num_stages": 1}), None)]
     for case, spill_bound in cases:
         report = compile_case(case)
@@ -520,3 +521,13 @@ def test_rms_norm_dw_sum_compiles_for_sm90a():
     report = compile_case(CompileCase("rms_norm dw sum", triton_rows._sum_partial_rows_kernel, args, num_warps=4))
     print(f"\n{report.summary()}")
     assert report.n_spills is None or report.n_spills == 0, f"{report.n_spills} bytes of spills"
+
+
+def test_flagged_worklist_kernel_compiles_for_sm90a():
+    """The flagged routes' worklist (`_flagged_worklist_kernel`: a prefix sum over stage 3's flags)."""
+    report = compile_case(CompileCase("flagged worklist", tk._flagged_worklist_kernel,
+                                      dict(flags_ptr=T([NC * H], torch.int8), work_ptr=T([1 + NC * H], torch.int32),
+                                           n=NC * H, BLOCK=1024), num_warps=4))
+    print(f"\n{report.summary()}")
+    assert report.target_line is not None and "sm_90a" in report.target_line, report.target_line
+    assert report.n_spills == 0, report.summary()

@@ -531,15 +531,37 @@ def _solve_wu_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks
     W = T diag(beta) (exp(G) * K). FACTORED_DIAGONAL: a diagonal block whose gates span at most
     SPAN_MAX (max abs(G_s - G_r) over its rows and channels, checked at run time) is one dot of the
     same reference-row factors instead (KDA's DIAGONAL_FORM; kda/triton_kernels.py says why).
-    ONLY_FLAGGED: only the chunks whose flag (int8 at flags_ptr, per chunk and head) the tile
-    kernel set, those whose gates span too much for its whole-chunk factors; the others return.
+    ONLY_FLAGGED: only the chunks whose flag the tile kernel set, those whose gates span too much
+    for its whole-chunk factors, from their worklist at flags_ptr (`flagged_worklist`) on a
+    persistent grid (P,): an empty launch is then P programs that read a count, where a grid (NC, H)
+    of programs returning at their flag cost ~14 us at S1 (H200, its CTAs' launch rate).
     WITH_WU = False: T alone (with STORE_T; KDA's forward that forms Vn from T), w_ptr and u_ptr
     untouched."""
     tl.static_assert(WITH_WU or STORE_T, "T alone is stored T")
-    c = tl.program_id(0)
-    hh = tl.program_id(1)
-    if _not_this_route("flagged" if ONLY_FLAGGED else "all", flags_ptr, c, H, hh):
-        return
+    if ONLY_FLAGGED:  # a persistent grid over the worklist: its programs take every num_programs-th item
+        # (a while loop: as a for loop the body spilled, sm_90a: 1020 B against 104 without a loop)
+        i = tl.program_id(0)
+        n = tl.load(flags_ptr)
+        while i < n:
+            item = tl.load(flags_ptr + 1 + i)
+            i += tl.num_programs(0)
+            _solve_wu_chunk(item // H, item % H, k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
+                            K, V, BK, BV, NV, BT, DT, DA, PER_CHANNEL, STORE_T, EXACT_WU, FACTORED_DIAGONAL, SPAN_MAX,
+                            WITH_WU)
+    else:
+        _solve_wu_chunk(tl.program_id(0), tl.program_id(1), k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr,
+                        chunks_ptr, H, K, V, BK, BV, NV, BT, DT, DA, PER_CHANNEL, STORE_T, EXACT_WU, FACTORED_DIAGONAL,
+                        SPAN_MAX, WITH_WU)
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block rows of [T, H, K] tensors, `_solve_wu_kernel`'s: a TMA port belongs to the Gluon backend (issue 5)
+@triton.jit
+def _solve_wu_chunk(c, hh, k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, chunks_ptr, H,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                    BT: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                    STORE_T: tl.constexpr, EXACT_WU: tl.constexpr, FACTORED_DIAGONAL: tl.constexpr,
+                    SPAN_MAX: tl.constexpr, WITH_WU: tl.constexpr):
+    """`_solve_wu_kernel`'s work for chunk c of head hh."""
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     NB: tl.constexpr = BT // 16
@@ -665,6 +687,35 @@ def _chunk_gate_span(G_ptr, row, mk, bos, eos, H, hh, kc, K: tl.constexpr, BT: t
     kernel: the output kernel reads the solve's flag, so both must mean the same chunk by it."""
     d, _ = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
     return d, tl.max(tl.max(tl.abs(d), 1), 0)
+
+
+@triton.jit
+def _flagged_worklist_kernel(flags_ptr, work_ptr, n, BLOCK: tl.constexpr):
+    """The worklist of the flagged routes' persistent launches from stage 3's flags (int8 [NC, H],
+    n = NC * H entries): work[0] = how many are set, work[1 + i] = the index c * H + hh of the i-th
+    set one, in increasing order (a prefix sum a block at a time); grid (1,)."""
+    count = 0
+    for start in range(0, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        f = (tl.load(flags_ptr + idx, mask=idx < n, other=0) != 0).to(tl.int32)
+        tl.store(work_ptr + 1 + count + tl.cumsum(f, 0) - f, idx, mask=f != 0)
+        count += tl.sum(f, 0)
+    tl.store(work_ptr, count)
+
+
+def flagged_worklist(span_flags: torch.Tensor) -> torch.Tensor:
+    """int32 [1 + NC * H]: the count of stage 3's flagged (chunk, head) pairs, then their indices
+    c * H + hh (`_flagged_worklist_kernel`), for the flagged routes' persistent launches."""
+    flags = span_flags.contiguous().view(-1)
+    work = torch.empty(1 + flags.numel(), dtype=torch.int32, device=flags.device)
+    _flagged_worklist_kernel[(1,)](flags, work, flags.numel(), BLOCK=1024, num_warps=4)
+    return work
+
+
+def worklist_programs(device, items: int, per_sm: int = 2) -> int:
+    """The persistent grid of a flagged route's launch: per_sm programs an SM (4 programs on the
+    CPU), at most one per item and at least one."""
+    return max(1, min(items, _sm_count(device) * (per_sm if torch.device(device).type == "cuda" else 1)))
 
 
 @triton.jit
@@ -1580,7 +1631,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
 def solve_flagged_chunks(k, v, beta, G, Ai_or_w, w, u, plan: ChunkPlan, input_dtype: torch.dtype, store_T: bool,
                          exact_wu: bool, factored_diagonal: bool, span_flags: torch.Tensor):
     """3 for the chunks a whole-chunk stage-3 kernel flagged (KDA, span_flags int8 [NC, H]):
-    `_solve_wu_kernel` with ONLY_FLAGGED, in 16-row blocks, into the same T (Ai_or_w, when
+    `_solve_wu_kernel` with ONLY_FLAGGED on their worklist, in 16-row blocks, into the same T (Ai_or_w, when
     store_T), W and U (T alone where w and u are None); input_dtype: the op's (which sets the
     products' rounding)."""
     H, K = k.shape[1], k.shape[2]
@@ -1588,9 +1639,10 @@ def solve_flagged_chunks(k, v, beta, G, Ai_or_w, w, u, plan: ChunkPlan, input_dt
     BK, BV, NV = _blocks(K, V)
     DT, DA = _dot_types(input_dtype)
     with_wu = w is not None
-    _solve_wu_kernel[(plan.NC, H)](k, v, beta, G, Ai_or_w, w if with_wu else Ai_or_w, u if with_wu else Ai_or_w,
-                                   plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True, store_T, exact_wu,
-                                   factored_diagonal, ONLY_FLAGGED=True, flags_ptr=span_flags, WITH_WU=with_wu)
+    grid = (worklist_programs(k.device, plan.NC * H),)
+    _solve_wu_kernel[grid](k, v, beta, G, Ai_or_w, w if with_wu else Ai_or_w, u if with_wu else Ai_or_w,
+                           plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True, store_T, exact_wu,
+                           factored_diagonal, ONLY_FLAGGED=True, flags_ptr=flagged_worklist(span_flags), WITH_WU=with_wu)
 
 
 def _tile_precisions(dtype: torch.dtype, compact: bool, store_T: bool, exact_wu: bool, keys_normalised: bool):

@@ -75,10 +75,12 @@ from tileport.ops.gdn.triton_kernels import (
     chunk_dstates,
     chunk_solve_wu,
     chunk_states,
+    flagged_worklist,
     l2norm_bwd,
     l2norm_fwd,
     make_plan,
     triton_refusal,
+    worklist_programs,
 )
 from tileport.shapes import cdiv, next_pow2
 
@@ -142,14 +144,38 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
     CHUNKS (DIAGONAL_FORM "chunk" sets it, reading stage 3's flags at flags_ptr): "all" (every
     chunk by sub-blocks, as above), "whole" (only the chunks stage 3 did not flag, those whose
     gates span at most 60 about their middle row (`_chunk_gate_span`), each formed whole by
-    `_kda_output_chunk`; the others return) or "flagged" (only the flagged chunks, by sub-blocks).
+    `_kda_output_chunk`; the others return) or "flagged" (only the flagged chunks, by sub-blocks,
+    from their worklist at flags_ptr (`flagged_worklist`) on a persistent grid (P,): a grid
+    (NC * V/BV, H) of programs returning at their flag cost ~26 us at S1 with no chunk flagged).
     Two launches rather than one kernel with both paths: the sub-block path needs all 255
     registers, and one kernel holding both gave the whole-chunk path its register budget too."""
-    c = tl.program_id(0) // NV
-    j = tl.program_id(0) % NV
-    hh = tl.program_id(1)
-    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
-        return
+    if CHUNKS == "flagged":  # a persistent grid over the worklist: its programs take every num_programs-th item
+        # a while loop: as a for loop (scf.for) the body spilled (sm_90a: 48 B against 28 outside
+        # any loop; the block solve's 1020 against 104), as a while loop it does not add any
+        i = tl.program_id(0)
+        n = tl.load(flags_ptr) * NV
+        while i < n:
+            item = tl.load(flags_ptr + 1 + i // NV)
+            j = i % NV
+            i += tl.num_programs(0)
+            _kda_output_program(item // H, j, item % H, q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr,
+                                H, scale, K, V, BK, BV, BT, DT, DA, FACTORED_DIAGONAL, SPAN_MAX, False)
+    else:
+        c = tl.program_id(0) // NV
+        hh = tl.program_id(1)
+        if not _not_this_route(CHUNKS, flags_ptr, c, H, hh):
+            _kda_output_program(c, tl.program_id(0) % NV, hh, q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr,
+                                H, scale, K, V, BK, BV, BT, DT, DA, FACTORED_DIAGONAL, SPAN_MAX, CHUNKS == "whole")
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _kda_output_program(c, j, hh, q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H, scale,
+                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                        DT: tl.constexpr, DA: tl.constexpr, FACTORED_DIAGONAL: tl.constexpr, SPAN_MAX: tl.constexpr,
+                        WHOLE: tl.constexpr):
+    """`_kda_output_kernel`'s work for value block j of chunk c, head hh: whole (WHOLE) or by
+    16-row sub-blocks."""
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     r = tl.arange(0, BT)
@@ -162,7 +188,7 @@ def _kda_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, chunks_ptr, H,
     vn = _op(tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0), DT, DA)
     h = _op(tl.load(h_ptr + (c.to(tl.int64) * H + hh) * (K * V) + kc[:, None] * V + vc[None, :],
                     mask=(kc < K)[:, None] & (vc < V)[None, :], other=0.0), DT, DA)
-    if CHUNKS == "whole":
+    if WHOLE:
         _kda_output_chunk(q_ptr, k_ptr, G_ptr, h, vn, o_ptr, row, valid, bos, eos, H, hh, vc, scale, K, V, BK, BT,
                           DT, DA)
     else:
@@ -276,9 +302,12 @@ def _output_launch(q, k, G, h, vn, o, scale: float, plan, chunks: str, span_flag
     BK, BV, _ = _blocks(K, V)
     BV = min(block_v or BV, BV * cdiv(V, BV))
     launch = dict(_LAUNCH_OUTPUT, num_warps=num_warps or _LAUNCH_OUTPUT["num_warps"])
-    _kda_output_kernel[(plan.NC * cdiv(V, BV), H)](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, cdiv(V, BV),
-                                                  BT, *_dot_types(q.dtype), _factored_diagonal(), CHUNKS=chunks,
-                                                  flags_ptr=span_flags, **launch)
+    grid = (plan.NC * cdiv(V, BV), H)
+    if chunks == "flagged":
+        grid, span_flags = (worklist_programs(q.device, plan.NC * cdiv(V, BV) * H),), flagged_worklist(span_flags)
+    _kda_output_kernel[grid](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, cdiv(V, BV),
+                             BT, *_dot_types(q.dtype), _factored_diagonal(), CHUNKS=chunks,
+                             flags_ptr=span_flags, **launch)
 
 
 def output_flagged_chunks(q, k, G, h, vn, o, scale: float, plan, span_flags) -> None:
