@@ -715,10 +715,17 @@ def flagged_worklist(span_flags: torch.Tensor) -> torch.Tensor:
     return work
 
 
-def worklist_programs(device, items: int, per_sm: int = 2) -> int:
-    """The persistent grid of a flagged route's launch: per_sm programs an SM (4 programs on the
-    CPU), at most one per item and at least one."""
-    return max(1, min(items, _sm_count(device) * (per_sm if torch.device(device).type == "cuda" else 1)))
+# Programs an SM of a flagged route's persistent launch (read at each call). 2 (the first form,
+# 83d3466): an empty launch ~1.6 us, but with every chunk flagged (steep gates) the forward 9.90 ->
+# 10.45 ms at S1 against one CTA a chunk (docs/perf/kda.md row 32).
+WORKLIST_PROGRAMS_PER_SM = 2
+
+
+def worklist_programs(device, items: int) -> int:
+    """The persistent grid of a flagged route's launch: WORKLIST_PROGRAMS_PER_SM programs an SM (4
+    programs on the CPU), at most one per item and at least one."""
+    per_sm = WORKLIST_PROGRAMS_PER_SM if torch.device(device).type == "cuda" else 1
+    return max(1, min(items, _sm_count(device) * per_sm))
 
 
 @triton.jit
