@@ -715,9 +715,10 @@ def flagged_worklist(span_flags: torch.Tensor) -> torch.Tensor:
     return work
 
 
-# Programs an SM of a flagged route's persistent launch (read at each call). 2 (the first form,
-# 83d3466): an empty launch ~1.6 us, but with every chunk flagged (steep gates) the forward 9.90 ->
-# 10.45 ms at S1 against one CTA a chunk (docs/perf/kda.md row 32).
+# Programs an SM of a flagged route's persistent launch (read at each call). H200 at ebc8d8b (S1,
+# the gluon forward under no_grad, one process): 2 / 8 / 32 took 0.913 / 0.915 / 0.920 ms with
+# logsigmoid gates (no chunk flagged) and 10.10 / 10.07 / 10.04 with steep ones (every chunk);
+# one CTA a chunk had taken 9.90 ms there in another run (docs/perf/kda.md row 32).
 WORKLIST_PROGRAMS_PER_SM = 2
 
 
