@@ -359,7 +359,7 @@ def _rounded_as_stage_3(T16: torch.Tensor, T32: torch.Tensor) -> bool:
                                                ("fused-t", "stage-3", "fp32")])
 def test_forward_follows_the_rule_before_stage_3(form, keys, t_dtype, device, seed, monkeypatch):
     """`kda_forward_triton` asks the rule first: "split" never calls the fused stage; "fused" hands
-    it stage 3's W and U; "fused-t" runs stage 3 without W and U and hands it T, v and beta, T
+    it stage 3's W and U (and, both fused forms, the flagged chunks' worklist stage 3 formed); "fused-t" runs stage 3 without W and U and hands it T, v and beta, T
     bitwise the T that stage 3 forms beside W and U (the same tile kernel with WITH_WU off, and the
     block kernel's for the flagged chunks). The fused stage is a stand-in here (the Triton stages
     run where the backend does: the interpreter on the CPU). keys: KEYS_NORMALISED_IN (the fused-t
@@ -382,9 +382,12 @@ def test_forward_follows_the_rule_before_stage_3(form, keys, t_dtype, device, se
 
     monkeypatch.setattr(kk, "chunk_solve_wu", solve_spy)
 
-    def fused_stage(q, k, G, h0, plan, final, scale, flags, **vn_operands):
+    def fused_stage(q, k, G, h0, plan, final, scale, flags, worklist=None, **vn_operands):
         calls.append(dict(vn_operands, q=q, k=k))
+        worklists.append((worklist.clone() if worklist is not None else None, flags.clone()))
         return torch.zeros_like(q), None
+
+    worklists = []
 
     o, _ = kk.kda_forward_triton(*inputs[:5], 0.125, inputs[5], False, True, inputs[6],
                                  states_output=fused_stage, states_output_form=lambda *args: form)
@@ -395,6 +398,12 @@ def test_forward_follows_the_rule_before_stage_3(form, keys, t_dtype, device, se
         return
     assert len(calls) == 1
     got = calls[0]
+    # the flagged launches' worklist, formed once by stage 3 (the same object it was handed) and handed on
+    work, flags_seen = worklists[0]
+    assert work is not None and solve_kwargs[0].get("worklist_out") is not None, "the fused stage takes stage 3's worklist"
+    flagged = (flags_seen.view(-1) != 0).nonzero().view(-1).to(torch.int32)
+    assert work[0].item() == flagged.numel() and torch.equal(work[1:1 + flagged.numel()], flagged), \
+        "the worklist: the count of flagged (chunk, head) pairs, then their indices in order"
     qn = kk.l2norm_fwd(kk._flatten(inputs[0]))
     assert torch.equal(got["k"], kk.l2norm_fwd(kk._flatten(inputs[1]))), f"the fused stage's keys ({keys})"
     if form == "fused":
@@ -492,6 +501,22 @@ def test_stage_3_keeps_fp32_t_but_for_t_alone():
         with pytest.raises(ValueError, match="t_dtype"):
             kk.chunk_solve_wu(x, x, x[..., 0], x.float(), plan, store_T=True, compact=True, span_flags=flags,
                               with_wu=with_wu, t_dtype=t_dtype)
+
+
+def test_worklist_buffer_is_checked():
+    """A worklist buffer handed to stage 3 must be int32 [1 + NC * H] on the flags' device, and is
+    for the flagged chunks only (span_flags): refused by name otherwise."""
+    from tileport.ops.gdn import triton_kernels as gdn_tk
+    from tileport.ops.kda import triton_kernels as kk
+
+    flags = torch.zeros(3, 2, dtype=torch.int8)
+    for bad in (torch.zeros(6, dtype=torch.int32), torch.zeros(7, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="worklist_out must be int32 \\[7\\]"):
+            gdn_tk.flagged_worklist(flags, out=bad)
+    x = torch.zeros(64, 2, 64, dtype=torch.bfloat16)
+    plan = kk.make_plan(1, 64, None, x.device)
+    with pytest.raises(ValueError, match="worklist_out needs span_flags"):
+        kk.chunk_solve_wu(x, x, x[..., 0], x.float(), plan, compact=True, worklist_out=torch.zeros(3, dtype=torch.int32))
 
 
 def test_stage_3_without_w_and_u_needs_the_kept_t_form():

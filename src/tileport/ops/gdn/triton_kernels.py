@@ -704,11 +704,15 @@ def _flagged_worklist_kernel(flags_ptr, work_ptr, n, BLOCK: tl.constexpr):
     tl.store(work_ptr, count)
 
 
-def flagged_worklist(span_flags: torch.Tensor) -> torch.Tensor:
+def flagged_worklist(span_flags: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [1 + NC * H]: the count of stage 3's flagged (chunk, head) pairs, then their indices
-    c * H + hh (`_flagged_worklist_kernel`), for the flagged routes' persistent launches."""
+    c * H + hh (`_flagged_worklist_kernel`), for the flagged routes' persistent launches; formed
+    into out where given (a forward forms it once, after stage 3, for every flagged launch)."""
     flags = span_flags.contiguous().view(-1)
-    work = torch.empty(1 + flags.numel(), dtype=torch.int32, device=flags.device)
+    if out is not None and (out.shape != (1 + flags.numel(),) or out.dtype != torch.int32 or out.device != flags.device):
+        raise ValueError(f"worklist_out must be int32 [{1 + flags.numel()}] on {flags.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    work = torch.empty(1 + flags.numel(), dtype=torch.int32, device=flags.device) if out is None else out
     # one pass at S1 (NC * H = 8192): 1024 a pass took 9.7 us on the H200, eight dependent passes
     block = min(next_pow2(max(flags.numel(), 1)), 8192)
     _flagged_worklist_kernel[(1,)](flags, work, flags.numel(), BLOCK=block, num_warps=8 if block >= 4096 else 4)
@@ -1553,7 +1557,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
                    factored_diagonal: bool = False, input_dtype: torch.dtype | None = None,
                    kn_out: torch.Tensor | None = None, g: torch.Tensor | None = None,
                    span_flags: torch.Tensor | None = None, with_wu: bool = True,
-                   t_dtype: torch.dtype = torch.float32):
+                   t_dtype: torch.dtype = torch.float32, worklist_out: torch.Tensor | None = None):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T (t_dtype: the op's 16-bit dtype instead, for T alone that no backward reads:
     KDA's forward whose fused kernel rounds T to that dtype as it reads it); W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. Without with_wu
@@ -1570,7 +1574,11 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
     backward's recompute, 16-bit inputs; int8 [NC, H]): the per-channel tile form (`_solve_wu_tile_kernel` with PER_CHANNEL,
     whole-chunk factors) where a chunk's gates allow it, flagged there otherwise, and the block
     kernel for the flagged chunks only; the flags are left for the output kernel. KDA's forward
-    with store_T and not exact_wu keeps T (fp32, at the forward's precisions) for its backward."""
+    with store_T and not exact_wu keeps T (fp32, at the forward's precisions) for its backward.
+    worklist_out (with span_flags): int32 [1 + NC * H], where the flagged chunks' worklist
+    (`flagged_worklist`) is formed once the flags are, for the caller's other flagged launches."""
+    if worklist_out is not None and span_flags is None:
+        raise ValueError("worklist_out needs span_flags: the worklist is of the flagged chunks")
     Ntok, H, K = k.shape
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1614,7 +1622,7 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
                                             flags_ptr=span_flags)
         # the flagged chunks' keys: stored normalised by the tile kernel where it normalised them
         solve_flagged_chunks(kn_out if l2norm_k else k, v, beta, G, Ai_or_w, w, u, plan, dtype, store_T, exact_wu,
-                             factored_diagonal, span_flags)
+                             factored_diagonal, span_flags, flagged_worklist(span_flags, out=worklist_out))
         return Ai, w, u
     if form == "tile":
         prec, diag_prec = _tile_precisions(dtype, compact, store_T, exact_wu, keys_normalised or l2norm_k)
@@ -1640,11 +1648,12 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
 
 
 def solve_flagged_chunks(k, v, beta, G, Ai_or_w, w, u, plan: ChunkPlan, input_dtype: torch.dtype, store_T: bool,
-                         exact_wu: bool, factored_diagonal: bool, span_flags: torch.Tensor):
+                         exact_wu: bool, factored_diagonal: bool, span_flags: torch.Tensor,
+                         worklist: torch.Tensor | None = None):
     """3 for the chunks a whole-chunk stage-3 kernel flagged (KDA, span_flags int8 [NC, H]):
     `_solve_wu_kernel` with ONLY_FLAGGED on their worklist, in 16-row blocks, into the same T (Ai_or_w, when
     store_T), W and U (T alone where w and u are None); input_dtype: the op's (which sets the
-    products' rounding)."""
+    products' rounding). worklist: `flagged_worklist(span_flags)` where the caller formed it."""
     H, K = k.shape[1], k.shape[2]
     V = v.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1653,7 +1662,8 @@ def solve_flagged_chunks(k, v, beta, G, Ai_or_w, w, u, plan: ChunkPlan, input_dt
     grid = (worklist_programs(k.device, plan.NC * H),)
     _solve_wu_kernel[grid](k, v, beta, G, Ai_or_w, w if with_wu else Ai_or_w, u if with_wu else Ai_or_w,
                            plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True, store_T, exact_wu,
-                           factored_diagonal, ONLY_FLAGGED=True, flags_ptr=flagged_worklist(span_flags), WITH_WU=with_wu)
+                           factored_diagonal, ONLY_FLAGGED=True,
+                           flags_ptr=worklist if worklist is not None else flagged_worklist(span_flags), WITH_WU=with_wu)
 
 
 def _tile_precisions(dtype: torch.dtype, compact: bool, store_T: bool, exact_wu: bool, keys_normalised: bool):

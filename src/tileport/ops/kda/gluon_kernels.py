@@ -515,13 +515,14 @@ def check_recurrence_launch(V: int) -> int:
 
 
 def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, scale: float, span_flags,
-                                  w=None, u=None, T=None, v=None, beta=None, l2norm_q: bool = False):
+                                  w=None, u=None, T=None, v=None, beta=None, l2norm_q: bool = False, worklist=None):
     """Stages 5 and 6 on `_kda_states_output_kernel`, then Triton's block kernel on the flagged
     chunks: (o [Ntok, H, V] bf16, final state [N, H, K, V] fp32 or None) from normalised k (bf16),
     q (bf16; normalised, or raw with l2norm_q: the kernel normalises it) and G [Ntok, H, K] fp32,
     where `states_output_kernel_for` chose a fused form, with either W and U (bf16, stage 3's
     compact form: "fused") or T [Ntok, H, 64] (fp32, or bf16 as the kernel rounds it), v and beta ("fused-t": Vn formed from T in
-    the kernel; l2norm_q only there)."""
+    the kernel; l2norm_q only there). worklist: the flags' `flagged_worklist`, where the forward
+    formed it with stage 3 (else formed here for the flagged chunks' output)."""
     from_t = T is not None
     given = [x is not None for x in (w, u, T, v, beta)]
     if given not in ([True, True, False, False, False], [False, False, True, True, True]):
@@ -556,7 +557,7 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
             output_final_state, RECURRENCE_GATES, t_desc, beta.contiguous() if from_t else None,
             from_t, qn, gdn_tk.L2NORM_EPS, l2norm_q,
             l2norm_q and kk._checked("Q_NORM", Q_NORM, Q_NORM_FORMS) == "registers", num_warps=RECURRENCE_WARPS)
-        kk.output_flagged_chunks(qn, k, G, h, vn, o, scale, plan, span_flags)
+        kk.output_flagged_chunks(qn, k, G, h, vn, o, scale, plan, span_flags, worklist=worklist)
     return o, ht
 
 
@@ -1261,21 +1262,22 @@ def solve_kernel_for(k, v, G, g, span_flags, compact: bool, keys_normalised: boo
 def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact: bool = False,
                              factored_diagonal: bool = False, keys_normalised: bool = False, g=None, span_flags=None,
                              with_wu: bool = True, l2norm_k: bool = False, kn_out=None,
-                             t_dtype: torch.dtype = torch.float32):
+                             t_dtype: torch.dtype = torch.float32, worklist_out=None):
     """Stage 3 of the forward (`triton_kernels.chunk_solve_wu`'s contract as KDA's forward calls
     it): (T [Ntok, H, 64] fp32 when store_T, else None; W; U). Where `solve_kernel_for` takes it,
     `_kda_solve_wgmma_kernel` forms G and the flags of every chunk and T, W and U of the unflagged
     ones, then Triton's block kernel the flagged ones (as after Triton's tile kernel); Triton's
     stage 3 whole otherwise, and always for T alone (with_wu False; the Gluon kernel forms W and U
     with T) or raw keys (l2norm_k, kn_out: Triton's tile kernel normalises and stores them);
-    t_dtype (T alone only) as there."""
+    t_dtype (T alone only) and worklist_out as there."""
     triton_only = not with_wu or l2norm_k
     route = "triton" if triton_only else solve_kernel_for(k, v, G, g, span_flags, compact, keys_normalised)
     if route == "triton":  # through triton_kernels' name, which the tests' spies replace
         return kk.chunk_solve_wu(k, v, beta, G, plan, store_T=store_T, compact=compact,
                                  factored_diagonal=factored_diagonal, keys_normalised=keys_normalised, g=g,
                                  span_flags=span_flags, with_wu=with_wu, l2norm_k=l2norm_k, kn_out=kn_out,
-                                 **({"t_dtype": t_dtype} if t_dtype != torch.float32 else {}))
+                                 **({"t_dtype": t_dtype} if t_dtype != torch.float32 else {}),
+                                 **({"worklist_out": worklist_out} if worklist_out is not None else {}))
     Ntok, H, K = k.shape
     V = v.shape[-1]
     if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:
@@ -1293,7 +1295,7 @@ def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact
     _kda_solve_wgmma_kernel[(plan.NC, H)](g_desc, k_desc, v_desc, beta, G, Ai if store_T else w, w, u, plan.chunks,
                                           span_flags, H, K, V, store_T, CHUNK_SPAN_MAX, num_warps=4)
     gdn_tk.solve_flagged_chunks(k, v, beta, G, Ai if store_T else w, w, u, plan, k.dtype, store_T, False,
-                            factored_diagonal, span_flags)
+                                factored_diagonal, span_flags, gdn_tk.flagged_worklist(span_flags, out=worklist_out))
     return Ai, w, u
 
 

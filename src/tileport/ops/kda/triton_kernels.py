@@ -294,9 +294,10 @@ def _kda_output_blocks(q_ptr, k_ptr, G_ptr, h, vn, vn_ptr, o_ptr, row, valid, bo
 
 
 def _output_launch(q, k, G, h, vn, o, scale: float, plan, chunks: str, span_flags=None, block_v: int | None = None,
-                   num_warps: int | None = None):
+                   num_warps: int | None = None, worklist=None):
     """One launch of `_kda_output_kernel` over the chunks that `chunks` names ("all", "whole" or
-    "flagged": see its docstring) into o, block_v value columns per program."""
+    "flagged": see its docstring) into o, block_v value columns per program; "flagged" takes the
+    flags' worklist (`flagged_worklist`) where the caller formed it."""
     H, K = q.shape[1:]
     V = vn.shape[-1]
     BK, BV, _ = _blocks(K, V)
@@ -304,17 +305,19 @@ def _output_launch(q, k, G, h, vn, o, scale: float, plan, chunks: str, span_flag
     launch = dict(_LAUNCH_OUTPUT, num_warps=num_warps or _LAUNCH_OUTPUT["num_warps"])
     grid = (plan.NC * cdiv(V, BV), H)
     if chunks == "flagged":
-        grid, span_flags = (worklist_programs(q.device, plan.NC * cdiv(V, BV) * H),), flagged_worklist(span_flags)
+        grid = (worklist_programs(q.device, plan.NC * cdiv(V, BV) * H),)
+        span_flags = worklist if worklist is not None else flagged_worklist(span_flags)
     _kda_output_kernel[grid](q, k, G, h, vn, o, plan.chunks, H, scale, K, V, BK, BV, cdiv(V, BV),
                              BT, *_dot_types(q.dtype), _factored_diagonal(), CHUNKS=chunks,
                              flags_ptr=span_flags, **launch)
 
 
-def output_flagged_chunks(q, k, G, h, vn, o, scale: float, plan, span_flags) -> None:
+def output_flagged_chunks(q, k, G, h, vn, o, scale: float, plan, span_flags, worklist=None) -> None:
     """6 for the chunks stage 3 flagged (gates spanning more than 60 about the middle row), by
-    16-row sub-blocks, into o: the part of stage 6 the Gluon backend leaves to Triton."""
+    16-row sub-blocks, into o: the part of stage 6 the Gluon backend leaves to Triton (worklist:
+    the flags' `flagged_worklist`, where the forward formed it with stage 3)."""
     if plan.NC:
-        _output_launch(q, k, G, h, vn, o, scale, plan, "flagged", span_flags)
+        _output_launch(q, k, G, h, vn, o, scale, plan, "flagged", span_flags, worklist=worklist)
 
 
 def chunk_output_kda(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, span_flags=None):
@@ -435,6 +438,11 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     solve_kwargs = ({"with_wu": False} if from_t else {}) | ({"l2norm_k": True, "kn_out": kn} if kn is not None else {})
     if from_t and not keep and t_form == "input":
         solve_kwargs["t_dtype"] = vf.dtype  # T read by the fused kernel alone, which rounds it to v's dtype
+    fused = form in ("fused", "fused-t")
+    # the fused forms' flagged launches (stage 3's and the output's) share one worklist, formed by stage 3
+    worklist = new_empty((1 + plan.NC * H,), torch.int32, q.device) if fused and flags is not None else None
+    if worklist is not None:
+        solve_kwargs["worklist_out"] = worklist
     Ai, w, u = (solve or chunk_solve_wu)(kf, vf, bf, G, plan, store_T=keep or from_t, compact=True,
                                          factored_diagonal=factored,
                                          keys_normalised=use_qk_l2norm_in_kernel and flags is not None, g=g_in_3,
@@ -442,9 +450,9 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     kf = kf if kn is None else kn
     if from_t:
         o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, T=Ai, v=vf, beta=bf,
-                              l2norm_q=use_qk_l2norm_in_kernel)
+                              l2norm_q=use_qk_l2norm_in_kernel, worklist=worklist)
     elif form == "fused":
-        o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, w=w, u=u)
+        o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, w=w, u=u, worklist=worklist)
     else:
         h, vn, ht = chunk_states(kf, w, u, G, h0, plan, output_final_state)
         o = (output or chunk_output_kda)(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
