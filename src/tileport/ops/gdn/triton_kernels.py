@@ -709,7 +709,8 @@ def flagged_worklist(span_flags: torch.Tensor, out: torch.Tensor | None = None) 
     c * H + hh (`_flagged_worklist_kernel`), for the flagged routes' persistent launches; formed
     into out where given (a forward forms it once, after stage 3, for every flagged launch)."""
     flags = span_flags.contiguous().view(-1)
-    if out is not None and (out.shape != (1 + flags.numel(),) or out.dtype != torch.int32 or out.device != flags.device):
+    if out is not None and (out.shape != (1 + flags.numel(),) or out.dtype != torch.int32
+                            or out.device != flags.device):
         raise ValueError(f"worklist_out must be int32 [{1 + flags.numel()}] on {flags.device}, got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
     work = torch.empty(1 + flags.numel(), dtype=torch.int32, device=flags.device) if out is None else out
@@ -1560,7 +1561,8 @@ def chunk_solve_wu(k, v, beta, G, plan: ChunkPlan, store_T: bool = False, compac
                    t_dtype: torch.dtype = torch.float32, worklist_out: torch.Tensor | None = None):
     """3: (T or None, W, U): T = (I + A)^-1 per chunk as [Ntok, H, 64] fp32 (row t of its chunk's
     T) when store_T (t_dtype: the op's 16-bit dtype instead, for T alone that no backward reads:
-    KDA's forward whose fused kernel rounds T to that dtype as it reads it); W [Ntok, H, K], U [Ntok, H, V] in `_intermediate_dtype`. Without with_wu
+    KDA's forward whose fused kernel rounds T to that dtype as it reads it); W [Ntok, H, K],
+    U [Ntok, H, V] in `_intermediate_dtype`. Without with_wu
     (KDA's forward that forms Vn from T, with span_flags and store_T): T alone (both kernels'
     WITH_WU off), W and U None. G [Ntok, H, K] (from
     per-channel gates) selects the KDA form of A and W. l2norm_k: k is raw and the kernel
@@ -1662,8 +1664,8 @@ def solve_flagged_chunks(k, v, beta, G, Ai_or_w, w, u, plan: ChunkPlan, input_dt
     grid = (worklist_programs(k.device, plan.NC * H),)
     _solve_wu_kernel[grid](k, v, beta, G, Ai_or_w, w if with_wu else Ai_or_w, u if with_wu else Ai_or_w,
                            plan.chunks, H, K, V, BK, BV, NV, BT, DT, DA, True, store_T, exact_wu,
-                           factored_diagonal, ONLY_FLAGGED=True,
-                           flags_ptr=worklist if worklist is not None else flagged_worklist(span_flags), WITH_WU=with_wu)
+                           factored_diagonal, ONLY_FLAGGED=True, WITH_WU=with_wu,
+                           flags_ptr=worklist if worklist is not None else flagged_worklist(span_flags))
 
 
 def _tile_precisions(dtype: torch.dtype, compact: bool, store_T: bool, exact_wu: bool, keys_normalised: bool):

@@ -520,8 +520,8 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
     chunks: (o [Ntok, H, V] bf16, final state [N, H, K, V] fp32 or None) from normalised k (bf16),
     q (bf16; normalised, or raw with l2norm_q: the kernel normalises it) and G [Ntok, H, K] fp32,
     where `states_output_kernel_for` chose a fused form, with either W and U (bf16, stage 3's
-    compact form: "fused") or T [Ntok, H, 64] (fp32, or bf16 as the kernel rounds it), v and beta ("fused-t": Vn formed from T in
-    the kernel; l2norm_q only there). worklist: the flags' `flagged_worklist`, where the forward
+    compact form: "fused") or T [Ntok, H, 64] (fp32, or bf16 as the kernel rounds it), v and beta
+    ("fused-t": Vn formed from T in the kernel; l2norm_q only there). worklist: the flags' `flagged_worklist`, where the forward
     formed it with stage 3 (else formed here for the flagged chunks' output)."""
     from_t = T is not None
     given = [x is not None for x in (w, u, T, v, beta)]
