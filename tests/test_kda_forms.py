@@ -43,6 +43,7 @@ FORMS = {
     # the backward recomputes stage 3 (G, T, W, U) rather than taking its forward's G and T
     # (before the sixteenth session)
     "recompute-stage3": dict(KEEP_FORWARD_TILES=False),
+    "bwd-qk-bf16": dict(BACKWARD_NORMALISED_QK="input"),
 }
 
 

@@ -1282,6 +1282,15 @@ def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtyp
     return _done(dk, dk_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
 
+# The dtype of the backward's l2-normalised q and k for 16-bit inputs: "fp32" (each stage reads
+# 268 MB a tensor at S1, six stages) or "input" (bf16, as the forward's stage 3 stores the keys:
+# half the bytes, and the products' operands rounded as the forward's are). An experiment for the
+# backward's byte budget (docs/perf/kda.md, "The backward's bytes"): the gate's bounds under the
+# interpreter decide first; the gluon backend's Gluon stages take fp32 operands and leave bf16 ones
+# to Triton's kernels.
+BACKWARD_NORMALISED_QK = "fp32"
+
+
 def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                         states=None, dstates=None, kept=None, dqkwg=None, wy_bwd=None):
     """(dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype: recomputes the
@@ -1305,6 +1314,8 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     l2 = use_qk_l2norm_in_kernel
     if l2:
         normed = _F32 if _products(dt, True)[2] != "ieee" else dt
+        if _checked("BACKWARD_NORMALISED_QK", BACKWARD_NORMALISED_QK, ("fp32", "input")) == "input":
+            normed = dt
         qn, kn = l2norm_fwd(qf, normed), l2norm_fwd(kf, normed)
     else:
         qn, kn = qf, kf
