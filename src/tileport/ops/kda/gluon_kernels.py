@@ -521,8 +521,9 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
     q (bf16; normalised, or raw with l2norm_q: the kernel normalises it) and G [Ntok, H, K] fp32,
     where `states_output_kernel_for` chose a fused form, with either W and U (bf16, stage 3's
     compact form: "fused") or T [Ntok, H, 64] (fp32, or bf16 as the kernel rounds it), v and beta
-    ("fused-t": Vn formed from T in the kernel; l2norm_q only there). worklist: the flags' `flagged_worklist`, where the forward
-    formed it with stage 3 (else formed here for the flagged chunks' output)."""
+    ("fused-t": Vn formed from T in the kernel; l2norm_q only there). worklist: the flags'
+    `flagged_worklist`, where the forward formed it with stage 3 (else formed here for the flagged
+    chunks' output)."""
     from_t = T is not None
     given = [x is not None for x in (w, u, T, v, beta)]
     if given not in ([True, True, False, False, False], [False, False, True, True, True]):
@@ -1276,8 +1277,7 @@ def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact
         return kk.chunk_solve_wu(k, v, beta, G, plan, store_T=store_T, compact=compact,
                                  factored_diagonal=factored_diagonal, keys_normalised=keys_normalised, g=g,
                                  span_flags=span_flags, with_wu=with_wu, l2norm_k=l2norm_k, kn_out=kn_out,
-                                 **({"t_dtype": t_dtype} if t_dtype != torch.float32 else {}),
-                                 **({"worklist_out": worklist_out} if worklist_out is not None else {}))
+                                 t_dtype=t_dtype, worklist_out=worklist_out)
     Ntok, H, K = k.shape
     V = v.shape[-1]
     if span_flags.shape != (plan.NC, H) or span_flags.dtype != torch.int8:

@@ -1286,8 +1286,9 @@ def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtyp
 # 268 MB a tensor at S1, six stages) or "input" (bf16, as the forward's stage 3 stores the keys:
 # half the bytes, and the products' operands rounded as the forward's are). An experiment for the
 # backward's byte budget (docs/perf/kda.md, "The backward's bytes"): the gate's bounds under the
-# interpreter decide first; the gluon backend's Gluon stages take fp32 operands and leave bf16 ones
-# to Triton's kernels.
+# interpreter decide first. In the gluon backend each Gluon stage's rule picks its kernel by these
+# operands' dtypes (stage 9's takes bf16 q and k; the tf32 recurrences fp32 ones, Triton's else);
+# not run on the H200.
 BACKWARD_NORMALISED_QK = "fp32"
 
 
