@@ -13,6 +13,7 @@ outputs are all written (the gradients' own comparison is printed first).
     TILEPORT_SEED=1159707647 TRITON_INTERPRET=1 python3 scripts/kda_compile_vs_eager_stages.py   (CPU dry run)
 """
 
+import difflib
 import os
 import sys
 import zlib
@@ -85,20 +86,28 @@ for a, b in (("eager-1", "compiled"), ("eager-1", "eager-2"), ("compiled", "eage
     (rec_a, gr_a), (rec_b, gr_b) = runs[a], runs[b]
     diffs = [name for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta"), gr_a, gr_b) if not torch.equal(x, y)]
     print(f"{a} vs {b}: {len(rec_a)} / {len(rec_b)} stage calls; gradients differing: {diffs or 'none'}")
+    print(f"  {a}: {' '.join(n for n, _, _ in rec_a)}")
+    print(f"  {b}: {' '.join(n for n, _, _ in rec_b)}")
+    # the two paths may call different stage sequences (the custom op's forward is not the autograd
+    # function's): compare the calls the sequences share, matched in order by name
+    matcher = difflib.SequenceMatcher(a=[n for n, _, _ in rec_a], b=[n for n, _, _ in rec_b], autojunk=False)
     any_diff = False
-    for i, ((na, ins_a, outs_a), (nb, ins_b, outs_b)) in enumerate(zip(rec_a, rec_b)):
-        if na != nb:
-            print(f"  call {i}: {na} against {nb}: the runs call different stages")
-            break
-        # inputs include buffers passed in to be written (torch.empty: their contents differ run to
-        # run), and outputs the rows a kernel leaves unwritten (dbeta' of the chunks whose pair terms
-        # another route takes): a difference in those alone is expected, so every call is listed
-        diff_in = [j for j, (x, y) in enumerate(zip(ins_a, ins_b)) if x.shape != y.shape or not torch.equal(x, y)]
-        bad = [j for j, (x, y) in enumerate(zip(outs_a, outs_b)) if x.shape != y.shape or not torch.equal(x, y)]
-        if bad:
-            any_diff = True
-            errs = ", ".join(f"{j}: {((outs_a[j].double() - outs_b[j].double()).norm() / outs_b[j].double().norm().clamp_min(1e-30)).item():.2e}"
-                             for j in bad)
-            print(f"  call {i}: {na}, outputs differing (normwise) {errs}; inputs differing {diff_in or 'none'}")
+    for tag, i0, i1, j0, j1 in matcher.get_opcodes():
+        if tag != "equal":
+            print(f"  calls {i0}:{i1} of {a} ({[n for n, _, _ in rec_a[i0:i1]]}) against {j0}:{j1} of {b} "
+                  f"({[n for n, _, _ in rec_b[j0:j1]]}): {tag}")
+            continue
+        for i, j in zip(range(i0, i1), range(j0, j1)):
+            (na, ins_a, outs_a), (nb, ins_b, outs_b) = rec_a[i], rec_b[j]
+            # inputs include buffers passed in to be written (torch.empty: their contents differ run to
+            # run), and outputs the rows a kernel leaves unwritten (dbeta' of the chunks whose pair terms
+            # another route takes): a difference in those alone is expected, so every call is listed
+            diff_in = [k for k, (x, y) in enumerate(zip(ins_a, ins_b)) if x.shape != y.shape or not torch.equal(x, y)]
+            bad = [k for k, (x, y) in enumerate(zip(outs_a, outs_b)) if x.shape != y.shape or not torch.equal(x, y)]
+            if bad:
+                any_diff = True
+                errs = ", ".join(f"{k}: {((outs_a[k].double() - outs_b[k].double()).norm() / outs_b[k].double().norm().clamp_min(1e-30)).item():.2e}"
+                                 for k in bad)
+                print(f"  calls {i}/{j}: {na}, outputs differing (normwise) {errs}; inputs differing {diff_in or 'none'}")
     if not any_diff:
-        print("  every recorded stage output equal")
+        print("  every matched stage call's outputs equal")
