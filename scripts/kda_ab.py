@@ -25,10 +25,11 @@ or a chunk ahead (RECURRENCE_GATES). "vn-from-t": the fused forward from stage 3
 "keys-in-stage-3": the fused-t forward with k normalised by stage 1 or by stage 3
 (triton_kernels.KEYS_NORMALISED_IN). "inference": the fused-t forward under no_grad (the bench's
 "fwd"), T in fp32 or bf16 (triton_kernels.FORWARD_T_DTYPE), q normalised in place or in registers
-(gluon_kernels.Q_NORM).
+(gluon_kernels.Q_NORM). "kept-states": the keeping forward storing every chunk's h and Vn for the
+backward, which then skips stage 5's recompute (triton_kernels.KEEP_FORWARD_STATES), or not.
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -393,3 +394,45 @@ if "inference" in SECTIONS and dev == "cuda":
                              "t32/regs": {"triton_kernels.FORWARD_T_DTYPE": "fp32", "Q_NORM": "registers"},
                              "t16/regs": {"triton_kernels.FORWARD_T_DTYPE": "input", "Q_NORM": "registers"}},
                "final state", final_state=True, table_every_form=True, keep=False)
+
+# "kept-states": the gluon backend's keeping forward with every chunk's h and Vn stored by the fused
+# kernel for the backward (triton_kernels.KEEP_FORWARD_STATES) or not (the backward recomputes stage
+# 5), same inputs: the keeping forward, the backward from what it kept, and forward + backward
+# through autograd (tileport.chunk_kda), each with the switch on and off; then the backward's kernels
+if "kept-states" in SECTIONS and dev == "cuda":
+    import tileport
+    from tileport.ops.kda import gluon_kernels as kg
+
+    default_states = kk.KEEP_FORWARD_STATES
+    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    for name, g in gates.items():
+        fargs = (q, k, v, g, beta, K ** -0.5, None, False, True, None)
+        bargs = (do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
+        base = None
+        for keep_states in (False, True):
+            kk.KEEP_FORWARD_STATES = keep_states
+            ms = triton.testing.do_bench(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True), warmup=3,
+                                         rep=20, return_mode="median")
+            _, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
+            assert (kept.h is not None) == keep_states, "the switch decides whether h and Vn are kept"
+            grads, bms, err = timed_gradients(lambda: kg.kda_backward_gluon(*bargs, kept=kept), base)
+            base = grads if base is None else base
+            leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+
+            def fwdbwd():
+                o, _ = tileport.chunk_kda(*leaves, use_qk_l2norm_in_kernel=True)
+                return torch.autograd.grad(o, leaves, do)
+
+            fbms = triton.testing.do_bench(fwdbwd, warmup=3, rep=20, return_mode="median")
+            print(f"kda gluon gates={name:10} KEEP_FORWARD_STATES={keep_states!s:5}: keeping forward {ms:.3f} ms, "
+                  f"backward from kept {bms:.3f} ms (worst gradient vs the recompute's {err:.2e}), forward+backward "
+                  f"(chunk_kda) {fbms:.3f} ms", flush=True)
+            del kept
+        if name == "logsigmoid":
+            _, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
+            kernel_table(lambda: kg.kda_backward_gluon(*bargs, kept=kept), "kda backward (gluon) from kept states",
+                         calls=3, rows=14)
+            kernel_table(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True),
+                         "kda keeping forward (gluon), states stored", calls=3, rows=10)
+            del kept
+    kk.KEEP_FORWARD_STATES = default_states

@@ -339,6 +339,16 @@ def test_fused_stage_takes_one_set_of_vn_operands():
             gk.chunk_states_output_kda_gluon(t, t, t.float(), None, None, False, 1.0, flags, **mix)
     with pytest.raises(ValueError, match="l2norm_q"):
         gk.chunk_states_output_kda_gluon(t, t, t.float(), None, None, False, 1.0, flags, w=t, u=t, l2norm_q=True)
+    h, vn = torch.zeros(1, 2, 64, 64), torch.zeros(64, 2, 64)
+    with pytest.raises(ValueError, match="states_out: .* Vn-from-T form only"):
+        gk.chunk_states_output_kda_gluon(t, t, t.float(), None, None, False, 1.0, flags, w=t, u=t, states_out=(h, vn))
+    from tileport.ops.kda import triton_kernels as kk
+
+    plan = kk.make_plan(1, 64, None, t.device)
+    for bad in ((h.double(), vn), (h, vn[:32]), (h.transpose(2, 3), vn), (h, vn.bfloat16())):
+        with pytest.raises(ValueError, match="states_out must be contiguous fp32"):
+            gk.chunk_states_output_kda_gluon(t, t, t.float(), None, plan, False, 1.0, flags, T=T, v=t, beta=beta,
+                                             states_out=bad)
 
 
 def _rounded_as_stage_3(T16: torch.Tensor, T32: torch.Tensor) -> bool:
@@ -410,7 +420,8 @@ def test_forward_follows_the_rule_before_stage_3(form, keys, t_dtype, device, se
         assert sorted(got) == ["k", "q", "u", "w"] and got["w"].dtype == torch.bfloat16
         assert torch.equal(got["q"], qn), "the fused form takes normalised queries"
         return
-    assert sorted(got) == ["T", "beta", "k", "l2norm_q", "q", "v"] and got["l2norm_q"] is True
+    assert sorted(got) == ["T", "beta", "k", "l2norm_q", "q", "states_out", "v"] and got["l2norm_q"] is True
+    assert got["states_out"] is None, "a forward no backward keeps stores no states"
     assert torch.equal(got["q"], kk._flatten(inputs[0])), "the fused-t form takes the raw queries and normalises them"
     B, T = inputs[0].shape[:2]
     plan = kk.make_plan(B, T, inputs[6], inputs[0].device)
@@ -530,3 +541,112 @@ def test_stage_3_without_w_and_u_needs_the_kept_t_form():
         with pytest.raises(ValueError, match="with_wu=False"):
             kk.chunk_solve_wu(x, x, x[..., 0], x.float(), plan, store_T=store_T, compact=True, span_flags=flags,
                               with_wu=False)
+
+
+# --------------------------------------------------------------------------------------------
+# The states a training forward keeps for its backward (triton_kernels.KEEP_FORWARD_STATES)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("keep_states", [True, False])
+def test_keeping_forward_hands_the_fused_stage_its_state_buffers(keep_states, device, seed, monkeypatch):
+    """A keeping fused-t forward hands the fused stage fp32 h [NC, H, K, V] and Vn [Ntok, H, V]
+    buffers to store every chunk's into (KEEP_FORWARD_STATES) and keeps those very buffers; with the
+    switch off it hands none and keeps none. The fused stage is a stand-in (the Triton stages run
+    where the backend does)."""
+    parity._backend_or_skip("triton", device)
+    from tileport.ops.kda import triton_kernels as kk
+
+    monkeypatch.setattr(kk, "KEEP_FORWARD_STATES", keep_states)
+    inputs = _inputs("varlen-empty-len1", 64, False, device)
+    handed = []
+
+    def fused_stage(q, k, G, h0, plan, final, scale, flags, worklist=None, states_out=None, **vn_operands):
+        handed.append((plan, states_out))
+        return torch.zeros_like(q), None
+
+    _, _, kept = kk.kda_forward_triton(*inputs[:5], 0.125, inputs[5], False, True, inputs[6], keep_for_backward=True,
+                                       states_output=fused_stage, states_output_form=lambda *args: "fused-t")
+    assert len(handed) == 1 and kept is not None
+    plan, states_out = handed[0]
+    if not keep_states:
+        assert states_out is None and kept.h is None and kept.vn is None
+        return
+    h, vn = states_out
+    Ntok, H, K = kk._flatten(inputs[0]).shape
+    assert h.shape == (plan.NC, H, K, K) and vn.shape == (Ntok, H, K)
+    assert h.dtype == vn.dtype == torch.float32 and h.is_contiguous() and vn.is_contiguous()
+    assert kept.h is h and kept.vn is vn, "the backward gets the buffers the fused stage wrote"
+    assert kept.T.dtype == torch.float32, "a keeping forward keeps fp32 T"
+
+
+def test_backward_takes_kept_states_instead_of_stage_5(device, seed):
+    """Given h and Vn with the tiles it kept, the backward does not run stage 5 and uses them as
+    they are: fed the recompute's own h and Vn, its gradients are the recompute's, bitwise."""
+    parity._backend_or_skip("triton", device)
+    from tileport.ops.kda import triton_kernels as kk
+
+    q, k, v, g, beta, _, cu = _inputs("varlen-empty-len1", 64, False, device)
+    _, _, kept = kk.kda_forward_triton(q, k, v, g, beta, 0.125, None, False, True, cu, keep_for_backward=True)
+    assert kept is not None and kept.h is None  # Triton's forward (split stages) stores no states
+    do = torch.randn_like(v)
+    recomputed = []
+
+    def states_spy(*args, **kwargs):
+        recomputed.append(kk.chunk_states(*args, **kwargs))
+        return recomputed[-1]
+
+    def no_states(*args, **kwargs):
+        raise AssertionError("stage 5 recomputed though the forward's states were kept")
+
+    args = (do, None, q, k, v, g, beta, 0.125, None, True, cu)
+    base = kk.kda_backward_triton(*args, kept=kept, states=states_spy)
+    assert len(recomputed) == 1
+    h, vn, _ = recomputed[0]
+    got = kk.kda_backward_triton(*args, kept=kk.KeptTiles(kept.G, kept.T, kept.flags, h, vn), states=no_states)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, base):
+        assert torch.equal(a, b), f"{name}: {normwise(a, b):.2e} normwise from the recompute's"
+
+
+@pytest.mark.parametrize("layout,K,h0", [(lay, K, h0) for lay in LAYOUTS for K in (64, 128) for h0 in (True, False)])
+def test_kept_states_leave_the_forward_and_are_the_recomputes(layout, K, h0, device, seed, monkeypatch):
+    """The fused kernel storing every chunk's h and Vn (STORE_STATES) leaves o and the final state
+    bitwise unchanged (the flagged chunks' output now reads them in fp32 and rounds them as the
+    kernel does); every row written (poisoned buffers); h and Vn within 2^-6 normwise of the
+    backward's recompute of stage 5 (tf32 over W and U from T, where the forward's products take bf16
+    operands); and the backward from them within 5e-3 of the backward that recomputes (the gate
+    checks both against the float64 reference)."""
+    parity._backend_or_skip("gluon", device)
+    from tileport.ops.kda import gluon_kernels as gk
+    from tileport.ops.kda import triton_kernels as kk
+
+    q, k, v, g, beta, h0_t, cu = _inputs(layout, K, h0, device)
+    fargs = (q, k, v, g, beta, K ** -0.5, h0_t, True, True, cu)
+    outs = []
+    for keep_states in (False, True):
+        monkeypatch.setattr(kk, "KEEP_FORWARD_STATES", keep_states)
+        with poisoned():
+            outs.append(gk.kda_forward_gluon(*fargs, keep_for_backward=True))
+    (o1, ht1, kept1), (o2, ht2, kept2) = outs
+    assert kept1.h is None and kept2.h is not None
+    assert not o2.isnan().any(), f"o: a row not written [{layout} K={K}]"
+    assert torch.equal(o2, o1), f"o [{layout} K={K}]: {normwise(o2, o1):.2e} normwise with the states stored"
+    assert torch.equal(ht2, ht1), f"final state [{layout} K={K}]: {normwise(ht2, ht1):.2e} with the states stored"
+    assert not kept2.h.isnan().any() and not kept2.vn.isnan().any(), f"a chunk's h or a row's Vn not written [{layout}]"
+    assert (kept2.flags == 0).any() and (kept2.flags != 0).any(), "the draw should flag some chunks and not others"
+    # the backward's recompute of stage 5, from the same kept T
+    B, T = q.shape[:2]
+    plan = kk.make_plan(B, T, cu, q.device)
+    kn = kk.l2norm_fwd(kk._flatten(k), torch.float32)
+    w, u = kk.chunk_wu_from_t_kda(kept1.T, kn, kk._flatten(v), kk._flatten(beta), kept1.G, kept1.flags, plan,
+                                  q.dtype, keys_normalised=True)
+    h_r, vn_r, _ = gk.chunk_states_recompute_gluon(kn, w, u, kept1.G, h0_t, plan, False, input_dtype=q.dtype)
+    assert normwise(kept2.h, h_r) <= 2.0 ** -6, f"h [{layout} K={K}]: {normwise(kept2.h, h_r):.2e} from the recompute's"
+    assert normwise(kept2.vn, vn_r) <= 2.0 ** -6, f"Vn [{layout} K={K}]: {normwise(kept2.vn, vn_r):.2e} from the recompute's"
+    do = torch.randn_like(o1)
+    bargs = (do, None, q, k, v, g, beta, K ** -0.5, h0_t, True, cu)
+    base = gk.kda_backward_gluon(*bargs, kept=kept1)
+    got = gk.kda_backward_gluon(*bargs, kept=kept2)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, base):
+        if b is None:
+            continue
+        assert torch.isfinite(a).all(), name
+        assert normwise(a, b) <= 5e-3, f"{name} [{layout} K={K}]: {normwise(a, b):.2e} from the recompute's backward"

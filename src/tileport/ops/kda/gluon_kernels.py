@@ -251,7 +251,7 @@ if _GLUON_ERROR is None:
                                   BV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
                                   GATES: gl.constexpr, t_desc=None, beta_ptr=None, VN_FROM_T: gl.constexpr = False,
                                   qn_ptr=None, eps=1e-6, L2NORM_Q: gl.constexpr = False,
-                                  Q_IN_REGISTERS: gl.constexpr = False):
+                                  Q_IN_REGISTERS: gl.constexpr = False, STORE_STATES: gl.constexpr = False):
         """Stages 5 and 6 of KDA's forward in one kernel: one program per (sequence, head, V block of
         BV columns), sequential over the sequence's chunks; grid (N * H, V / BV), 4 or 8 warps (one
         or two warpgroups, each owning BV / WG columns of every [64, BV] and [K, BV] accumulator;
@@ -268,6 +268,12 @@ if _GLUON_ERROR is None:
         split form's on the H200: tests/test_kda_gluon_states.py). A flagged chunk (gates spanning more than 60 about G_m, where e^d
         overflows) stores h and Vn instead (bf16, into buffers only flagged chunks write) and
         Triton's `output_flagged_chunks` forms its output after this kernel.
+
+        STORE_STATES (a training forward whose backward takes them instead of recomputing stage 5):
+        every chunk stores the h entering it and its Vn, fp32 from the registers they are in
+        (h_ptr [NC, H, K, V], vn_ptr [Ntok, H, V]), h under W h's WGMMA and Vn after it; the flagged
+        chunks' output reads the same buffers (rounded to bf16 where it loads them, as the kernel
+        rounds its own copies: o unchanged).
 
         VN_FROM_T (FORWARD_RECURRENCE "fused-t"): stage 3 stored T alone (no W, U), u_desc is V's
         and w_desc a stand-in for W's buffer (k's; never loaded), and with W = T diag(beta)(e^G K),
@@ -395,6 +401,9 @@ if _GLUON_ERROR is None:
             gl.thread_barrier()
 
             wh = warpgroup_mma(w_s.index(buf % W_SLOTS), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
+            if STORE_STATES:
+                # lint: allow TP001 -- the backward's h, from the accumulator registers it is in (under W h)
+                gl.store(h_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + in_state, h)
             if not VN_FROM_T:
                 kf = k_s.index(buf).load(ROWS_L).to(gl.float32)
                 # the scaled keys K exp(G_L - G) (rows past the sequence: 0), under W h
@@ -418,6 +427,10 @@ if _GLUON_ERROR is None:
                 vn = u_r - wh
             # lint: allow TP005 -- vn_s's readers (chunk i - 1's update and P Vn) were waited for (wait 0) before the thread barrier that ends that chunk
             vn_s.store(vn.to(vn_s.dtype))
+            if STORE_STATES:
+                offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
+                # lint: allow TP001 -- the backward's Vn in fp32; a tail chunk's rows past the sequence are the next one's
+                gl.store(vn_ptr + offs, vn, mask=ro_ok[:, None])
             if unflagged:
                 # the output's operands, `_kda_chunk_output`'s exactly
                 if VN_FROM_T:  # k read again (its tile is intact): not held in registers across the chain
@@ -459,12 +472,13 @@ if _GLUON_ERROR is None:
                     gl.store(qn_ptr + (t0.to(gl.int64) * H + hh) * K + (rr * (H * K))[:, None] + kc[None, :],
                              qn.to(qn_ptr.dtype.element_ty), mask=r_ok[:, None])
                 # Triton's block kernel forms this chunk's output from the h entering it and Vn
-                # lint: allow TP001 -- only flagged chunks store h and Vn, from the registers they are in
-                gl.store(h_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + in_state,
-                         h.to(h_ptr.dtype.element_ty))
-                offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
-                # lint: allow TP001 -- only flagged chunks store Vn; a tail chunk's rows past the sequence are the next one's
-                gl.store(vn_ptr + offs, vn.to(vn_ptr.dtype.element_ty), mask=ro_ok[:, None])
+                if not STORE_STATES:  # (stored above for every chunk otherwise)
+                    # lint: allow TP001 -- only flagged chunks store h and Vn, from the registers they are in
+                    gl.store(h_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + in_state,
+                             h.to(h_ptr.dtype.element_ty))
+                    offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
+                    # lint: allow TP001 -- only flagged chunks store Vn; a tail chunk's rows past the sequence are the next one's
+                    gl.store(vn_ptr + offs, vn.to(vn_ptr.dtype.element_ty), mask=ro_ok[:, None])
                 fence_async_shared()
                 gl.thread_barrier()  # Vn and the scaled keys of every warp, before the update reads them
                 h = warpgroup_mma(kd_s.permute((1, 0)), vn_s, h * gl.exp(GL_state.to(gl.float32))[:, None])
@@ -515,7 +529,8 @@ def check_recurrence_launch(V: int) -> int:
 
 
 def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, scale: float, span_flags,
-                                  w=None, u=None, T=None, v=None, beta=None, l2norm_q: bool = False, worklist=None):
+                                  w=None, u=None, T=None, v=None, beta=None, l2norm_q: bool = False, worklist=None,
+                                  states_out=None):
     """Stages 5 and 6 on `_kda_states_output_kernel`, then Triton's block kernel on the flagged
     chunks: (o [Ntok, H, V] bf16, final state [N, H, K, V] fp32 or None) from normalised k (bf16),
     q (bf16; normalised, or raw with l2norm_q: the kernel normalises it) and G [Ntok, H, K] fp32,
@@ -523,13 +538,17 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
     compact form: "fused") or T [Ntok, H, 64] (fp32, or bf16 as the kernel rounds it), v and beta
     ("fused-t": Vn formed from T in the kernel; l2norm_q only there). worklist: the flags'
     `flagged_worklist`, where the forward formed it with stage 3 (else formed here for the flagged
-    chunks' output)."""
+    chunks' output). states_out: (h [NC, H, K, V], Vn [Ntok, H, V]) fp32 buffers that every
+    chunk's h entering it and Vn are written into ("fused-t" only; STORE_STATES), for a backward
+    that takes them instead of recomputing stage 5."""
     from_t = T is not None
     given = [x is not None for x in (w, u, T, v, beta)]
     if given not in ([True, True, False, False, False], [False, False, True, True, True]):
         raise ValueError("chunk_states_output_kda_gluon takes either w and u, or T, v and beta")
     if l2norm_q and not from_t:
         raise ValueError("l2norm_q: the kernel normalises q in its Vn-from-T form only (T, v and beta)")
+    if states_out is not None and not from_t:
+        raise ValueError("states_out: the kernel stores every chunk's h and Vn in its Vn-from-T form only (T, v and beta)")
     Ntok, H, K = q.shape
     V = (v if from_t else u).shape[-1]
     BV = check_recurrence_launch(V)
@@ -540,9 +559,15 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
                          f"{tuple(T.shape)}, beta {tuple(beta.shape)}")
     o = new_empty((Ntok, H, V), torch.bfloat16, q.device)
     ht = new_empty((plan.N, H, K, V), torch.float32, q.device) if output_final_state else None
-    # written for the flagged chunks only (Triton's block kernel reads no other)
-    h = new_empty((plan.NC, H, K, V), torch.bfloat16, q.device)
-    vn = new_empty((Ntok, H, V), torch.bfloat16, q.device)
+    if states_out is not None:
+        h, vn = states_out
+        if (h.shape, vn.shape) != ((plan.NC, H, K, V), (Ntok, H, V)) or h.dtype != torch.float32 \
+                or vn.dtype != torch.float32 or not (h.is_contiguous() and vn.is_contiguous()):
+            raise ValueError(f"states_out must be contiguous fp32 h [{plan.NC}, {H}, {K}, {V}] and Vn [{Ntok}, {H}, {V}], "
+                             f"got {h.dtype} {tuple(h.shape)} and {vn.dtype} {tuple(vn.shape)}")
+    else:  # written for the flagged chunks only (Triton's block kernel reads no other)
+        h = new_empty((plan.NC, H, K, V), torch.bfloat16, q.device)
+        vn = new_empty((Ntok, H, V), torch.bfloat16, q.device)
     qn = new_empty((Ntok, H, K), torch.bfloat16, q.device) if l2norm_q else q
     if plan.N:
         q_desc, k_desc = _descriptor(q.view(Ntok, H * K), [BT, K]), _descriptor(k.view(Ntok, H * K), [BT, K])
@@ -557,7 +582,8 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
             vn, plan.cu, plan.chunk_offsets, span_flags, H, float(scale), K, V, BV, h0 is not None,
             output_final_state, RECURRENCE_GATES, t_desc, beta.contiguous() if from_t else None,
             from_t, qn, gdn_tk.L2NORM_EPS, l2norm_q,
-            l2norm_q and kk._checked("Q_NORM", Q_NORM, Q_NORM_FORMS) == "registers", num_warps=RECURRENCE_WARPS)
+            l2norm_q and kk._checked("Q_NORM", Q_NORM, Q_NORM_FORMS) == "registers", states_out is not None,
+            num_warps=RECURRENCE_WARPS)
         kk.output_flagged_chunks(qn, k, G, h, vn, o, scale, plan, span_flags, worklist=worklist)
     return o, ht
 
@@ -1643,31 +1669,36 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
     cases = []
     # from_t: T's dtype (fp32 where a backward keeps it, bf16 where only this kernel reads it), or None
     # q_regs: Q_NORM "registers" (with q normalised in the kernel: gates "ahead" and from_t)
-    for K, BV, warps, states, gates, from_t, q_regs in (
-            (128, 128, 8, True, "top", None, False), (128, 128, 8, False, "top", None, False),
-            (64, 64, 8, True, "top", None, False), (128, 128, 8, True, "ahead", None, False),
-            (128, 128, 8, True, "ahead", f32, False), (128, 128, 8, False, "top", f32, False),
-            (64, 64, 8, True, "ahead", f32, False), (128, 128, 8, False, "ahead", bf, False),
-            (64, 64, 8, True, "ahead", bf, False), (128, 128, 8, False, "ahead", bf, True),
-            (128, 128, 8, True, "ahead", bf, True)):
+    # keep: STORE_STATES (a training forward: fp32 T, h and Vn stored for the backward)
+    for K, BV, warps, states, gates, from_t, q_regs, keep in (
+            (128, 128, 8, True, "top", None, False, False), (128, 128, 8, False, "top", None, False, False),
+            (64, 64, 8, True, "top", None, False, False), (128, 128, 8, True, "ahead", None, False, False),
+            (128, 128, 8, True, "ahead", f32, False, False), (128, 128, 8, False, "top", f32, False, False),
+            (64, 64, 8, True, "ahead", f32, False, False), (128, 128, 8, False, "ahead", bf, False, False),
+            (64, 64, 8, True, "ahead", bf, False, False), (128, 128, 8, False, "ahead", bf, True, False),
+            (128, 128, 8, True, "ahead", bf, True, False), (128, 128, 8, False, "ahead", f32, False, True),
+            (128, 128, 8, True, "ahead", f32, False, True), (64, 64, 8, True, "ahead", f32, False, True)):
         V = K
+        hv = f32 if keep else bf
         args = dict(q_desc=desc(K, [BT, K]), k_desc=desc(K, [BT, K]), w_desc=desc(K, [BT, K]), u_desc=desc(V, [BT, BV]),
                     o_desc=desc(V, [BT, BV]), G_ptr=TensorStandIn([Ntok, H, K], f32),
                     h0_ptr=TensorStandIn([N, H, K, V], f32), ht_ptr=TensorStandIn([N, H, K, V], f32),
-                    o_ptr=TensorStandIn([Ntok, H, V], bf), h_ptr=TensorStandIn([NC, H, K, V], bf),
-                    vn_ptr=TensorStandIn([Ntok, H, V], bf), cu_ptr=TensorStandIn([N + 1], torch.int32),
+                    o_ptr=TensorStandIn([Ntok, H, V], bf), h_ptr=TensorStandIn([NC, H, K, V], hv),
+                    vn_ptr=TensorStandIn([Ntok, H, V], hv), cu_ptr=TensorStandIn([N + 1], torch.int32),
                     choff_ptr=TensorStandIn([N + 1], torch.int32), flags_ptr=TensorStandIn([NC, H], torch.int8),
                     H=H, scale=0.1, K=K, V=V, BV=BV, HAS_H0=states, STORE_FINAL=states, GATES=gates)
         if from_t is not None:
             args.update(t_desc=descriptor_stand_in([Ntok, H * BT], from_t, [BT, BT], _smem_layout((BT, BT), from_t)),
                         beta_ptr=TensorStandIn([Ntok, H], bf), VN_FROM_T=True, qn_ptr=TensorStandIn([Ntok, H, K], bf),
-                        eps=1e-6, L2NORM_Q=gates == "ahead", Q_IN_REGISTERS=q_regs)
+                        eps=1e-6, L2NORM_Q=gates == "ahead", Q_IN_REGISTERS=q_regs, STORE_STATES=keep)
         tag = f"K{K}_BV{BV}_w{warps}{'_states' if states else ''}_{gates}"
         tag += "" if from_t is None else "_from_t" if from_t == f32 else "_from_t16"
         tag += ("_l2q_regs" if q_regs else "_l2q") if from_t is not None and gates == "ahead" else ""
+        tag += "_keep" if keep else ""
         # 4 B of spills at K = 128 with an initial and a final state and q normalised in the kernel
-        # (sm_90a; 0 without either, and in every other case): one register, at 255 a thread
-        spills = 4 if (from_t is not None and states and K == 128 and args.get("L2NORM_Q")) else 0
+        # (sm_90a; 0 without either, and in every other case): one register, at 255 a thread; 24 B
+        # with the states stored too (the training forward's kernel with both states)
+        spills = (24 if keep else 4) if (from_t is not None and states and K == 128 and args.get("L2NORM_Q")) else 0
         cases.append(CompileCase(name=f"kda_states_output_{tag}", kernel=_kda_states_output_kernel, args=args,
                                  num_warps=warps, expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor",
                                                               "mbarrier.try_wait"],

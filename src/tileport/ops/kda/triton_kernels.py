@@ -121,6 +121,14 @@ DIAGONAL_FORM = "chunk"
 # (402 MB at S1) as saved tensors until the backward. Only with whole-chunk flags (16-bit inputs)
 # and BACKWARD_WHOLE_CHUNKS (the blocks backward would not read them); read at each call.
 KEEP_FORWARD_TILES = True
+# Whether a keeping forward (KEEP_FORWARD_TILES) in the gluon backend's "fused-t" form also keeps
+# every chunk's state h entering it and its Vn (fp32, [NC, H, K, V] and [Ntok, H, V]: 805 MB at S1),
+# stored by the fused kernel from the registers they are in (STORE_STATES), so the backward takes
+# them instead of recomputing stage 5 (its tf32 recurrence over W and U formed from T: ~0.7 ms of
+# the gluon backward at S1, docs/perf/kda.md "The backward's bytes", cut 1). The kept h and Vn are
+# the forward's own (bf16 operands, as its o was formed), not the recompute's tf32 ones. Read at
+# each call.
+KEEP_FORWARD_STATES = True
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
@@ -439,6 +447,9 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     if from_t and not keep and t_form == "input":
         solve_kwargs["t_dtype"] = vf.dtype  # T read by the fused kernel alone, which rounds it to v's dtype
     fused = form in ("fused", "fused-t")
+    # every chunk's h and Vn, stored by the fused kernel for the backward (KEEP_FORWARD_STATES)
+    states_kept = ((new_empty((plan.NC, H, K, V), _F32, q.device), new_empty((vf.shape[0], H, V), _F32, q.device))
+                   if keep and from_t and KEEP_FORWARD_STATES else None)
     # the fused forms' flagged launches (stage 3's and the output's) share one worklist, formed by stage 3
     worklist = new_empty((1 + plan.NC * H,), torch.int32, q.device) if fused and flags is not None else None
     if worklist is not None:
@@ -450,7 +461,7 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
     kf = kf if kn is None else kn
     if from_t:
         o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, T=Ai, v=vf, beta=bf,
-                              l2norm_q=use_qk_l2norm_in_kernel, worklist=worklist)
+                              l2norm_q=use_qk_l2norm_in_kernel, worklist=worklist, states_out=states_kept)
     elif form == "fused":
         o, ht = states_output(qf, kf, G, h0, plan, output_final_state, scale, flags, w=w, u=u, worklist=worklist)
     else:
@@ -458,7 +469,7 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
         o = (output or chunk_output_kda)(qf, kf, G, h, vn, scale, plan, q.dtype, span_flags=flags)
     if not keep_for_backward:
         return o.view(B, T, H, V), ht
-    return o.view(B, T, H, V), ht, (KeptTiles(G, Ai, flags) if keep else None)
+    return o.view(B, T, H, V), ht, (KeptTiles(G, Ai, flags, *(states_kept or (None, None))) if keep else None)
 
 
 class KeptTiles(NamedTuple):
@@ -466,11 +477,15 @@ class KeptTiles(NamedTuple):
     gate sums), T [Ntok, H, 64] fp32 (each chunk's (I + A)^-1, row t of its chunk) and the span
     flags int8 [NC, H] (which chunks stage 3 left to its 16-row blocks). Saved for the backward
     with ctx.save_for_backward (`tileport.delta_rule_ops`): freed after it, and seen by saved-tensor
-    hooks (activation checkpointing, offloading) as the op's inputs are."""
+    hooks (activation checkpointing, offloading) as the op's inputs are. h [NC, H, K, V] and Vn
+    [Ntok, H, V] (fp32): every chunk's state entering it and its Vn, where the forward's fused
+    kernel stored them (KEEP_FORWARD_STATES), else None (the backward recomputes them)."""
 
     G: torch.Tensor
     T: torch.Tensor
     flags: torch.Tensor
+    h: torch.Tensor | None = None
+    vn: torch.Tensor | None = None
 
 
 def chunk_wu_from_t_kda(T, k, v, beta, G, flags, plan, input_dtype: torch.dtype, keys_normalised: bool):
@@ -1300,7 +1315,8 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     backend's on GDN's Gluon recurrence kernel; `chunk_states`' and `chunk_dstates`' contracts; None:
     those two). dqkwg, wy_bwd: stages 9 and 10 likewise (`chunk_dqkwg_kda`'s and `chunk_wy_bwd_kda`'s
     contracts). kept: the forward's `KeptTiles` (KEEP_FORWARD_TILES): G, T and the flags are its,
-    and W and U are formed from T (`chunk_wu_from_t_kda`) instead of recomputing stage 3."""
+    and W and U are formed from T (`chunk_wu_from_t_kda`) instead of recomputing stage 3; where it
+    holds h and Vn (KEEP_FORWARD_STATES), stage 5 is not recomputed either."""
     states = states or chunk_states
     dstates = dstates or chunk_dstates
     dqkwg = dqkwg or chunk_dqkwg_kda
@@ -1322,7 +1338,7 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
         qn, kn = qf, kf
     # with BACKWARD_WHOLE_CHUNKS the recompute's stage 3 in whole-chunk tiles too, its flags routing 7, 9b, 10b
     if kept is not None and BACKWARD_WHOLE_CHUNKS:
-        G, Ai, flags = kept
+        G, Ai, flags = kept[:3]
         w, u = chunk_wu_from_t_kda(Ai, kn, vf, bf, G, flags, plan, dt, keys_normalised=l2)
     else:
         flags = _span_flags(plan, H, q, BACKWARD_WHOLE_CHUNKS)
@@ -1330,7 +1346,10 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
         Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
                                   factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
                                   g=g_in_3, span_flags=flags)
-    h, vn, _ = states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
+    if kept is not None and BACKWARD_WHOLE_CHUNKS and kept[3:] and kept[3] is not None:
+        h, vn = kept[3:5]  # the forward's (KEEP_FORWARD_STATES)
+    else:
+        h, vn, _ = states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
     fused_stages = _fused_pairs() if flags is not None else ()
     dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags)
     dh, dvn, dh0 = dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
