@@ -226,3 +226,31 @@ def test_forced_backend_reaches_a_delta_rule_backward_on_another_thread(monkeypa
     assert seen and all(s == {"gdn": "reference"} for s in seen), seen
     from tileport.dispatch import forced_backends
     assert forced_backends() == {}  # nothing leaks into this thread after the block
+
+
+def test_forced_backend_reaches_a_compiled_delta_rule_backward_on_another_thread(monkeypatch):
+    """Under torch.compile the op's backward function runs once, when AOTAutograd traces it, and
+    the backward custom op it records runs later on autograd's thread: the forward's forced
+    backends reach it as the op's argument (on the H200 a KDA backward compiled under
+    use_backend("triton") ran the gluon backend's before they did)."""
+    from tileport.dispatch import forced_backends
+    from tileport.ops.gdn import DISPATCHER as GDN
+
+    torch._dynamo.reset()
+    seen = _choices_seen(monkeypatch, GDN)
+    B, T, H, K = 1, 8, 1, 16
+    q, k, v = (torch.randn(B, T, H, K, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, dtype=torch.float64)).requires_grad_(True)
+    beta = torch.rand(B, T, H, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, g, beta):
+        return tileport.chunk_gated_delta_rule(q, k, v, g, beta)[0]
+
+    with tileport.use_backend("reference", op="gdn"):
+        o = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, g, beta)
+    assert seen and all(s == {"gdn": "reference"} for s in seen), seen
+    seen.clear()
+    grads = _backward_on_another_thread(o, [q, k, v, g, beta])
+    assert all(gr is not None for gr in grads)
+    assert seen and all(s == {"gdn": "reference"} for s in seen), seen
+    assert forced_backends() == {}

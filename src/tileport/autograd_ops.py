@@ -14,7 +14,12 @@ backward custom op under compile.
 Both paths carry the forward's forced backends (`tileport.use_backend`, thread-local) to the
 backward: autograd runs the backward of CUDA tensors on its own device thread, where they would
 be absent and the backward would dispatch to the default backend (seen on the H200, 2026-11-30:
-the bench's "triton" backward rows timed gluon's backward).
+the bench's "triton" backward rows timed gluon's backward). Under torch.compile the op's backward
+function runs once, when AOTAutograd traces it: the backward custom op it records runs later on
+that device thread, so a backward op that dispatches takes them as a string argument
+(`forced_backends_arg(ctx)`, a constant in the traced graph: the settings in force when the graph
+was traced) and runs under `backends_forced_from(arg)` (seen on the H200, 2026-12-02: KDA's
+compiled backward under use_backend("triton") ran the gluon backend's).
 """
 
 from __future__ import annotations
@@ -23,9 +28,21 @@ import functools
 
 import torch
 
+import json
+
 from tileport.dispatch import backends_forced_as, forced_backends
 
 _FORCED = "_tileport_forced_backends"
+
+
+def forced_backends_arg(ctx) -> str:
+    """The forced backends `setup_context` recorded in ctx, as a backward custom op's str argument."""
+    return json.dumps(sorted(getattr(ctx, _FORCED, {}).items()))
+
+
+def backends_forced_from(arg: str):
+    """Context manager: run the block under the forced backends `forced_backends_arg` encoded."""
+    return backends_forced_as(dict(json.loads(arg)))
 
 
 def carrying_forced_backends(setup_context, backward):

@@ -4,7 +4,9 @@ computes each direction, so each passes two backend choosers and gets back the r
 
 Schema, for both `tileport::<op>_forward` and `tileport::<op>_backward`:
     forward(q, k, v, g, beta, initial_state?, cu_seqlens?, scale, output_final_state, use_l2) -> (o, ht)
-    backward(do, dht?, q, k, v, g, beta, initial_state?, cu_seqlens?, scale, use_l2) -> [dq, dk, dv, dg, dbeta, dh0]
+    backward(do, dht?, q, k, v, g, beta, initial_state?, cu_seqlens?, scale, use_l2, forced) -> [dq, dk, dv, dg, dbeta, dh0]
+`forced`: the forward's forced backends (`autograd_ops.forced_backends_arg`), under which the
+backward dispatches (it runs on autograd's device thread, where the caller's are absent).
 `ht` and `dh0` are one-element placeholders when absent (one, not zero elements: torch 2.11's
 custom-op aliasing check rejected zero-size CUDA outputs, seen with AttnRes on the H200).
 """
@@ -15,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from tileport.autograd_ops import eager_function, register_autograd
+from tileport.autograd_ops import backends_forced_from, eager_function, forced_backends_arg, register_autograd
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,9 +72,10 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
     def backward_body(grad_o: torch.Tensor, grad_final_state: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
                       cu_seqlens: torch.Tensor | None, scale: float,
-                      use_qk_l2norm_in_kernel: bool) -> list[torch.Tensor]:
-        return run_backward(backward_backend(q, v), grad_o, grad_final_state, q, k, v, g, beta, initial_state,
-                            cu_seqlens, scale, use_qk_l2norm_in_kernel)
+                      use_qk_l2norm_in_kernel: bool, forced: str) -> list[torch.Tensor]:
+        with backends_forced_from(forced):
+            return run_backward(backward_backend(q, v), grad_o, grad_final_state, q, k, v, g, beta, initial_state,
+                                cu_seqlens, scale, use_qk_l2norm_in_kernel)
 
     def forward_body_keeping(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
                              use_qk_l2norm_in_kernel):
@@ -94,7 +97,8 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
         return q.new_empty((B, T, H, V)), q.new_empty(ht_shape, dtype=state_dtype(q.dtype))
 
     @backward_op.register_fake
-    def _(grad_o, grad_final_state, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel):
+    def _(grad_o, grad_final_state, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,
+          forced):
         dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else q.new_empty((1,))
         return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
                 beta.new_empty(beta.shape), dh0]
@@ -134,7 +138,7 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
                                                       initial_state, cu_seqlens, ctx.scale, ctx.use_l2, kept)
         else:
             dq, dk, dv, dg, dbeta, dh0 = backward_op(grad_o, grad_final_state, q, k, v, g, beta, initial_state,
-                                                     cu_seqlens, ctx.scale, ctx.use_l2)
+                                                     cu_seqlens, ctx.scale, ctx.use_l2, forced_backends_arg(ctx))
         return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None, None, None
 
     register_autograd(f"tileport::{op}_forward", backward, setup_context)
