@@ -189,19 +189,23 @@ def _choices_seen(monkeypatch, dispatcher):
     return seen
 
 
-@pytest.mark.parametrize("path", ["function", "custom_op"])
+@pytest.mark.parametrize("path", ["function", "custom_op", "compiled"])
 def test_forced_backend_reaches_a_backward_on_another_thread(path, monkeypatch):
     """A backend forced around the forward is forced in its backward too, wherever autograd runs
     it: the backward of CUDA tensors runs on autograd's device thread, where `use_backend`'s
-    thread-local setting was absent (the H200 bench's "triton" backward rows timed gluon's). Both
-    autograd paths: the op's autograd.Function (eager) and the torch.library op (compile)."""
+    thread-local setting was absent (the H200 bench's "triton" backward rows timed gluon's). Every
+    autograd path: the op's autograd.Function (eager), the torch.library op called directly, and
+    the op under torch.compile (whose backward op runs after the trace, as its argument says)."""
     from tileport.ops.rms_norm import DISPATCHER as RMS
 
+    torch._dynamo.reset()
     seen = _choices_seen(monkeypatch, RMS)
     x = torch.randn(4, 64, requires_grad=True)
     w = torch.randn(64, requires_grad=True)
+    forward = {"function": tileport.rms_norm, "custom_op": lambda x, w: torch.ops.tileport.rms_norm_forward(x, w, 1e-6),
+               "compiled": torch.compile(lambda x, w: tileport.rms_norm(x, w), fullgraph=True, backend="aot_eager")}
     with tileport.use_backend("reference", op="rms_norm"):
-        y = tileport.rms_norm(x, w) if path == "function" else torch.ops.tileport.rms_norm_forward(x, w, 1e-6)
+        y = forward[path](x, w)
     assert seen and all(s == {"rms_norm": "reference"} for s in seen)
     seen.clear()
     dx, dw = _backward_on_another_thread(y, [x, w])

@@ -19,7 +19,12 @@ from collections.abc import Sequence
 
 import torch
 
-from tileport.autograd_ops import carries_forced_backends, register_autograd
+from tileport.autograd_ops import (
+    backends_forced_from,
+    carries_forced_backends,
+    forced_backends_arg,
+    register_autograd,
+)
 from tileport.devices import capability
 from tileport.dispatch import Backend, OpDispatcher, gluon_available, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
 from tileport.memory import new_copy
@@ -282,11 +287,13 @@ def _attnres_backward_op(
     output_rms_weight: torch.Tensor | None,
     eps: float,
     scale: float,
+    forced: str,
 ) -> list[torch.Tensor]:
     # Returns [d query, d rms_weight, d output_rms_weight, d residuals stacked [L, ...]]: the
     # kernels write the L gradients into one [L, N, D] buffer, and a custom op may not return
     # several views of one storage, so the stacked buffer itself is the output (no copy).
-    grads = _backward_impl(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale)
+    with backends_forced_from(forced):  # the forward's forced backends (tileport.autograd_ops)
+        grads = _backward_impl(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale)
     return grads[:3] + [_stacked(grads[3:])]
 
 
@@ -302,7 +309,7 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 @_attnres_backward_op.register_fake
-def _(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale):
+def _(grad_o, query, residuals, rms_weight, output_rms_weight, eps, scale, forced):
     dow = output_rms_weight.new_empty(output_rms_weight.shape) if output_rms_weight is not None else rms_weight.new_empty(1)
     r0 = residuals[0]
     return [query.new_empty(query.shape), rms_weight.new_empty(rms_weight.shape), dow,
@@ -326,7 +333,7 @@ def _backward(ctx, grad_o, grad_p):
     query, rms_weight = saved[0], saved[1]
     residuals = list(saved[2 : 2 + ctx.n_res])
     ow = saved[-1] if ctx.has_ow else None
-    grads = _attnres_backward_op(grad_o, query, residuals, rms_weight, ow, ctx.eps, ctx.scale)
+    grads = _attnres_backward_op(grad_o, query, residuals, rms_weight, ow, ctx.eps, ctx.scale, forced_backends_arg(ctx))
     dq, dw, dow = grads[0], grads[1], grads[2]
     return dq, list(grads[3].unbind(0)), dw, (dow if ctx.has_ow else None), None, None, None
 

@@ -23,7 +23,12 @@ from collections.abc import Sequence
 
 import torch
 
-from tileport.autograd_ops import carries_forced_backends, register_autograd
+from tileport.autograd_ops import (
+    backends_forced_from,
+    carries_forced_backends,
+    forced_backends_arg,
+    register_autograd,
+)
 from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, gluon_available, lazy_stages, reference_backend, register, triton_available
@@ -213,14 +218,15 @@ def _(a, b):
 
 @torch.library.custom_op("tileport::grouped_gemm_backward", mutates_args=())
 def _grouped_gemm_backward_op(grad_c: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor],
-                              want_da: bool, want_db: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    da, db = _backward_impl(grad_c, a, b, want_da, want_db)
+                              want_da: bool, want_db: bool, forced: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with backends_forced_from(forced):  # the forward's forced backends (tileport.autograd_ops)
+        da, db = _backward_impl(grad_c, a, b, want_da, want_db)
     # placeholders (one element: torch 2.11 rejects zero-size CUDA custom-op outputs)
     return (da if da is not None else grad_c.new_zeros(1)), (db if db is not None else grad_c.new_zeros(1))
 
 
 @_grouped_gemm_backward_op.register_fake
-def _(grad_c, a, b, want_da, want_db):
+def _(grad_c, a, b, want_da, want_db, forced):
     K, N = b[0].shape
     da = a[0].new_empty((sum(x.shape[0] for x in a), K)) if want_da else grad_c.new_empty(1)
     db = b[0].new_empty((len(b), K, N)) if want_db else grad_c.new_empty(1)
@@ -238,7 +244,7 @@ def _backward(ctx, grad_c):
     saved = ctx.saved_tensors
     a, b = list(saved[:G]), list(saved[G:])
     want_da, want_db = (bool(any(n)) if isinstance(n, (list, tuple)) else bool(n) for n in ctx.needs_input_grad[:2])
-    da, db = _grouped_gemm_backward_op(grad_c, a, b, want_da, want_db)
+    da, db = _grouped_gemm_backward_op(grad_c, a, b, want_da, want_db, forced_backends_arg(ctx))
     das = list(da.split([x.shape[0] for x in a])) if want_da else None
     dbs = list(db.unbind(0)) if want_db else None
     return das, dbs

@@ -23,7 +23,12 @@ import dataclasses
 
 import torch
 
-from tileport.autograd_ops import carries_forced_backends, register_autograd
+from tileport.autograd_ops import (
+    backends_forced_from,
+    carries_forced_backends,
+    forced_backends_arg,
+    register_autograd,
+)
 from tileport.devices import capability
 from tileport.validation import check_eps, check_float_tensor
 from tileport.cutile_support import cutile_available
@@ -189,15 +194,16 @@ def _(x, weight, eps):
 
 @torch.library.custom_op("tileport::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                          want_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = _backward_impl(grad_y, x, weight, eps, want_dw)
+                          want_dw: bool, forced: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with backends_forced_from(forced):  # the forward's forced backends (tileport.autograd_ops)
+        dx, dw = _backward_impl(grad_y, x, weight, eps, want_dw)
     if dw is None:  # placeholder: one element (torch 2.11 rejects zero-size CUDA custom-op outputs)
         dw = x.new_zeros(1)
     return dx, dw
 
 
 @_rms_norm_backward_op.register_fake
-def _(grad_y, x, weight, eps, want_dw):
+def _(grad_y, x, weight, eps, want_dw, forced):
     dw = weight.new_empty(weight.shape) if (want_dw and weight is not None) else x.new_empty(1)
     return x.new_empty(x.shape), dw
 
@@ -211,7 +217,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_y):
     x, weight = ctx.saved_tensors
     want_dw = weight is not None and ctx.needs_input_grad[1]
-    dx, dw = _rms_norm_backward_op(grad_y, x, weight, ctx.eps, want_dw)
+    dx, dw = _rms_norm_backward_op(grad_y, x, weight, ctx.eps, want_dw, forced_backends_arg(ctx))
     return dx, (dw if want_dw else None), None
 
 

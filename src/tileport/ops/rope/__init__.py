@@ -20,7 +20,12 @@ import dataclasses
 
 import torch
 
-from tileport.autograd_ops import carries_forced_backends, register_autograd
+from tileport.autograd_ops import (
+    backends_forced_from,
+    carries_forced_backends,
+    forced_backends_arg,
+    register_autograd,
+)
 from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
@@ -141,12 +146,14 @@ def _(x, cos, sin):
 
 
 @torch.library.custom_op("tileport::rope_backward", mutates_args=())
-def _rope_backward_op(grad_y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _backward_impl(grad_y, cos, sin, dtype)
+def _rope_backward_op(grad_y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+                      forced: str) -> torch.Tensor:
+    with backends_forced_from(forced):  # the forward's forced backends (tileport.autograd_ops)
+        return _backward_impl(grad_y, cos, sin, dtype)
 
 
 @_rope_backward_op.register_fake
-def _(grad_y, cos, sin, dtype):
+def _(grad_y, cos, sin, dtype, forced):
     return grad_y.new_empty(grad_y.shape, dtype=dtype)
 
 
@@ -158,7 +165,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_y):
     cos, sin = ctx.saved_tensors
-    return _rope_backward_op(grad_y, cos, sin, ctx.x_dtype), None, None
+    return _rope_backward_op(grad_y, cos, sin, ctx.x_dtype, forced_backends_arg(ctx)), None, None
 
 
 register_autograd("tileport::rope_forward", _backward, _setup_context)

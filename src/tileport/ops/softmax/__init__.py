@@ -24,7 +24,12 @@ import dataclasses
 
 import torch
 
-from tileport.autograd_ops import carries_forced_backends, register_autograd
+from tileport.autograd_ops import (
+    backends_forced_from,
+    carries_forced_backends,
+    forced_backends_arg,
+    register_autograd,
+)
 from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, gluon_available, lazy_stages, reference_backend, register, triton_available
@@ -163,12 +168,13 @@ def _(x):
 
 
 @torch.library.custom_op("tileport::softmax_backward", mutates_args=())
-def _softmax_backward_op(grad_y: torch.Tensor, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    return _backward_impl(grad_y, x, stats)
+def _softmax_backward_op(grad_y: torch.Tensor, x: torch.Tensor, stats: torch.Tensor, forced: str) -> torch.Tensor:
+    with backends_forced_from(forced):  # the forward's forced backends (tileport.autograd_ops)
+        return _backward_impl(grad_y, x, stats)
 
 
 @_softmax_backward_op.register_fake
-def _(grad_y, x, stats):
+def _(grad_y, x, stats, forced):
     return x.new_empty(x.shape)
 
 
@@ -180,7 +186,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_y, grad_stats):
     # stats is an internal output: it carries no gradient
     x, stats = ctx.saved_tensors
-    return _softmax_backward_op(grad_y, x, stats)
+    return _softmax_backward_op(grad_y, x, stats, forced_backends_arg(ctx))
 
 
 register_autograd("tileport::softmax_forward", _backward, _setup_context)

@@ -19,7 +19,12 @@ import dataclasses
 
 import torch
 
-from tileport.autograd_ops import carries_forced_backends, register_autograd
+from tileport.autograd_ops import (
+    backends_forced_from,
+    carries_forced_backends,
+    forced_backends_arg,
+    register_autograd,
+)
 from tileport.devices import capability
 from tileport.cutile_support import cutile_available
 from tileport.dispatch import Backend, OpDispatcher, capability_refusal, lazy_stages, reference_backend, register, triton_available
@@ -127,12 +132,14 @@ def _(x, y):
 
 
 @torch.library.custom_op("tileport::swiglu_backward", mutates_args=())
-def _swiglu_backward_op(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward_impl(grad_out, x, y)
+def _swiglu_backward_op(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                        forced: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with backends_forced_from(forced):  # the forward's forced backends (tileport.autograd_ops)
+        return _backward_impl(grad_out, x, y)
 
 
 @_swiglu_backward_op.register_fake
-def _(grad_out, x, y):
+def _(grad_out, x, y, forced):
     return x.new_empty(x.shape), y.new_empty(y.shape)
 
 
@@ -142,7 +149,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     x, y = ctx.saved_tensors
-    return _swiglu_backward_op(grad_out, x, y)
+    return _swiglu_backward_op(grad_out, x, y, forced_backends_arg(ctx))
 
 
 register_autograd("tileport::swiglu_forward", _backward, _setup_context)
