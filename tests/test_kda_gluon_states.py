@@ -641,6 +641,11 @@ def test_kept_states_leave_the_forward_and_are_the_recomputes(layout, K, h0, dev
     h_r, vn_r, _ = gk.chunk_states_recompute_gluon(kn, w, u, kept1.G, h0_t, plan, False, input_dtype=q.dtype)
     assert normwise(kept2.h, h_r) <= 2.0 ** -6, f"h [{layout} K={K}]: {normwise(kept2.h, h_r):.2e} from the recompute's"
     assert normwise(kept2.vn, vn_r) <= 2.0 ** -6, f"Vn [{layout} K={K}]: {normwise(kept2.vn, vn_r):.2e} from the recompute's"
+    # the flagged chunks' alone too (the kernel stores them on the same path as the others now)
+    flagged_chunks, flagged_rows = kept2.flags != 0, route_rows(plan, kept2.flags)[1].to(device)
+    for name, a, b in (("h", kept2.h[flagged_chunks], h_r[flagged_chunks]),
+                       ("Vn", kept2.vn[flagged_rows], vn_r[flagged_rows])):
+        assert normwise(a, b) <= 2.0 ** -6, f"{name} of the flagged chunks [{layout} K={K}]: {normwise(a, b):.2e}"
     do = torch.randn_like(o1)
     bargs = (do, None, q, k, v, g, beta, K ** -0.5, h0_t, True, cu)
     base = gk.kda_backward_gluon(*bargs, kept=kept1)

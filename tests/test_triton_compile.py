@@ -365,7 +365,10 @@ def _kda_backward_cases():
     yield "kda dv_local whole BV128", kk._kda_dv_local_kernel, dict(  # DV_LOCAL_WHOLE_BV 128: one program per chunk
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=tok(K), do_ptr=tok(V, bf), dvl_ptr=tok(V), chunks_ptr=ch, H=H, scale=0.1,
         K=K, V=V, BK=BK, BV=128, NV=V // 128, BT=64, CHUNKS="whole", **flags, **prec)
-    for route in ("whole", "flagged"):
+    work = T([1 + NC * H], torch.int32)  # BACKWARD_FLAGGED_WORKLIST: the flagged routes over their worklist
+    for route in ("whole", "flagged", "worklist"):
+        if route == "worklist":
+            flags = dict(flags, work_ptr=work)
         yield f"kda dv_local {route}", kk._kda_dv_local_kernel, dict(
             q_ptr=tok(K), k_ptr=tok(K), G_ptr=Gc, do_ptr=tok(V, bf), dvl_ptr=tok(V), chunks_ptr=ch, H=H, scale=0.1,
             K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64, CHUNKS=route, **flags, **prec)
@@ -398,7 +401,20 @@ def _kda_backward_cases():
         u_ptr=tok(V), dw_ptr=tok(K), dvn_ptr=tok(V), dkp_ptr=tok(K), dGp_ptr=tok(K), da_ptr=tok(64),
         dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
         CB=min(BK, 64), PAIRS=True, flags_ptr=fl, dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K), **prec)
-
+    # their flagged chunks' launches beside the Gluon kernels (the whole-chunk pair terms compiled
+    # out), on a grid of every chunk or over the worklist (BACKWARD_FLAGGED_WORKLIST)
+    for route, extra in (("flagged", {}), ("worklist", dict(work_ptr=work))):
+        yield f"kda dqkwg fused 9b {route}", kk._kda_dqkwg_kernel, dict(
+            q_ptr=tok(K), k_ptr=tok(K), G_ptr=G32, h_ptr=T([NC, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32),
+            vn_ptr=tok(V), dvn_ptr=tok(V), do_ptr=tok(V, bf), dq_ptr=tok(K), dk_ptr=tok(K), dw_ptr=tok(K),
+            dG_ptr=tok(K), dp_ptr=tok(64), chunks_ptr=ch, H=H, scale=0.1, K=K, V=V, BKS=tk._key_split(K)[0], BV=BV,
+            NV=NV, BT=64, PAIRS=True, flags_ptr=fl, dp_stride=Ntok * H * 64, CHUNKS=route, **extra, **prec)
+        yield f"kda wy_bwd fused 10b {route}", kk._kda_wy_bwd_kernel, dict(
+            k_ptr=tok(K), v_ptr=tok(V, bf), beta_ptr=T([Ntok, H], bf), G_ptr=G32, Ai_ptr=tok(64), w_ptr=tok(K),
+            u_ptr=tok(V), dw_ptr=tok(K), dvn_ptr=tok(V), dkp_ptr=tok(K), dGp_ptr=tok(K), da_ptr=tok(64),
+            dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
+            CB=min(BK, 64), PAIRS=True, flags_ptr=fl, dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K),
+            CHUNKS=route, **extra, **prec)
 
 KDA_BACKWARD_CASES = list(_kda_backward_cases())
 

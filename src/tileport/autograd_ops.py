@@ -19,16 +19,19 @@ function runs once, when AOTAutograd traces it: the backward custom op it record
 that device thread, so a backward op that dispatches takes them as a string argument
 (`forced_backends_arg(ctx)`, a constant in the traced graph: the settings in force when the graph
 was traced) and runs under `backends_forced_from(arg)` (seen on the H200, 2026-12-02: KDA's
-compiled backward under use_backend("triton") ran the gluon backend's).
+compiled backward under use_backend("triton") ran the gluon backend's). The forward custom op
+dispatches at each call, under the caller's settings, and neither torch.compile nor its caches
+guard on them: a compiled function called under other `use_backend` settings than it was traced
+under runs its forward on those and its backward on the traced ones (torch._dynamo.reset() after
+changing them, to trace again).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 
 import torch
-
-import json
 
 from tileport.dispatch import backends_forced_as, forced_backends
 

@@ -6,7 +6,8 @@ Schema, for both `tileport::<op>_forward` and `tileport::<op>_backward`:
     forward(q, k, v, g, beta, initial_state?, cu_seqlens?, scale, output_final_state, use_l2) -> (o, ht)
     backward(do, dht?, q, k, v, g, beta, initial_state?, cu_seqlens?, scale, use_l2, forced) -> [dq, dk, dv, dg, dbeta, dh0]
 `forced`: the forward's forced backends (`autograd_ops.forced_backends_arg`), under which the
-backward dispatches (it runs on autograd's device thread, where the caller's are absent).
+backward dispatches (it runs on autograd's device thread, where the caller's are absent); under
+torch.compile those in force when the graph was traced (see tileport.autograd_ops).
 `ht` and `dh0` are one-element placeholders when absent (one, not zero elements: torch 2.11's
 custom-op aliasing check rejected zero-size CUDA outputs, seen with AttnRes on the H200).
 """
@@ -35,7 +36,8 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
     run(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens) -> (o, ht or None)
     for validated arguments. `forward_backend(q, v)` / `backward_backend(q, v)` return the Backend.
     keeping_backends: the backends whose forward, asked with keep_for_backward=True, also returns
-    what their backward takes back as `kept=` instead of recomputing it (KDA's stage 3). They are
+    what their backward takes back as `kept=` instead of recomputing it (KDA's stage 3, and on its gluon
+    backend stage 5's states). They are
     asked in eager mode when autograd will differentiate the call; under torch.compile the
     backward recomputes (a custom op returns only its schema's outputs)."""
 

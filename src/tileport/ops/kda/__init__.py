@@ -143,7 +143,8 @@ def _backward_chooser(q: torch.Tensor, v: torch.Tensor) -> Backend:
 
 
 # custom ops, fake impls, autograd (eager and compiled): tileport/delta_rule_ops.py, shared with GDN
-# gluon and triton keep stage 3's G, T and flags for their backward (triton_kernels.KEEP_FORWARD_TILES)
+# gluon and triton keep stage 3's G, T and flags for their backward (triton_kernels.KEEP_FORWARD_TILES),
+# the gluon backend's fused forward also every chunk's h and Vn (KEEP_FORWARD_STATES)
 _run = make_delta_rule_op("kda", _forward_backend, _backward_chooser, keeping_backends=("gluon", "triton"))
 
 

@@ -1212,14 +1212,15 @@ def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
 
 
 def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
-                           input_dtype: torch.dtype, span_flags=None, outputs_10b=None):
-    """Stage 10 (`triton_kernels.chunk_wy_bwd_kda`'s contract, 10b's whole route fused as there):
+                           input_dtype: torch.dtype, span_flags=None, outputs_10b=None, worklist=None):
+    """Stage 10 (`triton_kernels.chunk_wy_bwd_kda`'s contract, 10b's whole route fused as there,
+    worklist the flagged chunks' as there):
     the chunks stage 3 left unflagged on Gluon where `wy_bwd_kernel_for` says so (WY_FORM:
     `_kda_wy_dA_kernel` then `_kda_wy_pairs_kernel`, or `_kda_wy_bwd_wgmma_kernel` alone), the
     flagged ones on Triton's kernel (only_flagged); Triton's for every chunk otherwise."""
     if wy_bwd_kernel_for((k, v, Ai, w, u, dw, dvn, dk, dG), G, input_dtype, span_flags, outputs_10b) == "triton":
         return kk.chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype, input_dtype,
-                                   span_flags=span_flags, outputs_10b=outputs_10b)
+                                   span_flags=span_flags, outputs_10b=outputs_10b, worklist=worklist)
     Ntok, H, K = k.shape
     V = v.shape[-1]
     dv = new_empty((Ntok, H, V), dv_dtype, k.device)
@@ -1243,7 +1244,8 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
                 rows(u, V), rows(w, K), Ai, dw, dvn, k, v, beta, G, dk, dG, dk_out, dv, dbeta_out, dg_out,
                 plan.chunks, span_flags, H, K, V, num_warps=8)
     return kk.chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype, input_dtype,
-                               span_flags=span_flags, outputs_10b=outputs_10b, only_flagged=True, dv=dv)
+                               span_flags=span_flags, outputs_10b=outputs_10b, only_flagged=True, dv=dv,
+                               worklist=worklist)
 
 
 def chunk_output_kda_gluon(q, k, G, h, vn, scale: float, plan, out_dtype: torch.dtype, span_flags=None):
@@ -1544,7 +1546,7 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
 
 
 def chunk_dqkwg_kda_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None,
-                          fuse_9b: bool = False):
+                          fuse_9b: bool = False, worklist=None):
     """Stage 9 (`triton_kernels.chunk_dqkwg_kda`'s contract and return value: dq, dk, dw, dG fp32
     [Ntok, H, K] and dP's slice 0): where `dqkwg_kernel_for` says so, the unflagged chunks on
     `_kda_dqkwg_wgmma_kernel` and the flagged ones on Triton's kernel into the same buffers; Triton's
@@ -1552,7 +1554,7 @@ def chunk_dqkwg_kda_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input
     kernel writes none (only flagged chunks' slice 0 is read after stage 9, by 9b's flagged launch)."""
     if dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype, span_flags, fuse_9b) == "triton":
         return kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale, plan, input_dtype, span_flags=span_flags,
-                                  fuse_9b=fuse_9b)
+                                  fuse_9b=fuse_9b, worklist=worklist)
     Ntok, H, K = q.shape
     V = do.shape[-1]
     dq, dk, dw, dG = (new_empty((Ntok, H, K), torch.float32, q.device) for _ in range(4))
@@ -1563,7 +1565,7 @@ def chunk_dqkwg_kda_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input
             _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(dvn.view(Ntok, H * V), [BT, V]),
             q, k, G, do, dq, dk, dw, dG, plan.chunks, span_flags, H, float(scale), K, V, num_warps=8)
     return kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale, plan, input_dtype, span_flags=span_flags,
-                              fuse_9b=True, outputs=(dq, dk, dw, dG, dp))
+                              fuse_9b=True, outputs=(dq, dk, dw, dG, dp), worklist=worklist)
 
 
 def _dqkwg_compile_cases():
@@ -1677,7 +1679,8 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
             (64, 64, 8, True, "ahead", f32, False, False), (128, 128, 8, False, "ahead", bf, False, False),
             (64, 64, 8, True, "ahead", bf, False, False), (128, 128, 8, False, "ahead", bf, True, False),
             (128, 128, 8, True, "ahead", bf, True, False), (128, 128, 8, False, "ahead", f32, False, True),
-            (128, 128, 8, True, "ahead", f32, False, True), (64, 64, 8, True, "ahead", f32, False, True)):
+            (128, 128, 8, True, "ahead", f32, False, True), (64, 64, 8, True, "ahead", f32, False, True),
+            (128, 128, 8, False, "top", f32, False, True)):
         V = K
         hv = f32 if keep else bf
         args = dict(q_desc=desc(K, [BT, K]), k_desc=desc(K, [BT, K]), w_desc=desc(K, [BT, K]), u_desc=desc(V, [BT, BV]),

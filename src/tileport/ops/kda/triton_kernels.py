@@ -25,7 +25,8 @@ docstring); for 16-bit inputs (GATE_SUMS_16BIT "fp32", the default since the fou
 is stored in fp32 and the differences are fp32.
 
 Backward (`kda_backward_triton`): the forward's stages 1-5 recomputed (T stored, fp32
-intermediates), then
+intermediates), or, from what a training forward kept (`KeptTiles`), W and U formed from its T
+and, where it kept them, its states h and Vn taken as they are; then
 
      7 kda dv_local   here: dVl = scale P^T dO by 16-row blocks                  grid (NC*V/BV, H)
      8 chunk_dstates  GDN's, PER_CHANNEL: dVn, dh per chunk, d initial_state      grid (N*H, V/BV)
@@ -59,7 +60,6 @@ from tileport.ops.gdn.triton_kernels import (
     _checked,
     _chunk_gate_offsets,
     _chunk_middle_gates,
-    _chunk_program,
     _done,
     _dot_types,
     _key_split,
@@ -718,35 +718,65 @@ def _scores_t(q_ptr, kj, Gj, mkj, rowi, mki, Gi, Gr, r_ok, kc, K: tl.constexpr, 
     return _mm(ks, tl.trans(xq), PREC, DT, DA)
 
 
+@triton.jit
+def _chunk_of(chunks_ptr, c, H, hh, BT: tl.constexpr):
+    """Chunk c of head hh as `_chunk_program` describes a grid's item: its tokens [bos, eos), the
+    positions r in the chunk, the tokens, which are valid, and their [Ntok, H] row offsets."""
+    bos = tl.load(chunks_ptr + 2 * c)
+    eos = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, BT)
+    tok = bos + r
+    return bos, eos, r, tok, tok < eos, tok.to(tl.int64) * H + hh
+
+
 # lint: allow-function TP001,TP007 -- [16, K] block tiles and [16, 16] blocks of M inside a chunk of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
 @triton.jit
 def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                          BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                          FACTORED: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0,
-                         CHUNKS: tl.constexpr = "all", flags_ptr=None):
+                         CHUNKS: tl.constexpr = "all", flags_ptr=None, work_ptr=None):
     """7 (per-channel gates): dVl = scale P^T dO, P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) (t >= s),
     by 16-row blocks: dVl_j = sum_{i >= j} P_ij^T dO_i; grid (NC * V/BV, H). P_ij^T through block
     i's first row (`_scores_t`) for i > j and, with FACTORED, for a diagonal block whose gates span
     at most SPAN_MAX (the forward's FACTORED_DIAGONAL); the exact pairwise form otherwise.
     CHUNKS as the output kernel's (DIAGONAL_FORM "chunk", the recompute's flags at flags_ptr):
     "whole" forms the unflagged chunks whole (`_kda_dv_local_chunk`), "flagged" the others by
-    blocks."""
+    blocks, "worklist" the same from their worklist at work_ptr on a persistent grid."""
+    if CHUNKS == "worklist":
+        i = tl.program_id(0)
+        n = tl.load(work_ptr) * NV
+        while i < n:  # a while loop, as 9b's
+            item = tl.load(work_ptr + 1 + i // NV)
+            jv = i % NV
+            i += tl.num_programs(0)
+            _kda_dv_local_blocks(item // H, jv, item % H, q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
+                                 K, V, BK, BV, BT, PREC, DT, DA, FACTORED, SPAN_MAX)
+    elif not _not_this_route(CHUNKS, flags_ptr, tl.program_id(0) // NV, H, tl.program_id(1)):
+        c = tl.program_id(0) // NV
+        hh = tl.program_id(1)
+        vc = (tl.program_id(0) % NV) * BV + tl.arange(0, BV)
+        if CHUNKS == "whole":
+            _kda_dv_local_chunk(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, tl.load(chunks_ptr + 2 * c),
+                                tl.load(chunks_ptr + 2 * c + 1), H, hh, vc, scale, K, V, BK, BT, PREC, DT, DA)
+        else:
+            _kda_dv_local_blocks(c, tl.program_id(0) % NV, hh, q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H,
+                                 scale, K, V, BK, BV, BT, PREC, DT, DA, FACTORED, SPAN_MAX)
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6)
+@triton.jit
+def _kda_dv_local_blocks(c, jv, hh, q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, scale,
+                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                         PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr, FACTORED: tl.constexpr,
+                         SPAN_MAX: tl.constexpr):
+    """7 for chunk c of head hh, value columns block jv, by 16-row blocks (`_kda_dv_local_kernel`'s)."""
     NB: tl.constexpr = BT // 16
-    c = tl.program_id(0) // NV
-    jv = tl.program_id(0) % NV
-    hh = tl.program_id(1)
-    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
-        return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     r16 = tl.arange(0, 16)
     kc = tl.arange(0, BK)
     vc = jv * BV + tl.arange(0, BV)
-    if CHUNKS == "whole":
-        _kda_dv_local_chunk(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, bos, eos, H, hh, vc, scale, K, V, BK, BT, PREC,
-                            DT, DA)
-        return
     for jb in tl.static_range(NB):
         okj, rowj, mkj = _block_rows(bos, eos, jb, H, hh, kc, K)
         Gj, Grj, rj_ok = _block_gates(G_ptr, bos, eos, jb, H, hh, rowj, mkj, kc, K)
@@ -785,7 +815,8 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
                       dp_ptr, chunks_ptr, H, scale,
                       K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                       BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
-                      PAIRS: tl.constexpr = False, flags_ptr=None, dp_stride=0, CHUNKS: tl.constexpr = "all"):
+                      PAIRS: tl.constexpr = False, flags_ptr=None, dp_stride=0, CHUNKS: tl.constexpr = "all",
+                      work_ptr=None):
     """9 (per-channel gates), per chunk, head and block of BKS key columns (grid (NC * K/BKS, H)),
     summing over V blocks:
         dQh = scale dO h_c^T,  dKd = Vn dh^T,  dW = -dVn h_c^T,  hdh = rowsum(h_c * dh) [K],
@@ -801,13 +832,36 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
     left unflagged (flags_ptr) takes 9b's whole-chunk pair terms for this block's columns here,
     after a CTA barrier, from that slice (`_gated_pair_chunk` reads M^T from memory: never tl.trans
     of a dot result into a dot), before dQ', dK', dG' are stored once.
-    CHUNKS "flagged": the flagged chunks only (another kernel took the others); "all" every chunk."""
+    CHUNKS "flagged": the flagged chunks only (another kernel took the others), "worklist" the same
+    from their worklist at work_ptr on a persistent grid; "all" every chunk."""
     NK: tl.constexpr = (K + BKS - 1) // BKS
-    kb = tl.program_id(0) % NK
-    c, hh, bos, eos, r, tok, valid, row, kc0, vc0, mk0, mv0 = _chunk_program(chunks_ptr, H, K, V, BKS, BV, 1, BT,
-                                                                             tl.program_id(0) // NK)
-    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
-        return
+    if CHUNKS == "worklist":
+        i = tl.program_id(0)
+        n = tl.load(work_ptr) * NK
+        while i < n:  # a while loop, as 9b's
+            item = tl.load(work_ptr + 1 + i // NK)
+            kb = i % NK
+            i += tl.num_programs(0)
+            _kda_dqkwg_program(item // H, item % H, kb, True, q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr,
+                               do_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr, dp_ptr, chunks_ptr, H, scale, K, V, BKS, BV, NV,
+                               BT, PREC, DT, DA, PAIRS, flags_ptr, dp_stride)
+    elif not _not_this_route(CHUNKS, flags_ptr, tl.program_id(0) // NK, H, tl.program_id(1)):
+        _kda_dqkwg_program(tl.program_id(0) // NK, tl.program_id(1), tl.program_id(0) % NK, CHUNKS == "flagged",
+                           q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr,
+                           dp_ptr, chunks_ptr, H, scale, K, V, BKS, BV, NV, BT, PREC, DT, DA, PAIRS, flags_ptr,
+                           dp_stride)
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _kda_dqkwg_program(c, hh, kb, ONLY_FLAGGED: tl.constexpr, q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr,
+                       dG_ptr, dp_ptr, chunks_ptr, H, scale, K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr,
+                       BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                       DA: tl.constexpr, PAIRS: tl.constexpr, flags_ptr, dp_stride):
+    """9 for chunk c of head hh, key columns block kb (`_kda_dqkwg_kernel`'s); ONLY_FLAGGED: the
+    chunk is one stage 3 flagged (the flagged routes' launches), so the whole-chunk pair terms are
+    compiled out (with them the worklist route spilled 388 B a thread against 16, sm_90a)."""
+    bos, eos, r, tok, valid, row = _chunk_of(chunks_ptr, c, H, hh, BT)
     kc = kb * BKS + tl.arange(0, BKS)
     mk = valid[:, None] & (kc < K)[None, :]
     sbase = (c.to(tl.int64) * H + hh) * (K * V)
@@ -852,7 +906,7 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
     if PAIRS:
         dpl = tl.where(lower, dp * scale, 0.0)
         dp_slice = dp_ptr + kb.to(tl.int64) * dp_stride
-        whole = tl.load(flags_ptr + c * H + hh) == 0
+        whole = False if ONLY_FLAGGED else tl.load(flags_ptr + c * H + hh) == 0
         # read back here by an unflagged chunk's every block; a flagged chunk's slice 0 by 9b's launch
         tl.store(dp_slice + row[:, None] * BT + r[None, :], dpl, mask=valid[:, None] & (whole | (kb == 0)))
         if whole:
@@ -878,7 +932,7 @@ def _kda_dqkwg_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_pt
 def _kda_dp_apply_kernel(dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr, chunks_ptr, H,
                          K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                          DA: tl.constexpr, FACTORED: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0,
-                         CHUNKS: tl.constexpr = "all", flags_ptr=None, WHOLE_BK: tl.constexpr = 64):
+                         CHUNKS: tl.constexpr = "all", flags_ptr=None, WHOLE_BK: tl.constexpr = 64, work_ptr=None):
     """9b: the pair terms of dQ, dK and dG from 9's dP, in place on 9's fp32 partials, one 16-row
     block at a time (grid (NC, H)): with R = R(dP, K) and C = C(dP, Q) over s < t (strict) and
     d = the diagonal of dP,
@@ -887,16 +941,33 @@ def _kda_dp_apply_kernel(dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr, ch
     cancelled: their rounding noise swamps dg where it is tiny (gates of -20 and below), as in GDN.
     CHUNKS as the output kernel's (DIAGONAL_FORM "chunk", the recompute's flags at flags_ptr):
     "whole" takes R and C for the unflagged chunks at once (`_gated_pair_chunk`), "flagged" the
-    others block by block."""
+    others block by block, and "worklist" the same from their worklist at work_ptr on a persistent
+    grid (`_flagged_items`)."""
+    if CHUNKS == "worklist":
+        i = tl.program_id(0)
+        n = tl.load(work_ptr)
+        while i < n:  # a while loop, as the forward's flagged routes (a for loop spilled there)
+            item = tl.load(work_ptr + 1 + i)
+            i += tl.num_programs(0)
+            _kda_dp_apply_program(item // H, item % H, dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr,
+                                  chunks_ptr, H, K, BK, BT, PREC, DT, DA, FACTORED, SPAN_MAX, False, WHOLE_BK)
+    elif not _not_this_route(CHUNKS, flags_ptr, tl.program_id(0), H, tl.program_id(1)):
+        _kda_dp_apply_program(tl.program_id(0), tl.program_id(1), dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr,
+                              chunks_ptr, H, K, BK, BT, PREC, DT, DA, FACTORED, SPAN_MAX, CHUNKS == "whole", WHOLE_BK)
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6)
+@triton.jit
+def _kda_dp_apply_program(c, hh, dp_ptr, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dG_ptr, chunks_ptr, H,
+                          K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                          DA: tl.constexpr, FACTORED: tl.constexpr, SPAN_MAX: tl.constexpr, WHOLE: tl.constexpr,
+                          WHOLE_BK: tl.constexpr):
+    """9b for chunk c of head hh (`_kda_dp_apply_kernel`'s): whole (WHOLE) or block by block."""
     NB: tl.constexpr = BT // 16
-    c = tl.program_id(0)
-    hh = tl.program_id(1)
-    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
-        return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     kc = tl.arange(0, BK)
-    if CHUNKS == "whole":  # by blocks of key channels: every term is per channel but M
+    if WHOLE:  # by blocks of key channels: every term is per channel but M
         ok, rows, _ = _block_rows(bos, eos, 0, H, hh, kc, K, BT)
         for cb in tl.static_range(0, BK, WHOLE_BK):
             cc = cb + tl.arange(0, WHOLE_BK)
@@ -983,7 +1054,7 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                        BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                        CB: tl.constexpr = 64, PAIRS: tl.constexpr = False, flags_ptr=None, dk_ptr=None,
-                       dbeta_ptr=None, dg_ptr=None, CHUNKS: tl.constexpr = "all"):
+                       dbeta_ptr=None, dg_ptr=None, CHUNKS: tl.constexpr = "all", work_ptr=None):
     """10 (per-channel gates), first half, per chunk and head (grid (NC, H)): back through W, U and T,
         dXw = T^T dW,  dXu = T^T dVn,  dA = strict_lower(-(dXw W^T + dXu U^T))  (stored for 10b),
         dV = diag(beta) dXu,  dbeta' = rowsum(V * dXu) + rowsum(exp(G) * K * dXw)  (stored),
@@ -997,13 +1068,35 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
     beta (R + exp(G) dXw) standing for beta R + beta exp(G) dXw. 9's partials dK', dG' are then
     read once and never written back; flagged chunks run as without PAIRS, for 10b's flagged launch.
     CHUNKS "flagged": the flagged chunks only (another kernel took the others, e.g. the gluon
-    backend's `_kda_wy_bwd_wgmma_kernel`); "all" every chunk."""
-    c, hh, bos, eos, r, tok, valid, row, kc0, vc0, mk0, mv0 = _chunk_program(chunks_ptr, H, K, V, BK, BV, 1, BT,
-                                                                             tl.program_id(0))
-    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
-        return
+    backend's `_kda_wy_bwd_wgmma_kernel`), "worklist" the same from their worklist at work_ptr on a
+    persistent grid; "all" every chunk."""
+    if CHUNKS == "worklist":
+        i = tl.program_id(0)
+        n = tl.load(work_ptr)
+        while i < n:  # a while loop, as 9b's
+            item = tl.load(work_ptr + 1 + i)
+            i += tl.num_programs(0)
+            _kda_wy_bwd_program(item // H, item % H, True, k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr,
+                                dvn_ptr, dkp_ptr, dGp_ptr, da_ptr, dbp_ptr, dv_ptr, chunks_ptr, H, K, V, BK, BV, NV, BT,
+                                PREC, DT, DA, CB, PAIRS, flags_ptr, dk_ptr, dbeta_ptr, dg_ptr)
+    elif not _not_this_route(CHUNKS, flags_ptr, tl.program_id(0), H, tl.program_id(1)):
+        _kda_wy_bwd_program(tl.program_id(0), tl.program_id(1), CHUNKS == "flagged", k_ptr, v_ptr, beta_ptr, G_ptr,
+                            Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr, da_ptr, dbp_ptr, dv_ptr, chunks_ptr,
+                            H, K, V, BK, BV, NV, BT, PREC, DT, DA, CB, PAIRS, flags_ptr, dk_ptr, dbeta_ptr, dg_ptr)
+
+
+# lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
+@triton.jit
+def _kda_wy_bwd_program(c, hh, ONLY_FLAGGED: tl.constexpr, k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr,
+                        da_ptr, dbp_ptr, dv_ptr, chunks_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                        DA: tl.constexpr, CB: tl.constexpr, PAIRS: tl.constexpr, flags_ptr, dk_ptr, dbeta_ptr,
+                        dg_ptr):
+    """10's first half for chunk c of head hh (`_kda_wy_bwd_kernel`'s); ONLY_FLAGGED: the chunk is
+    one stage 3 flagged (the flagged routes' launches), so the whole-chunk pair terms are compiled out."""
+    bos, eos, r, tok, valid, row = _chunk_of(chunks_ptr, c, H, hh, BT)
     flagged = True
-    if PAIRS:
+    if PAIRS and not ONLY_FLAGGED:
         flagged = tl.load(flags_ptr + c * H + hh) != 0
     Tm = tl.load(Ai_ptr + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
     Tt = tl.trans(Tm)
@@ -1065,24 +1158,42 @@ def _kda_da_apply_kernel(da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_p
                          chunks_ptr, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
                          DT: tl.constexpr, DA: tl.constexpr, FACTORED: tl.constexpr = False,
                          SPAN_MAX: tl.constexpr = 40.0, CHUNKS: tl.constexpr = "all", flags_ptr=None,
-                         WHOLE_BK: tl.constexpr = 64):
+                         WHOLE_BK: tl.constexpr = 64, work_ptr=None):
     """10b: the pair terms through A = strict_lower(diag(beta) Gam(K, K)) and the final dK, dbeta,
     dg, one 16-row block at a time from the chunk's last (grid (NC, H)): with R = R(dA, K) and
     C = C(dA, diag(beta) K),
         dK = dK' + diag(beta) R + C,   dG = dG' + diag(beta) K * R - K * C,   dbeta = dbeta' + rowsum(K * R),
     and dg = the reverse in-chunk cumulative sum of dG per channel (a carry of the later blocks' sums).
     CHUNKS as 9b's: "whole" takes the unflagged chunks at once (`_gated_pair_chunk`, no carry),
-    "flagged" the others block by block."""
+    "flagged" the others block by block, "worklist" the same from their worklist at work_ptr."""
+    if CHUNKS == "worklist":
+        i = tl.program_id(0)
+        n = tl.load(work_ptr)
+        while i < n:  # a while loop, as 9b's
+            item = tl.load(work_ptr + 1 + i)
+            i += tl.num_programs(0)
+            _kda_da_apply_program(item // H, item % H, da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_ptr,
+                                  dk_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H, K, BK, BT, PREC, DT, DA, FACTORED,
+                                  SPAN_MAX, False, WHOLE_BK)
+    elif not _not_this_route(CHUNKS, flags_ptr, tl.program_id(0), H, tl.program_id(1)):
+        _kda_da_apply_program(tl.program_id(0), tl.program_id(1), da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr,
+                              dbp_ptr, dk_ptr, dbeta_ptr, dg_ptr, chunks_ptr, H, K, BK, BT, PREC, DT, DA, FACTORED,
+                              SPAN_MAX, CHUNKS == "whole", WHOLE_BK)
+
+
+# lint: allow-function TP001,TP007 -- [16, K] block tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6)
+@triton.jit
+def _kda_da_apply_program(c, hh, da_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, dbp_ptr, dk_ptr, dbeta_ptr, dg_ptr,
+                          chunks_ptr, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+                          DT: tl.constexpr, DA: tl.constexpr, FACTORED: tl.constexpr, SPAN_MAX: tl.constexpr,
+                          WHOLE: tl.constexpr, WHOLE_BK: tl.constexpr):
+    """10b for chunk c of head hh (`_kda_da_apply_kernel`'s): whole (WHOLE) or block by block."""
     NB: tl.constexpr = BT // 16
-    c = tl.program_id(0)
-    hh = tl.program_id(1)
-    if _not_this_route(CHUNKS, flags_ptr, c, H, hh):
-        return
     bos = tl.load(chunks_ptr + 2 * c)
     eos = tl.load(chunks_ptr + 2 * c + 1)
     kc = tl.arange(0, BK)
     carry = tl.full([BK], 0.0, tl.float32)
-    if CHUNKS == "whole":  # by blocks of key channels, as 9b's; dbeta sums over all of them
+    if WHOLE:  # by blocks of key channels, as 9b's; dbeta sums over all of them
         ok, rows, _ = _block_rows(bos, eos, 0, H, hh, kc, K, BT)
         kr = tl.full([BT], 0.0, tl.float32)
         for cb in tl.static_range(0, BK, WHOLE_BK):
@@ -1162,9 +1273,10 @@ def _fused_pairs() -> tuple:
     return tuple(BACKWARD_FUSED_PAIRS)
 
 
-def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None):
+def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None, worklist=None):
     """7: dVl [Ntok, H, V] fp32. span_flags: the recompute's per-chunk flags (DIAGONAL_FORM
-    "chunk"): the chunks it left unflagged are formed whole."""
+    "chunk"): the chunks it left unflagged are formed whole. worklist: the flags' `flagged_worklist`
+    (BACKWARD_FLAGGED_WORKLIST), which the flagged chunks' launch then takes on a persistent grid."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1179,16 +1291,17 @@ def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype
         # the whole chunks on their own block of value columns
         BVW = max(16, min(_checked("DV_LOCAL_WHOLE_BV", DV_LOCAL_WHOLE_BV, (16, 32, 64, 128)), next_pow2(V)))
         _by_route(_kda_dv_local_kernel, (plan.NC * NV, H), args(BV), span_flags,
-                  whole_launch=((plan.NC * cdiv(V, BVW), H), args(BVW)))
+                  whole_launch=((plan.NC * cdiv(V, BVW), H), args(BVW)), worklist=worklist)
     return dvl
 
 
-def _by_route(kernel, grid, args, span_flags, whole: bool = True, whole_launch=None):
+def _by_route(kernel, grid, args, span_flags, whole: bool = True, whole_launch=None, worklist=None):
     """One of the backward's block kernels (7, 9b, 10b) over every chunk by 16-row blocks (span_flags
     None), or twice on the recompute's flags (DIAGONAL_FORM "chunk"): the unflagged chunks whole
     (CHUNKS "whole", on WHOLE_CHUNK_WARPS; whole_launch: its own (grid, args), else grid and args;
     not when `whole` is False: 9 or 10 took them, see BACKWARD_FUSED_PAIRS), then the flagged ones
-    by blocks."""
+    by blocks: on grid, each program returning at an unflagged chunk, or, given their worklist, on
+    a persistent grid over it (CHUNKS "worklist")."""
     if span_flags is None:
         kernel[grid](*args, **_LAUNCH_BACKWARD)
         return
@@ -1196,16 +1309,40 @@ def _by_route(kernel, grid, args, span_flags, whole: bool = True, whole_launch=N
         whole_grid, whole_args = whole_launch or (grid, args)
         kernel[whole_grid](*whole_args, CHUNKS="whole", flags_ptr=span_flags,
                            **dict(_LAUNCH_BACKWARD, num_warps=WHOLE_CHUNK_WARPS))
-    kernel[grid](*args, CHUNKS="flagged", flags_ptr=span_flags, **_LAUNCH_BACKWARD)
+    _flagged_launch(kernel, grid, args, span_flags, worklist, _LAUNCH_BACKWARD)
+
+
+def _flagged_launch(kernel, grid, args, span_flags, worklist, launch, **kwargs):
+    """The flagged chunks' launch of a backward kernel whose grid is (NC * items a chunk, H): that
+    grid, its programs returning at unflagged chunks (CHUNKS "flagged"), or with their worklist
+    (`flagged_worklist`) a persistent grid over it (CHUNKS "worklist"; grid (P,) at
+    WORKLIST_PROGRAMS_PER_SM: no program per unflagged chunk, which cost the forward's flagged
+    launches 13-26 us each at S1 with none flagged)."""
+    if worklist is None:
+        kernel[grid](*args, CHUNKS="flagged", flags_ptr=span_flags, **kwargs, **launch)
+    else:
+        programs = worklist_programs(span_flags.device, grid[0] * grid[1])
+        kernel[(programs,)](*args, CHUNKS="worklist", flags_ptr=span_flags, work_ptr=worklist, **kwargs, **launch)
+
+
+# Whether the backward's flagged chunks' launches (7, 9, 9b, 10, 10b) run on a persistent grid over
+# their worklist (`flagged_worklist`, formed once per backward) instead of a grid of every chunk
+# whose programs return at unflagged ones (the forward's flagged routes do since the twenty-third
+# session: 13.6 + 25.7 -> 1.5 + 1.6 us). In the gluon backward at S1 with no chunk flagged those
+# launches took ~0.11 ms (H200, kda_ab "kept-states" at 59812f9). Off: CPU-verified only (the gate's
+# cases pass in this form under the interpreter: tests/test_kda_forms.py "bwd-worklist"), not yet
+# run on the H200. Read at each call.
+BACKWARD_FLAGGED_WORKLIST = False
 
 
 def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None,
-                    fuse_9b: bool = False, outputs=None):
+                    fuse_9b: bool = False, outputs=None, worklist=None):
     """9: fp32 partials dQ', dK', dW, dG' [Ntok, H, K] and dP [Ntok, H, 64]. fuse_9b (needs
     span_flags): 9b's whole-chunk pair terms fused here (BACKWARD_FUSED_PAIRS): the chunks the flags
     leave unflagged come out with them added, and 9b launches only the flagged ones. outputs: the
     five buffers (dq, dk, dw, dG, dp with its slices), whose unflagged chunks another kernel has
-    already written (fuse_9b's contract): only the flagged chunks are launched here, into them."""
+    already written (fuse_9b's contract): only the flagged chunks are launched here, into them (on
+    a persistent grid over their worklist where given)."""
     if (fuse_9b or outputs is not None) and span_flags is None:
         raise ValueError("chunk_dqkwg_kda: fuse_9b needs span_flags (the recompute's per-chunk flags)")
     if outputs is not None and not fuse_9b:
@@ -1220,37 +1357,42 @@ def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype
         dp = new_empty((NK if fuse_9b else 1, Ntok, H, BT), _F32, q.device)
     else:
         dq, dk, dw, dG, dp = outputs
-    pair_args = dict(PAIRS=True, flags_ptr=span_flags, dp_stride=Ntok * H * BT) if fuse_9b else {}
-    if outputs is not None:
-        pair_args["CHUNKS"] = "flagged"
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
-        _kda_dqkwg_kernel[(plan.NC * NK, H)](q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, dp, plan.chunks, H, scale,
-                                             K, V, BKS, BV, NV, BT, PREC, DT, DA, **pair_args, **_LAUNCH_CHUNK)
+        args = (q, k, G, h, dh, vn, dvn, do, dq, dk, dw, dG, dp, plan.chunks, H, scale, K, V, BKS, BV, NV, BT, PREC,
+                DT, DA)
+        if outputs is not None:  # the flagged chunks only
+            _flagged_launch(_kda_dqkwg_kernel, (plan.NC * NK, H), args, span_flags, worklist, _LAUNCH_CHUNK,
+                            PAIRS=True, dp_stride=Ntok * H * BT)
+        else:
+            pair_args = dict(PAIRS=True, flags_ptr=span_flags, dp_stride=Ntok * H * BT) if fuse_9b else {}
+            _kda_dqkwg_kernel[(plan.NC * NK, H)](*args, **pair_args, **_LAUNCH_CHUNK)
     return dq, dk, dw, dG, dp[0]
 
 
 def chunk_dp_apply_kda(dp, q, k, G, dq, dk, dG, plan, input_dtype: torch.dtype, span_flags=None,
-                       whole: bool = True):
-    """9b: adds the pair terms of dP into dq, dk, dG (9's partials), in place; span_flags as 7's;
-    whole False: the flagged chunks only (9 took the others: `chunk_dqkwg_kda`'s pairs)."""
+                       whole: bool = True, worklist=None):
+    """9b: adds the pair terms of dP into dq, dk, dG (9's partials), in place; span_flags and
+    worklist as 7's; whole False: the flagged chunks only (9 took the others: `chunk_dqkwg_kda`'s pairs)."""
     Ntok, H, K = q.shape
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
         _by_route(_kda_dp_apply_kernel, (plan.NC, H), (dp, q, k, G, dq, dk, dG, plan.chunks, H, K, _blocks(K, 1)[0], BT,
-                                                       PREC, DT, DA, _factored_diagonal()), span_flags, whole=whole)
+                                                       PREC, DT, DA, _factored_diagonal()), span_flags, whole=whole,
+                  worklist=worklist)
 
 
 def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: torch.dtype,
                      input_dtype: torch.dtype, span_flags=None, outputs_10b=None, only_flagged: bool = False,
-                     dv=None):
+                     dv=None, worklist=None):
     """10a: (dA [Ntok, H, 64] fp32, dbeta' [Ntok, H] fp32, dv [Ntok, H, V] in dv_dtype); adds into dk, dG.
     outputs_10b: 10b's outputs (dk, dbeta, dg; `_da_apply_outputs`) where 10b's whole-chunk route is
     fused here (needs span_flags): the chunks the flags leave unflagged get their final values in
     them here; for those chunks dA is still written (this kernel reads it back), dbeta' is not
     written at all, and 9's partials dk, dG are read but left as they were. only_flagged (with
     outputs_10b): another kernel has finished the unflagged chunks (their dk, dbeta, dg, and dv in
-    `dv`, which this launch completes): only the flagged chunks are launched here."""
+    `dv`, which this launch completes): only the flagged chunks are launched here (on a persistent
+    grid over their worklist where given)."""
     if outputs_10b is not None and span_flags is None:
         raise ValueError("chunk_wy_bwd_kda: outputs_10b needs span_flags (the recompute's per-chunk flags)")
     if only_flagged and (outputs_10b is None or dv is None):
@@ -1261,15 +1403,18 @@ def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: t
     da = new_empty((Ntok, H, BT), _F32, k.device)
     dbp = new_empty((Ntok, H), _F32, k.device)
     dv = _out((Ntok, H, V), dv_dtype, k.device) if dv is None else dv
-    pair_args = {} if outputs_10b is None else dict(PAIRS=True, flags_ptr=span_flags, dk_ptr=outputs_10b[0],
-                                                    dbeta_ptr=outputs_10b[1], dg_ptr=outputs_10b[2])
-    if only_flagged:
-        pair_args["CHUNKS"] = "flagged"
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
-        _kda_wy_bwd_kernel[(plan.NC, H)](k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, da, dbp, dv, plan.chunks, H,
-                                         K, V, BK, BV, NV, BT, PREC, DT, DA, CB=min(BK, 64), **pair_args,
-                                         **_LAUNCH_CHUNK)
+        args = (k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, da, dbp, dv, plan.chunks, H, K, V, BK, BV, NV, BT, PREC, DT,
+                DA)
+        if only_flagged:
+            _flagged_launch(_kda_wy_bwd_kernel, (plan.NC, H), args, span_flags, worklist, _LAUNCH_CHUNK,
+                            CB=min(BK, 64), PAIRS=True, dk_ptr=outputs_10b[0], dbeta_ptr=outputs_10b[1],
+                            dg_ptr=outputs_10b[2])
+        else:
+            pair_args = {} if outputs_10b is None else dict(PAIRS=True, flags_ptr=span_flags, dk_ptr=outputs_10b[0],
+                                                            dbeta_ptr=outputs_10b[1], dg_ptr=outputs_10b[2])
+            _kda_wy_bwd_kernel[(plan.NC, H)](*args, CB=min(BK, 64), **pair_args, **_LAUNCH_CHUNK)
     return da, dbp, _done(dv, dv_dtype)
 
 
@@ -1282,9 +1427,10 @@ def _da_apply_outputs(k, dk_dtype: torch.dtype, dbeta_dtype: torch.dtype, dg_dty
 
 
 def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtype, dbeta_dtype: torch.dtype,
-                       dg_dtype: torch.dtype, input_dtype: torch.dtype, span_flags=None, outputs_10b=None):
+                       dg_dtype: torch.dtype, input_dtype: torch.dtype, span_flags=None, outputs_10b=None,
+                       worklist=None):
     """10b: the final dk [Ntok, H, K], dbeta [Ntok, H] and dg [Ntok, H, K], each in the dtype asked
-    for; span_flags as 7's. outputs_10b: the buffers 10 has already finished the unflagged chunks of
+    for; span_flags and worklist as 7's. outputs_10b: the buffers 10 has already finished the unflagged chunks of
     (`chunk_wy_bwd_kda`'s): only the flagged chunks are launched here, into them."""
     Ntok, H, K = k.shape
     dk, dbeta, dg = (outputs_10b if outputs_10b is not None else
@@ -1293,7 +1439,7 @@ def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtyp
         DT, DA, PREC = _products(input_dtype, True)
         _by_route(_kda_da_apply_kernel, (plan.NC, H), (da, k, beta, G, dkp, dGp, dbp, dk, dbeta, dg, plan.chunks, H, K,
                                                        _blocks(K, 1)[0], BT, PREC, DT, DA, _factored_diagonal()),
-                  span_flags, whole=outputs_10b is None)
+                  span_flags, whole=outputs_10b is None, worklist=worklist)
     return _done(dk, dk_dtype), _done(dbeta, dbeta_dtype), _done(dg, dg_dtype)
 
 
@@ -1310,11 +1456,12 @@ BACKWARD_NORMALISED_QK = "fp32"
 def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                         states=None, dstates=None, kept=None, dqkwg=None, wy_bwd=None):
     """(dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype: recomputes the
-    forward's stages 1-5 (T stored, fp32 intermediates), then 7, 8 (GDN's, per-channel), 9, 9b, 10, 10b.
+    forward's stages 1-5 (T stored, fp32 intermediates; less where `kept` says), then 7, 8 (GDN's,
+    per-channel), 9, 9b, 10, 10b.
     states, dstates: the recompute's stage 5 and stage 8 (another backend's, e.g. the gluon
     backend's on GDN's Gluon recurrence kernel; `chunk_states`' and `chunk_dstates`' contracts; None:
     those two). dqkwg, wy_bwd: stages 9 and 10 likewise (`chunk_dqkwg_kda`'s and `chunk_wy_bwd_kda`'s
-    contracts). kept: the forward's `KeptTiles` (KEEP_FORWARD_TILES): G, T and the flags are its,
+    contracts, with the flagged chunks' worklist or None: BACKWARD_FLAGGED_WORKLIST). kept: the forward's `KeptTiles` (KEEP_FORWARD_TILES): G, T and the flags are its,
     and W and U are formed from T (`chunk_wu_from_t_kda`) instead of recomputing stage 3; where it
     holds h and Vn (KEEP_FORWARD_STATES), stage 5 is not recomputed either."""
     states = states or chunk_states
@@ -1346,22 +1493,25 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
         Ai, w, u = chunk_solve_wu(kn, vf, bf, G, plan, store_T=True, exact_wu=True, input_dtype=dt,
                                   factored_diagonal=_factored_diagonal(), keys_normalised=l2 and flags is not None,
                                   g=g_in_3, span_flags=flags)
-    if kept is not None and BACKWARD_WHOLE_CHUNKS and kept[3:] and kept[3] is not None:
-        h, vn = kept[3:5]  # the forward's (KEEP_FORWARD_STATES)
+    if kept is not None and BACKWARD_WHOLE_CHUNKS and kept.h is not None:
+        h, vn = kept.h, kept.vn  # the forward's (KEEP_FORWARD_STATES)
     else:
         h, vn, _ = states(kn, w, u, G, h0, plan, False, input_dtype=dt, for_backward=True)
     fused_stages = _fused_pairs() if flags is not None else ()
-    dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags)
+    # the flagged chunks' launches on a persistent grid over their worklist (formed once here)
+    work = flagged_worklist(flags) if flags is not None and BACKWARD_FLAGGED_WORKLIST else None
+    dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags, worklist=work)
     dh, dvn, dh0 = dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
     dq, dkp, dw, dGp, dp = dqkwg(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt, span_flags=flags,
-                                 fuse_9b="9b" in fused_stages)
-    chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt, span_flags=flags, whole="9b" not in fused_stages)
+                                 fuse_9b="9b" in fused_stages, worklist=work)
+    chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt, span_flags=flags, whole="9b" not in fused_stages,
+                       worklist=work)
     outputs_10b = (_da_apply_outputs(kn, _F32 if l2 else k.dtype, beta.dtype, g.dtype) if "10b" in fused_stages
                    else None)
     da, dbp, dv = wy_bwd(kn, vf, bf, G, Ai, w, u, dw, dvn, dkp, dGp, plan, v.dtype, dt, span_flags=flags,
-                         outputs_10b=outputs_10b)
+                         outputs_10b=outputs_10b, worklist=work)
     dk, dbeta, dg = chunk_da_apply_kda(da, kn, bf, G, dkp, dGp, dbp, plan, _F32 if l2 else k.dtype, beta.dtype,
-                                       g.dtype, dt, span_flags=flags, outputs_10b=outputs_10b)
+                                       g.dtype, dt, span_flags=flags, outputs_10b=outputs_10b, worklist=work)
     if l2:
         dq = l2norm_bwd(qf, dq, q.dtype)
         dk = l2norm_bwd(kf, dk, k.dtype)
