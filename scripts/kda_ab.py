@@ -27,9 +27,11 @@ or a chunk ahead (RECURRENCE_GATES). "vn-from-t": the fused forward from stage 3
 "fwd"), T in fp32 or bf16 (triton_kernels.FORWARD_T_DTYPE), q normalised in place or in registers
 (gluon_kernels.Q_NORM). "kept-states": the keeping forward storing every chunk's h and Vn for the
 backward, which then skips stage 5's recompute (triton_kernels.KEEP_FORWARD_STATES), or not.
+"flagged-worklist": the gluon backward from kept tiles and states with its flagged chunks' launches
+on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole grids.
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -436,3 +438,38 @@ if "kept-states" in SECTIONS and dev == "cuda":
                          "kda keeping forward (gluon), states stored", calls=3, rows=10)
             del kept
     kk.KEEP_FORWARD_STATES = default_states
+
+# "flagged-worklist": the gluon backward from what the keeping forward kept, its flagged chunks'
+# launches (stages 7, 9, 9b, 10, 10b) on a persistent grid over the flags' worklist
+# (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole grids whose unflagged programs return at
+# once; same inputs, the gradients compared (the worklist form computes the same sums: expect 0);
+# then each form's backward kernels under the logsigmoid gates (few flagged chunks) and the steep
+# ones (every chunk flagged)
+if "flagged-worklist" in SECTIONS and dev == "cuda":
+    import tileport
+    from tileport.ops.kda import gluon_kernels as kg
+
+    default_worklist = kk.BACKWARD_FLAGGED_WORKLIST
+    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    for name, g in gates.items():
+        fargs = (q, k, v, g, beta, K ** -0.5, None, False, True, None)
+        bargs = (do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
+        _, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
+        base = None
+        for on in (False, True):
+            kk.BACKWARD_FLAGGED_WORKLIST = on
+            grads, bms, err = timed_gradients(lambda: kg.kda_backward_gluon(*bargs, kept=kept), base)
+            base = grads if base is None else base
+            leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+
+            def fwdbwd():
+                o, _ = tileport.chunk_kda(*leaves, use_qk_l2norm_in_kernel=True)
+                return torch.autograd.grad(o, leaves, do)
+
+            fbms = triton.testing.do_bench(fwdbwd, warmup=3, rep=20, return_mode="median")
+            print(f"kda gluon gates={name:10} BACKWARD_FLAGGED_WORKLIST={on!s:5}: backward from kept {bms:.3f} ms "
+                  f"(worst gradient vs the grid form's {err:.2e}), forward+backward (chunk_kda) {fbms:.3f} ms", flush=True)
+            kernel_table(lambda: kg.kda_backward_gluon(*bargs, kept=kept),
+                         f"kda backward (gluon), gates {name}, BACKWARD_FLAGGED_WORKLIST={on}", calls=3, rows=16)
+        del kept
+    kk.BACKWARD_FLAGGED_WORKLIST = default_worklist

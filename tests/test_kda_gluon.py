@@ -38,20 +38,26 @@ def test_forward_backward(case_id, recurrences, device, seed, monkeypatch):
     parity._run_and_check("gluon", case_id, device, seed)
 
 
+@pytest.mark.parametrize("keep_states", [False, True], ids=["recompute", "kept-states"])
 @pytest.mark.parametrize("case_id,gluon_runs", [("T65-bf16-l2-near0", True), ("T200-bf16-split-binarybeta", False)])
-def test_recurrences_run_where_the_gluon_kernel_takes_them(case_id, gluon_runs, device, seed, monkeypatch):
+def test_recurrences_run_where_the_gluon_kernel_takes_them(case_id, gluon_runs, keep_states, device, seed,
+                                                           monkeypatch):
     """With l2-normalised q and k (fp32 in the backward) both recurrences launch the Gluon kernel
-    (stage 5, then 8, per backward); without, q and k stay 16-bit and Triton's kernels run."""
+    (stage 5's recompute, then 8, per backward; stage 8 alone where the forward's fused kernel kept
+    every chunk's h and Vn: KEEP_FORWARD_STATES); without, q and k stay 16-bit and Triton's kernels run."""
     parity._backend_or_skip("gluon", device)
     from tileport.ops.gdn import gluon_kernels as gdn_gluon
+    from tileport.ops.kda import triton_kernels
 
     monkeypatch.setattr(gdn_gluon, "BACKWARD_STATES", "gluon")
+    monkeypatch.setattr(triton_kernels, "KEEP_FORWARD_STATES", keep_states)
     seen = []
     real = gdn_gluon._launch_tf32_recurrence
     monkeypatch.setattr(gdn_gluon, "_launch_tf32_recurrence",
                         lambda *args, backward: seen.append(backward) or real(*args, backward=backward))
     parity._run_and_check("gluon", case_id, device, seed)
-    assert (seen[:2] == [False, True]) if gluon_runs else not seen, (case_id, seen)
+    per_backward = [True] if keep_states else [False, True]
+    assert (seen[:len(per_backward)] == per_backward) if gluon_runs else not seen, (case_id, seen)
 
 
 def test_gluon_backward_falls_back_to_triton_off_the_gpu():
@@ -105,7 +111,7 @@ def test_cases_take_both_routes(case_id, flagged, device, seed, monkeypatch):
     seen = []
     real = triton_kernels.output_flagged_chunks
     monkeypatch.setattr(triton_kernels, "output_flagged_chunks",
-                        lambda *args: seen.append(bool(args[-1].any())) or real(*args))
+                        lambda *args, **kwargs: seen.append(bool(args[-1].any())) or real(*args, **kwargs))
     parity._run_and_check("gluon", case_id, device, seed)
     assert seen and any(seen) == flagged, (case_id, seen)
 

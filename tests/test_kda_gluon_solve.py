@@ -108,14 +108,19 @@ def test_solve_matches_triton_route_by_route(layout, K, keep, device, seed, gluo
                                                    f"{normwise(a[rows], b[rows]):.2e} from Triton's")
 
 
-@pytest.mark.parametrize("l2, launches", [(True, 1), (False, 0)], ids=["l2norm", "raw-keys"])
-def test_gluon_forward_launches_the_solve_kernel(l2, launches, device, gluon_solve):
+@pytest.mark.parametrize("form, l2, launches", [("split", True, 1), ("split", False, 0), ("fused-t", True, 0)],
+                         ids=["split-l2norm", "split-raw-keys", "fused-t-l2norm"])
+def test_gluon_forward_launches_the_solve_kernel(form, l2, launches, device, gluon_solve, monkeypatch):
     """The gluon backend's forward forms stage 3 on the Gluon kernel for l2-normalised keys (once per
-    forward) and on Triton's for raw keys (whose products Triton's kernel takes at tf32x3)."""
+    forward) and on Triton's for raw keys (whose products Triton's kernel takes at tf32x3), in the
+    forward forms whose stage 3 forms W and U ("split", "fused"); the default "fused-t" stops stage 3
+    at T, which only Triton's kernel forms (with the keys' normalisation: KEYS_NORMALISED_IN)."""
     parity._backend_or_skip("gluon", device)
     import tileport
     from tileport.dispatch import use_backend
+    from tileport.ops.kda import gluon_kernels as gk
 
+    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", form)
     q, k, v, g, beta, h0, cu_t = parity.make_inputs(1, 130, 2, 64, 64, torch.bfloat16, None, True, l2, "normal",
                                                     "rand", device)
     with use_backend("gluon", op="kda"):
