@@ -166,6 +166,24 @@ def test_backward_refusal_keeps_the_forward(monkeypatch):
         assert status[("nokernel", mode)] == "n/a here: its backward is the reference", status
 
 
+def test_partial_record_keeps_the_systems_before_a_cut(tmp_path, monkeypatch):
+    """A run cut while a system runs (the device call's time limit: here a KeyboardInterrupt from
+    the second system) leaves a record with the first system's rows, marked partial."""
+    def cut(inp):
+        raise KeyboardInterrupt
+
+    suite = _fake_suite({"good": lambda inp: inp["x"] * 2, "cut": cut})
+    monkeypatch.setitem(sys.modules, "fake_suite_cut", suite)
+    monkeypatch.setitem(bench.OPS, "fake_cut", "fake_suite_cut")
+    out = tmp_path / "rec.json"
+    args = _args(op="fake_cut", backends="good,cut", json=str(out), warm_workers=0)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(args)
+    rec = json.loads(out.read_text())
+    assert rec["partial"] is True
+    assert [(r["system"], r["mode"], r["status"]) for r in rec["rows"]] == [("good", "fwd", "ok"), ("good", "fwdbwd", "ok")]
+
+
 def test_cli_json_record_schema(tmp_path):
     out = tmp_path / "rec.json"
     env = dict(__import__("os").environ, TRITON_INTERPRET="1")

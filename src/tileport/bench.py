@@ -399,7 +399,11 @@ def warm_up(ops: list[str], args, workers: int) -> None:
     print(f"compiled in {time.time() - t0:.0f} s{note}", flush=True)
 
 
-def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> list[dict]:
+def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list, rows_so_far=None) -> list[dict]:
+    """The op's rows: every wanted system at every shape, verified against the float64 reference,
+    then timed in each mode. rows_so_far(rows), where given, is called before each system with the
+    op's rows until then (the caller keeps a partial record: a run cut by a time limit while one
+    system runs keeps the systems before it)."""
     suite, device, dtype, shapes, modes, all_systems, wanted = _op_plan(op, args, gpu)
     rows = []
     prog = Progress(len(shapes) * len(wanted))
@@ -416,6 +420,8 @@ def bench_op(op: str, args, gpu: bool, ceilings: dict, progress_total: list) -> 
         ref_o = ref_o.detach()
         kinds = getattr(suite, "LEAF_KINDS", [OUTPUT] * len(leaves))
         for name in wanted:
+            if rows_so_far is not None and rows:
+                rows_so_far(rows)
             prog.step(f"{op} {shape} {name}")
             row = {"op": op, "shape": shape, "dtype": args.dtype, "system": name}
             fn = all_systems.get(name)
@@ -710,9 +716,14 @@ def run(args) -> int:
     ceilings = measure_ceilings(gpu)
     rows = []
     record = {"schema": 1, "machine": info, "ceilings": ceilings, "args": dict(vars(args)), "rows": rows, "gpu": gpu}
+    def save_partial(op_rows: list[dict]) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(record, rows=rows + op_rows, partial=True), f, indent=1, default=str)
+
     for op in ops:
         try:
-            op_rows = bench_op(op, args, gpu, ceilings, [])
+            op_rows = bench_op(op, args, gpu, ceilings, [], rows_so_far=save_partial)
         except Exception as exc:  # one op's crash must not lose the others' rows
             msg = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             print(f"\n{op}: bench crashed: {type(exc).__name__}: {msg}", file=sys.stderr)
@@ -721,13 +732,13 @@ def run(args) -> int:
             if gpu:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-        # Rows and a partial record as each op ends: a run cut short by a time limit keeps them.
+        # Rows and a partial record as each op ends (and before each system, save_partial): a run cut
+        # short by a time limit keeps them (seen 2026-12-02: a one-op bench cut in its last system
+        # after FLA's 248 s compile lost every row).
         add_speedups(op_rows)
         print_rows(op_rows)
         rows += op_rows
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(record, partial=True), f, indent=1, default=str)
+        save_partial([])
     print("\nfinal table:")
     print_table(rows, ceilings)
     if args.base:
