@@ -29,9 +29,10 @@ or a chunk ahead (RECURRENCE_GATES). "vn-from-t": the fused forward from stage 3
 backward, which then skips stage 5's recompute (triton_kernels.KEEP_FORWARD_STATES), or not.
 "flagged-worklist": the gluon backward from kept tiles and states with its flagged chunks' launches
 on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole grids.
+"normalised-qk": the backward's normalised q and k in fp32 or bf16 (triton_kernels.BACKWARD_NORMALISED_QK).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -397,26 +398,28 @@ if "inference" in SECTIONS and dev == "cuda":
                              "t16/regs": {"triton_kernels.FORWARD_T_DTYPE": "input", "Q_NORM": "registers"}},
                "final state", final_state=True, table_every_form=True, keep=False)
 
-# "kept-states": the gluon backend's keeping forward with every chunk's h and Vn stored by the fused
-# kernel for the backward (triton_kernels.KEEP_FORWARD_STATES) or not (the backward recomputes stage
-# 5), same inputs: the keeping forward, the backward from what it kept, and forward + backward
-# through autograd (tileport.chunk_kda), each with the switch on and off; then the backward's kernels
-if "kept-states" in SECTIONS and dev == "cuda":
+def backward_switch_ab(label: str, module, switch: str, values: tuple, check=None, tables=("logsigmoid",)) -> None:
+    """A switch of the gluon backend's training path (`module.<switch>`) at each of values, same
+    inputs, under each kind of gates: the keeping forward, the backward from what it kept (its
+    gradients' worst normwise distance from the first value's), and forward + backward through
+    autograd (tileport.chunk_kda); the backward's kernels under the gates named in tables.
+    check(value, kept): an assertion on what the forward kept."""
     import tileport
     from tileport.ops.kda import gluon_kernels as kg
 
-    default_states = kk.KEEP_FORWARD_STATES
+    default = getattr(module, switch)
     do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
     for name, g in gates.items():
         fargs = (q, k, v, g, beta, K ** -0.5, None, False, True, None)
         bargs = (do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
         base = None
-        for keep_states in (False, True):
-            kk.KEEP_FORWARD_STATES = keep_states
+        for value in values:
+            setattr(module, switch, value)
             ms = triton.testing.do_bench(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True), warmup=3,
                                          rep=20, return_mode="median")
             _, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
-            assert (kept.h is not None) == keep_states, "the switch decides whether h and Vn are kept"
+            if check is not None:
+                check(value, kept)
             grads, bms, err = timed_gradients(lambda: kg.kda_backward_gluon(*bargs, kept=kept), base)
             base = grads if base is None else base
             leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
@@ -426,50 +429,34 @@ if "kept-states" in SECTIONS and dev == "cuda":
                 return torch.autograd.grad(o, leaves, do)
 
             fbms = triton.testing.do_bench(fwdbwd, warmup=3, rep=20, return_mode="median")
-            print(f"kda gluon gates={name:10} KEEP_FORWARD_STATES={keep_states!s:5}: keeping forward {ms:.3f} ms, "
-                  f"backward from kept {bms:.3f} ms (worst gradient vs the recompute's {err:.2e}), forward+backward "
-                  f"(chunk_kda) {fbms:.3f} ms", flush=True)
+            print(f"kda gluon gates={name:10} {switch}={value!s:5}: keeping forward {ms:.3f} ms, backward from kept "
+                  f"{bms:.3f} ms (worst gradient vs {switch}={values[0]}'s {err:.2e}), forward+backward (chunk_kda) "
+                  f"{fbms:.3f} ms", flush=True)
+            if name in tables:
+                kernel_table(lambda: kg.kda_backward_gluon(*bargs, kept=kept),
+                             f"kda backward (gluon) from kept, gates {name}, {label} {switch}={value}", calls=3, rows=16)
             del kept
-        if name == "logsigmoid":
-            _, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
-            kernel_table(lambda: kg.kda_backward_gluon(*bargs, kept=kept), "kda backward (gluon) from kept states",
-                         calls=3, rows=14)
-            kernel_table(lambda: kg.kda_forward_gluon(*fargs, keep_for_backward=True),
-                         "kda keeping forward (gluon), states stored", calls=3, rows=10)
-            del kept
-    kk.KEEP_FORWARD_STATES = default_states
+    setattr(module, switch, default)
 
-# "flagged-worklist": the gluon backward from what the keeping forward kept, its flagged chunks'
-# launches (stages 7, 9, 9b, 10, 10b) on a persistent grid over the flags' worklist
-# (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole grids whose unflagged programs return at
-# once; same inputs, the gradients compared (the worklist form computes the same sums: expect 0);
-# then each form's backward kernels under the logsigmoid gates (few flagged chunks) and the steep
-# ones (every chunk flagged)
+
+# "kept-states": the keeping forward with every chunk's h and Vn stored by the fused kernel for the
+# backward (triton_kernels.KEEP_FORWARD_STATES) or not (the backward recomputes stage 5)
+if "kept-states" in SECTIONS and dev == "cuda":
+    def states_kept(value, kept):
+        assert (kept.h is not None) == value, "the switch decides whether h and Vn are kept"
+
+    backward_switch_ab("kept-states", kk, "KEEP_FORWARD_STATES", (False, True), check=states_kept)
+
+# "flagged-worklist": the backward's flagged chunks' launches (stages 7, 9, 9b, 10, 10b) on a
+# persistent grid over the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole
+# grids whose unflagged programs return at once (the same sums: expect 0 between them); kernels
+# under the logsigmoid gates (few flagged chunks) and the steep ones (every chunk flagged)
 if "flagged-worklist" in SECTIONS and dev == "cuda":
-    import tileport
-    from tileport.ops.kda import gluon_kernels as kg
+    backward_switch_ab("flagged-worklist", kk, "BACKWARD_FLAGGED_WORKLIST", (False, True),
+                       tables=("logsigmoid", "steep"))
 
-    default_worklist = kk.BACKWARD_FLAGGED_WORKLIST
-    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
-    for name, g in gates.items():
-        fargs = (q, k, v, g, beta, K ** -0.5, None, False, True, None)
-        bargs = (do, None, q, k, v, g, beta, K ** -0.5, None, True, None)
-        _, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
-        base = None
-        for on in (False, True):
-            kk.BACKWARD_FLAGGED_WORKLIST = on
-            grads, bms, err = timed_gradients(lambda: kg.kda_backward_gluon(*bargs, kept=kept), base)
-            base = grads if base is None else base
-            leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-
-            def fwdbwd():
-                o, _ = tileport.chunk_kda(*leaves, use_qk_l2norm_in_kernel=True)
-                return torch.autograd.grad(o, leaves, do)
-
-            fbms = triton.testing.do_bench(fwdbwd, warmup=3, rep=20, return_mode="median")
-            print(f"kda gluon gates={name:10} BACKWARD_FLAGGED_WORKLIST={on!s:5}: backward from kept {bms:.3f} ms "
-                  f"(worst gradient vs the grid form's {err:.2e}), forward+backward (chunk_kda) {fbms:.3f} ms", flush=True)
-            kernel_table(lambda: kg.kda_backward_gluon(*bargs, kept=kept),
-                         f"kda backward (gluon), gates {name}, BACKWARD_FLAGGED_WORKLIST={on}", calls=3, rows=16)
-        del kept
-    kk.BACKWARD_FLAGGED_WORKLIST = default_worklist
+# "normalised-qk": the backward's normalised q and k in fp32 (the default) or in the inputs' dtype
+# (triton_kernels.BACKWARD_NORMALISED_QK "input": the cut (2) of "The backward's bytes"), the
+# gradients' distance between them beside the time
+if "normalised-qk" in SECTIONS and dev == "cuda":
+    backward_switch_ab("normalised-qk", kk, "BACKWARD_NORMALISED_QK", ("fp32", "input"))

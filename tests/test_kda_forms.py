@@ -44,6 +44,9 @@ FORMS = {
     # (before the sixteenth session)
     "recompute-stage3": dict(KEEP_FORWARD_TILES=False),
     "bwd-qk-bf16": dict(BACKWARD_NORMALISED_QK="input"),
+    # the backward's flagged chunks' launches on grids of every chunk rather than over their
+    # worklist (before the twenty-fifth session)
+    "bwd-flagged-grid": dict(BACKWARD_FLAGGED_WORKLIST=False),
 }
 
 

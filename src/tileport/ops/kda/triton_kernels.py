@@ -1328,11 +1328,14 @@ def _flagged_launch(kernel, grid, args, span_flags, worklist, launch, **kwargs):
 # Whether the backward's flagged chunks' launches (7, 9, 9b, 10, 10b) run on a persistent grid over
 # their worklist (`flagged_worklist`, formed once per backward) instead of a grid of every chunk
 # whose programs return at unflagged ones (the forward's flagged routes do since the twenty-third
-# session: 13.6 + 25.7 -> 1.5 + 1.6 us). In the gluon backward at S1 with no chunk flagged those
-# launches took ~0.11 ms (H200, kda_ab "kept-states" at 59812f9). Off: CPU-verified only (the gate's
-# cases pass in this form under the interpreter: tests/test_kda_forms.py "bwd-worklist"), not yet
-# run on the H200. Read at each call.
-BACKWARD_FLAGGED_WORKLIST = False
+# session: 13.6 + 25.7 -> 1.5 + 1.6 us). On the H200 (kda_ab "flagged-worklist", twenty-fifth
+# session, S1, gluon backward from kept tiles and states): with the bench's gates (no chunk flagged)
+# the five launches' ~103 us -> ~10 us with the worklist's, backward 6.147 -> 6.053 ms; with steep
+# gates (every chunk flagged) 21.89 -> 22.19 ms (the worklist loop's spills in 7 and 9); gradients
+# bitwise equal in both, and in tests/test_kda_flagged_worklist.py's ragged cases there. The gate's
+# other files ran there with it off (the grid form, now tests/test_kda_forms.py's "bwd-flagged-grid").
+# Read at each call.
+BACKWARD_FLAGGED_WORKLIST = True
 
 
 def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None,
