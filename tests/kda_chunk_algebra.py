@@ -34,8 +34,12 @@ def gated_cols(M, Y, G):
 
 
 def chunked_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                     chunk: int = 64):
-    """(dq, dk, dv, dg, dbeta, dh0) in float64, chunk by chunk."""
+                     chunk: int = 64, wu_free: bool = False):
+    """(dq, dk, dv, dg, dbeta, dh0) in float64, chunk by chunk. wu_free: the backward's loop never
+    reads W = T Bk and U = T Bv (Bk = diag(beta) (exp(G) * K), Bv = diag(beta) V), only T and the
+    inputs they are formed from (docs/perf/kda.md, "Plan: the backward without W and U"):
+    W^T dVn = Bk^T (T^T dVn) in stage 8 and dXw W^T + dXu U^T = (dXw Bk^T + dXu Bv^T) T^T in
+    stage 10; the forward's Vn and states are the recompute's as before."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q_raw, k_raw = q.to(f64), k.to(f64)
@@ -72,7 +76,10 @@ def chunked_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2n
             P = gated_products(Q, Kc, G, inclusive=True)
             # 7, 8: dVn, the state gradient entering the chunk
             dVn = scale * P.transpose(1, 2) @ dO + Kd @ dh
-            dh_in = GL.exp()[:, :, None] * dh + scale * (G.exp() * Q).transpose(1, 2) @ dO - W.transpose(1, 2) @ dVn
+            Bk = bc[:, :, None] * G.exp() * Kc
+            Bv = bc[:, :, None] * Vc
+            W_dVn = Bk.transpose(1, 2) @ (Tm.transpose(1, 2) @ dVn) if wu_free else W.transpose(1, 2) @ dVn
+            dh_in = GL.exp()[:, :, None] * dh + scale * (G.exp() * Q).transpose(1, 2) @ dO - W_dVn
             # 9: through O and h'
             dqh = scale * dO @ hc.transpose(1, 2)
             dP = torch.tril(scale * dO @ Vn.transpose(1, 2))
@@ -94,7 +101,10 @@ def chunked_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2n
             # 10: through W, U, T and A
             dXw = Tm.transpose(1, 2) @ dW
             dXu = Tm.transpose(1, 2) @ dVn
-            dA = -torch.tril(dXw @ W.transpose(1, 2) + dXu @ U.transpose(1, 2), -1)
+            if wu_free:
+                dA = -torch.tril((dXw @ Bk.transpose(1, 2) + dXu @ Bv.transpose(1, 2)) @ Tm.transpose(1, 2), -1)
+            else:
+                dA = -torch.tril(dXw @ W.transpose(1, 2) + dXu @ U.transpose(1, 2), -1)
             RdA = gated_rows(dA, Kc, G)
             CB = gated_cols(bc[:, :, None] * dA, Kc, G)
             dv[b, c0:c1] = (bc[:, :, None] * dXu).transpose(0, 1)
