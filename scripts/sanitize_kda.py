@@ -11,8 +11,9 @@ stage 3 leaves unflagged, stage 10 in its split form's two kernels (`_kda_wy_dA_
 `_kda_wy_pairs_kernel`, WY_FORM "split", the default) on the first pass and in one kernel
 (`_kda_wy_bwd_wgmma_kernel`) on the second.
 
-    python3 scripts/sanitize_kda.py [quick] [first] [q-registers]
-        (first: the first pass only, the defaults; q-registers: gluon_kernels.Q_NORM "registers")
+    python3 scripts/sanitize_kda.py [quick] [first] [q-registers] [u-from-t]
+        (first: the first pass only, the defaults; q-registers: gluon_kernels.Q_NORM "registers";
+        u-from-t: triton_kernels.BACKWARD_U_FROM_T, `_kda_wy_dA_kernel`'s U_FREE form)
 
 Each case runs the forward and backward (T kept for the backward) and a forward under no_grad.
 
@@ -38,6 +39,10 @@ if not quick:
 gdn_gluon.BACKWARD_STATES = "gluon"
 if "q-registers" in sys.argv[1:]:
     kda_gluon.Q_NORM = "registers"
+if "u-from-t" in sys.argv[1:]:  # the backward never forms U: the dA kernel's U_FREE form (kda.md row 36)
+    from tileport.ops.kda import triton_kernels as kda_triton
+
+    kda_triton.BACKWARD_U_FROM_T = True
 # stage 10 in its split form (the default) and in one kernel (WY_FORM)
 passes = ((128, 8, "split", "fused-t", "triton"), (64, 4, "one-kernel", "split", "gluon"))
 for bv, warps, wy_form, recurrence, solve in passes[:1] if "first" in sys.argv[1:] else passes:

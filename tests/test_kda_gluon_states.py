@@ -229,17 +229,19 @@ def test_forms_leave_the_forward_unchanged(forms, layout, K, device, seed, monke
     assert torch.equal(ht2, ht1), f"final state [{layout} K={K}]: {normwise(ht2, ht1):.2e} between {switch}'s forms"
 
 
-@pytest.mark.parametrize("form", ["fused", "fused-t"])
+@pytest.mark.parametrize("form", ["fused", "fused-t", "fused-t-u-from-t"])
 @pytest.mark.parametrize("case_id", [cid for cid, c in parity.CASES.items()
                                      if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)])
 def test_gate_cases_with_the_fused_kernel(case_id, form, device, seed, fused, monkeypatch):
     """The gate's accepted cases (forward and backward against the float64 reference, the gate's
     bounds) on the gluon backend with the fused forward in each form, which each forward launches
-    once."""
+    once; "fused-t-u-from-t": the backward from the kept states never forms U (BACKWARD_U_FROM_T)."""
     parity._backend_or_skip("gluon", device)
     from tileport.ops.kda import gluon_kernels as gk
+    from tileport.ops.kda import triton_kernels as kk
 
-    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", form)
+    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", form.removesuffix("-u-from-t"))
+    monkeypatch.setattr(kk, "BACKWARD_U_FROM_T", form.endswith("-u-from-t"))
     parity._run_and_check("gluon", case_id, device, seed)
     assert len(fused.grids) == 1, fused.grids
 
@@ -604,6 +606,51 @@ def test_backward_takes_kept_states_instead_of_stage_5(device, seed):
     got = kk.kda_backward_triton(*args, kept=kk.KeptTiles(kept.G, kept.T, kept.flags, h, vn), states=no_states)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, base):
         assert torch.equal(a, b), f"{name}: {normwise(a, b):.2e} normwise from the recompute's"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_backward_from_kept_states_without_u(layout, device, seed, monkeypatch):
+    """BACKWARD_U_FROM_T: with the states kept, the backward forms W alone (U never), stage 10 takes
+    dXu U^T as (dXu (diag(beta) V)^T) T^T (the U_FREE kernels: Triton's for the flagged chunks and on
+    the CPU, the Gluon dA kernel for the others on the GPU): dq and dv (upstream of dA) are the
+    U-forming backward's bitwise, dk, dg and dbeta within 1e-3 of them (a new rounding in dA, not
+    bitwise; the gate's fused-t-u-from-t cases bound them against float64 on the GPU)."""
+    parity._backend_or_skip("triton", device)
+    from tileport.ops.kda import gluon_kernels as gk
+    from tileport.ops.kda import triton_kernels as kk
+
+    q, k, v, g, beta, _, cu = _inputs(layout, 64, False, device)
+    _, _, kept = kk.kda_forward_triton(q, k, v, g, beta, 0.125, None, False, True, cu, keep_for_backward=True)
+    do = torch.randn_like(v)
+    recomputed = []
+
+    def states_spy(*args, **kwargs):
+        recomputed.append(kk.chunk_states(*args, **kwargs))
+        return recomputed[-1]
+
+    args = (do, None, q, k, v, g, beta, 0.125, None, True, cu)
+    kk.kda_backward_triton(*args, kept=kept, states=states_spy)
+    h, vn, _ = recomputed[0]
+    kept_states = kk.KeptTiles(kept.G, kept.T, kept.flags, h, vn)
+    formed = []
+    real_wu = kk.chunk_wu_from_t_kda
+    monkeypatch.setattr(kk, "chunk_wu_from_t_kda", lambda *a, **kw: formed.append(kw.get("with_u", True))
+                        or real_wu(*a, **kw))
+    grads = {}
+    for u_from_t in (False, True):
+        monkeypatch.setattr(kk, "BACKWARD_U_FROM_T", u_from_t)
+        grads[u_from_t] = gk.kda_backward_gluon(*args, kept=kept_states)
+    assert formed == [True, False], formed
+    assert (kept.flags != 0).any() and (kept.flags == 0).any(), "both routes of stage 10 run"
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[True], grads[False]):
+        assert not a.isnan().any(), name
+        if name in ("dq", "dv"):  # upstream of dA
+            assert torch.equal(a, b), f"{name} [{layout}]: {normwise(a, b):.2e} normwise from the U-forming backward's"
+        else:  # CPU: dk 2.5e-4 (its bf16 rounding), dg and dbeta 4e-5; T in place of T^T: dk 5.8e-3
+            assert normwise(a, b) < 1e-3, f"{name} [{layout}]: {normwise(a, b):.2e} normwise from the U-forming backward's"
+    # without kept states U is formed whatever the switch says (stage 5's recompute reads it)
+    kk.kda_backward_triton(*args, kept=kept)
+    assert formed[-1] is True
 
 
 @pytest.mark.parametrize("layout,K,h0", [(lay, K, h0) for lay in LAYOUTS for K in (64, 128) for h0 in (True, False)])

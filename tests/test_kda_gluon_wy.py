@@ -179,6 +179,13 @@ def test_rule(monkeypatch):
     for K, V in ((128, 64), (32, 32)):
         shaped = (OnGPU(torch.float32, 3, (64, 2, K)), OnGPU(torch.float32, 3, (64, 2, V))) + ops[2:]
         assert kg.wy_bwd_kernel_for(shaped, G, torch.bfloat16, flags, outs) == "triton", (K, V)
+    # U never formed (BACKWARD_U_FROM_T): the split form's U_FREE dA kernel takes it, the one-kernel form not
+    no_u = ops[:4] + (None,) + ops[5:]
+    monkeypatch.setattr(kg, "WY_FORM", "split")
+    assert kg.wy_bwd_kernel_for(no_u, G, torch.bfloat16, flags, outs) == "gluon"
+    assert kg.wy_bwd_kernel_for(no_u[:2] + (k16,) + no_u[3:], G, torch.bfloat16, flags, outs) == "triton"
+    monkeypatch.setattr(kg, "WY_FORM", "one-kernel")
+    assert kg.wy_bwd_kernel_for(no_u, G, torch.bfloat16, flags, outs) == "triton"
     monkeypatch.setattr(kg, "BACKWARD_WY", "triton")
     assert kg.wy_bwd_kernel_for(ops, G, torch.bfloat16, flags, outs) == "triton"
     monkeypatch.setattr(kg, "BACKWARD_WY", "fast")

@@ -415,6 +415,13 @@ def _kda_backward_cases():
             dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
             CB=min(BK, 64), PAIRS=True, flags_ptr=fl, dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K),
             CHUNKS=route, **extra, **prec)
+    # U never formed (BACKWARD_U_FROM_T): the flagged chunks' launch over the worklist, u_ptr None
+    yield "kda wy_bwd fused 10b worklist u-free", kk._kda_wy_bwd_kernel, dict(
+        k_ptr=tok(K), v_ptr=tok(V, bf), beta_ptr=T([Ntok, H], bf), G_ptr=G32, Ai_ptr=tok(64), w_ptr=tok(K),
+        u_ptr=None, dw_ptr=tok(K), dvn_ptr=tok(V), dkp_ptr=tok(K), dGp_ptr=tok(K), da_ptr=tok(64),
+        dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
+        CB=min(BK, 64), PAIRS=True, flags_ptr=fl, dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K),
+        CHUNKS="worklist", work_ptr=work, U_FREE=True, **prec)
 
 KDA_BACKWARD_CASES = list(_kda_backward_cases())
 

@@ -838,9 +838,9 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _dxu_dxw_block(a_tT, dvnT_b, dwT_b, zero, v_ptr, dv_ptr, beta, orows, o_ok, col0, V: gl.constexpr):
         """Stage 10's first products for one block of 64 value/key channels (from column col0):
-        dXu_b = T^T dVn_b and dXw_b = T^T dW_b (tf32 WGMMAs, T^T a register A operand, dVn_b^T and
+        dXu_b = T^T dVn_b and dXw_b = T^T dW_b (tf32 WGMMAs, T^T a register or shared A operand, dVn_b^T and
         dW_b^T in shared memory), with dV_b = diag(beta) dXu_b stored (rows past the sequence
-        masked); returns (dXu_b, dXw_b, rowsum(V_b dXu_b)). Both stage-10 forms call it."""
+        masked); returns (dXu_b, dXw_b, rowsum(V_b dXu_b), V_b in fp32). Both stage-10 forms call it."""
         NW: gl.constexpr = gl.num_warps()
         CB: gl.constexpr = dvnT_b.shape[0]
         dxu = warpgroup_mma(a_tT, dvnT_b.permute((1, 0)), zero, is_async=True)
@@ -856,7 +856,7 @@ if _GLUON_ERROR is None:
             gl.thread_barrier()
         # lint: allow TP001 -- as V
         gl.store(dv_ptr + voffs, (dxu * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=o_ok[:, None])
-        return dxu, dxw, gl.sum(vt * dxu, axis=1)
+        return dxu, dxw, gl.sum(vt * dxu, axis=1), vt
 
     @gluon.jit
     def _kda_wy_bwd_wgmma_kernel(u_desc, w_desc, t_ptr, dw_ptr, dvn_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, dkp_ptr,
@@ -941,7 +941,7 @@ if _GLUON_ERROR is None:
             dA = zero
             vdu = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
             for b in gl.static_range(NB):
-                dxu, dxw, vdu_b = _dxu_dxw_block(a_tT, dvnT_s.index(b), dwT_s.index(b), zero, v_ptr, dv_ptr, beta,
+                dxu, dxw, vdu_b, _v = _dxu_dxw_block(a_tT, dvnT_s.index(b), dwT_s.index(b), zero, v_ptr, dv_ptr, beta,
                                                  orows, o_ok, b * CB, V)
                 vdu += vdu_b
                 a_dxu = gl.convert_layout(dxu, OP_L)
@@ -1009,7 +1009,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _kda_wy_dA_kernel(u_desc, w_desc, t_ptr, dw_ptr, dvn_ptr, v_ptr, beta_ptr, dv_ptr, vdu_ptr, dxw_ptr, mm_desc,
-                          chunks_ptr, flags_ptr, H, K: gl.constexpr, V: gl.constexpr):
+                          chunks_ptr, flags_ptr, H, K: gl.constexpr, V: gl.constexpr, U_FREE: gl.constexpr = False):
         """Stage 10's first half (WY_FORM "split") for one chunk and head whose flag is clear; grid
         (NC, H), 4 warps (one warpgroup), a flagged chunk's program returns. By blocks b of 64
         channels, in `_kda_wy_bwd_wgmma_kernel`'s order:
@@ -1023,7 +1023,12 @@ if _GLUON_ERROR is None:
         80 KB with the layout conversions' scratch; 242 registers at K = 128), so that two
         programs fit an SM (the one-kernel form holds every block and both phases' tiles, 213 KB:
         one program of 8 warps per SM, latency-bound); T^T, dXu_b and dXw_b are register A
-        operands. H200 at 32fbcd8 (S1): 0.61 ms per backward, 63% of DRAM peak (ncu)."""
+        operands. H200 at 32fbcd8 (S1): 0.61 ms per backward, 63% of DRAM peak (ncu).
+        U_FREE (triton_kernels.BACKWARD_U_FROM_T): U is never formed and u_desc is not read (any
+        descriptor of its block shape, e.g. W's, stands in): dXu_b U_b^T = dXu_b (T Bv_b)^T, so the
+        blocks' dXu_b Bv_b^T (Bv_b = diag(beta) V_b, the V_b `_dxu_dxw_block` loads for vdu, stored
+        into U_b's slot) sum apart and T, row-major through the same slot, takes the sum at the end:
+        dA = sum_b dXw_b W_b^T + (sum_b dXu_b Bv_b^T) T^T."""
         BT: gl.constexpr = u_desc.block_type.shape[0]
         CB: gl.constexpr = u_desc.block_type.shape[1]
         gl.static_assert(K == V and K % CB == 0, "the blocks of K and V pair up")
@@ -1041,6 +1046,10 @@ if _GLUON_ERROR is None:
         w_s = gl.allocate_shared_memory(gl.float32, [BT, CB], w_desc.layout)
         dvnT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)
         dwT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)
+        if U_FREE:
+            # T^T as a shared A operand (16 KB), not registers: the 32 registers a thread that dAu
+            # takes (in registers T^T and dAu spilled at K = 128: 255 registers, 44 B)
+            tT_s = gl.allocate_shared_memory(gl.float32, [BT, BT], XT_SL)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         if gl.load(flags_ptr + c * H + hh) == 0:
             bos, eos = _chunk_bounds(chunks_ptr, c)
@@ -1051,30 +1060,61 @@ if _GLUON_ERROR is None:
             ro, co, o_ok, orows = _chunk_rows(bos, eos, hh, H, BT, CB, A_L)
             zero = gl.zeros([BT, CB], gl.float32, A_L)
             dA = zero
+            dAu = zero  # U_FREE: sum_b dXu_b Bv_b^T, which T^T takes after the blocks
             vdu = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
             for b in gl.static_range(NB):
-                mbarrier.expect(bar, u_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(u_desc, [bos, hh * V + b * CB], bar, u_s)
+                if U_FREE:
+                    mbarrier.expect(bar, w_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(bar, u_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(u_desc, [bos, hh * V + b * CB], bar, u_s)
                 tma.async_copy_global_to_shared(w_desc, [bos, hh * K + b * CB], bar, w_s)
                 if b == 0:
-                    a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)  # under the first loads
+                    if U_FREE:
+                        _store_transposed(tT_s, t_ptr, rows, cc, r_ok, BT)  # T's rows transposed: T^T, K-major
+                    else:
+                        a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)  # under the first loads
                     beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
                 _store_transposed(dvnT_s, dvn_ptr, rows, b * CB + cc, r_ok, V)
                 _store_transposed(dwT_s, dw_ptr, rows, b * CB + cc, r_ok, K)
                 fence_async_shared()
                 gl.thread_barrier()  # every warp's part of dVn_b^T and dW_b^T, before the WGMMAs read them
-                dxu, dxw, vdu_b = _dxu_dxw_block(a_tT, dvnT_s, dwT_s, zero, v_ptr, dv_ptr, beta, orows, o_ok, b * CB, V)
+                if U_FREE:
+                    dxu, dxw, vdu_b, vt = _dxu_dxw_block(tT_s, dvnT_s, dwT_s, zero, v_ptr, dv_ptr, beta, orows, o_ok,
+                                                         b * CB, V)
+                else:
+                    dxu, dxw, vdu_b, vt = _dxu_dxw_block(a_tT, dvnT_s, dwT_s, zero, v_ptr, dv_ptr, beta, orows, o_ok,
+                                                         b * CB, V)
                 vdu += vdu_b
+                if U_FREE:
+                    u_s.store(vt * beta[:, None])  # Bv_b, rows past the sequence 0 (V's masked load)
+                    fence_async_shared()
+                    gl.thread_barrier()  # every warp's rows of Bv_b before the WGMMA reads them
                 # lint: allow TP001 -- as V (fp32 dXw_b for the second half's R_b, in the layout it is formed in)
                 gl.store(dxw_ptr + orows[:, None] * K + (b * CB + co)[None, :], dxw, mask=o_ok[:, None])
                 a_dxu = gl.convert_layout(dxu, OP_L)
                 a_dxw = gl.convert_layout(dxw, OP_L)
                 mbarrier.wait(bar, b % 2)
-                dA = warpgroup_mma(a_dxu, u_s.permute((1, 0)), dA, is_async=True)
-                dA = warpgroup_mma(a_dxw, w_s.permute((1, 0)), dA, is_async=True)
-                dA, _a, _b, _u, _w2 = warpgroup_mma_wait(0, deps=[dA, a_dxu, a_dxw, u_s, w_s])
+                if U_FREE:
+                    dAu = warpgroup_mma(a_dxu, u_s.permute((1, 0)), dAu, is_async=True)
+                    dA = warpgroup_mma(a_dxw, w_s.permute((1, 0)), dA, is_async=True)
+                    dA, dAu, _a, _b, _u, _w2 = warpgroup_mma_wait(0, deps=[dA, dAu, a_dxu, a_dxw, u_s, w_s])
+                else:
+                    dA = warpgroup_mma(a_dxu, u_s.permute((1, 0)), dA, is_async=True)
+                    dA = warpgroup_mma(a_dxw, w_s.permute((1, 0)), dA, is_async=True)
+                    dA, _a, _b, _u, _w2 = warpgroup_mma_wait(0, deps=[dA, a_dxu, a_dxw, u_s, w_s])
                 if b + 1 < NB:
                     gl.thread_barrier()  # every warp is done with this block's slots before the next block's writes
+            if U_FREE:
+                # lint: allow TP001 -- T's rows, masked past the sequence, into the free slot (as `_transposed_rows`)
+                t_rows = gl.load(t_ptr + rows * BT + cc[None, :], mask=r_ok, other=0.0)
+                gl.thread_barrier()  # every warp is done with the last block's Bv_b
+                u_s.store(t_rows)
+                fence_async_shared()
+                gl.thread_barrier()
+                a_dAu = gl.convert_layout(dAu, OP_L)
+                dA = warpgroup_mma(a_dAu, u_s.permute((1, 0)), dA, is_async=True)  # + (sum_b dXu_b Bv_b^T) T^T
+                dA, _d, _u = warpgroup_mma_wait(0, deps=[dA, a_dAu, u_s])
             keep = (ro[:, None] > co[None, :]) & o_ok[:, None] & (bos + co < eos)[None, :]
             M = gl.where(keep, -dA, 0.0)
             gl.store(vdu_ptr + orows, vdu, mask=o_ok)
@@ -1198,11 +1238,15 @@ def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
     products are tf32 (`kk._products`), every operand after k and v fp32 (k and v, like beta, are
     loaded into registers in any float dtype), every operand and G contiguous (the kernel's row
     offsets assume it), G per channel in fp32, K == V of HEAD_DIMS, stage 3's int8 flags given and
-    10b fused here (outputs_10b), on the GPU."""
+    10b fused here (outputs_10b), on the GPU. U None (never formed: BACKWARD_U_FROM_T): the split
+    form's U_FREE kernel only (WY_FORM "split")."""
     if kk._checked("BACKWARD_WY", BACKWARD_WY, _KERNEL_CHOICES) == "triton" or _GLUON_ERROR is not None:
         return "triton"
     if span_flags is None or span_flags.dtype != torch.int8 or outputs_10b is None or not G.is_cuda:
         return "triton"
+    if operands[4] is None and kk._checked("WY_FORM", WY_FORM, ("one-kernel", "split")) != "split":
+        return "triton"
+    operands = tuple(x for x in operands if x is not None)
     k, v = operands[0], operands[1]
     K, V = k.shape[-1], v.shape[-1]
     tf32 = kk._products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"
@@ -1234,8 +1278,10 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
             mm = new_empty((plan.NC * H * BT, 2 * BT), torch.float32, k.device)  # M and M^T per chunk and head
             dxw = new_empty((Ntok, H, K), torch.float32, k.device)
             mm_desc = _descriptor(mm, [BT, BT])
-            _kda_wy_dA_kernel[(plan.NC, H)](rows(u, V), rows(w, K), Ai, dw, dvn, v, beta, dv, vdu, dxw, mm_desc,
-                                            plan.chunks, span_flags, H, K, V, num_warps=4)
+            # U never formed (BACKWARD_U_FROM_T): W's descriptor stands in for U's, unread (U_FREE)
+            _kda_wy_dA_kernel[(plan.NC, H)](rows(w, K) if u is None else rows(u, V), rows(w, K), Ai, dw, dvn, v, beta,
+                                            dv, vdu, dxw, mm_desc, plan.chunks, span_flags, H, K, V,
+                                            U_FREE=u is None, num_warps=4)
             _kda_wy_pairs_kernel[(plan.NC, H)](mm_desc, dxw, k, beta, G, dk, dG, vdu, dk_out,
                                                dbeta_out, dg_out, plan.chunks, span_flags, H, K,
                                                _PAIRS_CHANNELS, num_warps=4)
@@ -1778,6 +1824,8 @@ def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
                 dg_ptr=t(Ntok, H, K, dtype=g_dtype), chunks_ptr=t(2 * NC, dtype=torch.int64),
                 flags_ptr=t(NC, H, dtype=torch.int8), H=H, K=K, CW=_PAIRS_CHANNELS)),
         }
+        # U never formed (U_FREE, triton_kernels.BACKWARD_U_FROM_T): W's descriptor stands in for U's
+        split_args["dA_ufree"] = (_kda_wy_dA_kernel, dict(split_args["dA"][1], U_FREE=True))
         for part, (kernel, kargs) in split_args.items():
             cases.append(CompileCase(name=f"kda_wy_split_{part}_{tag}", kernel=kernel, args=kargs, num_warps=4,
                                      expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],

@@ -488,23 +488,25 @@ class KeptTiles(NamedTuple):
     vn: torch.Tensor | None = None
 
 
-def chunk_wu_from_t_kda(T, k, v, beta, G, flags, plan, input_dtype: torch.dtype, keys_normalised: bool):
+def chunk_wu_from_t_kda(T, k, v, beta, G, flags, plan, input_dtype: torch.dtype, keys_normalised: bool,
+                        with_u: bool = True):
     """The backward's W [Ntok, H, K] and U [Ntok, H, V] (fp32) from its forward's T, as its
     recompute of stage 3 forms them (EXACT_WU: fp32 operands): W = T (diag(beta) (exp(G) * K)),
     U = T diag(beta) V; GDN's `_wu_from_t_kernel` with PER_CHANNEL, grid (NC * D / BC, H) per
     output and route: the whole chunks' products at the tile kernel's precision, the flagged
-    chunks' at tf32x3 (the block kernel forms them in fp32)."""
+    chunks' at tf32x3 (the block kernel forms them in fp32). with_u False: (W, None), U not formed
+    (BACKWARD_U_FROM_T)."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
     w = new_empty((Ntok, H, K), _F32, k.device)
-    u = new_empty((Ntok, H, V), _F32, k.device)
+    u = new_empty((Ntok, H, V), _F32, k.device) if with_u else None
     if not plan.NC:
         return w, u
     prec, _ = _tile_precisions(input_dtype, False, True, True, keys_normalised)
     # the flagged chunks at tf32x3 (three tf32 passes, error near fp32's): their recompute's block
     # products are fp32 FMA ("ieee"), which as one [64, 64] product spill 536 B at 4 warps (sm_90a)
     for route, route_prec in (("whole", prec), ("flagged", "tf32x3")):
-        for x, out, gated in ((k, w, True), (v, u, False)):
+        for x, out, gated in ((k, w, True), (v, u, False))[:2 if with_u else 1]:
             D = x.shape[-1]
             BC = min(64, max(16, next_pow2(D)))
             _wu_from_t_kernel[(plan.NC * cdiv(D, BC), H)](T, x, beta, G, out, plan.chunks, H, D, BC, cdiv(D, BC), BT,
@@ -1054,7 +1056,8 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                        BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                        CB: tl.constexpr = 64, PAIRS: tl.constexpr = False, flags_ptr=None, dk_ptr=None,
-                       dbeta_ptr=None, dg_ptr=None, CHUNKS: tl.constexpr = "all", work_ptr=None):
+                       dbeta_ptr=None, dg_ptr=None, CHUNKS: tl.constexpr = "all", work_ptr=None,
+                       U_FREE: tl.constexpr = False):
     """10 (per-channel gates), first half, per chunk and head (grid (NC, H)): back through W, U and T,
         dXw = T^T dW,  dXu = T^T dVn,  dA = strict_lower(-(dXw W^T + dXu U^T))  (stored for 10b),
         dV = diag(beta) dXu,  dbeta' = rowsum(V * dXu) + rowsum(exp(G) * K * dXw)  (stored),
@@ -1069,7 +1072,8 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
     read once and never written back; flagged chunks run as without PAIRS, for 10b's flagged launch.
     CHUNKS "flagged": the flagged chunks only (another kernel took the others, e.g. the gluon
     backend's `_kda_wy_bwd_wgmma_kernel`), "worklist" the same from their worklist at work_ptr on a
-    persistent grid; "all" every chunk."""
+    persistent grid; "all" every chunk. U_FREE (BACKWARD_U_FROM_T): U is never formed (u_ptr unread):
+    dXu U^T = (dXu (diag(beta) V)^T) T^T, the value blocks' sum taken by T^T after them."""
     if CHUNKS == "worklist":
         i = tl.program_id(0)
         n = tl.load(work_ptr)
@@ -1078,11 +1082,12 @@ def _kda_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_p
             i += tl.num_programs(0)
             _kda_wy_bwd_program(item // H, item % H, True, k_ptr, v_ptr, beta_ptr, G_ptr, Ai_ptr, w_ptr, u_ptr, dw_ptr,
                                 dvn_ptr, dkp_ptr, dGp_ptr, da_ptr, dbp_ptr, dv_ptr, chunks_ptr, H, K, V, BK, BV, NV, BT,
-                                PREC, DT, DA, CB, PAIRS, flags_ptr, dk_ptr, dbeta_ptr, dg_ptr)
+                                PREC, DT, DA, CB, PAIRS, flags_ptr, dk_ptr, dbeta_ptr, dg_ptr, U_FREE)
     elif not _not_this_route(CHUNKS, flags_ptr, tl.program_id(0), H, tl.program_id(1)):
         _kda_wy_bwd_program(tl.program_id(0), tl.program_id(1), CHUNKS == "flagged", k_ptr, v_ptr, beta_ptr, G_ptr,
                             Ai_ptr, w_ptr, u_ptr, dw_ptr, dvn_ptr, dkp_ptr, dGp_ptr, da_ptr, dbp_ptr, dv_ptr, chunks_ptr,
-                            H, K, V, BK, BV, NV, BT, PREC, DT, DA, CB, PAIRS, flags_ptr, dk_ptr, dbeta_ptr, dg_ptr)
+                            H, K, V, BK, BV, NV, BT, PREC, DT, DA, CB, PAIRS, flags_ptr, dk_ptr, dbeta_ptr, dg_ptr,
+                            U_FREE)
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 6), and varlen tails would need a descriptor per sequence
@@ -1091,7 +1096,7 @@ def _kda_wy_bwd_program(c, hh, ONLY_FLAGGED: tl.constexpr, k_ptr, v_ptr, beta_pt
                         da_ptr, dbp_ptr, dv_ptr, chunks_ptr, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                         BV: tl.constexpr, NV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                         DA: tl.constexpr, CB: tl.constexpr, PAIRS: tl.constexpr, flags_ptr, dk_ptr, dbeta_ptr,
-                        dg_ptr):
+                        dg_ptr, U_FREE: tl.constexpr = False):
     """10's first half for chunk c of head hh (`_kda_wy_bwd_kernel`'s); ONLY_FLAGGED: the chunk is
     one stage 3 flagged (the flagged routes' launches), so the whole-chunk pair terms are compiled out."""
     bos, eos, r, tok, valid, row = _chunk_of(chunks_ptr, c, H, hh, BT)
@@ -1116,6 +1121,7 @@ def _kda_wy_bwd_program(c, hh, ONLY_FLAGGED: tl.constexpr, k_ptr, v_ptr, beta_pt
             tl.store(dkp_ptr + offs, tl.load(dkp_ptr + offs, mask=mc, other=0.0) + beta[:, None] * egx, mask=mc)
             tl.store(dGp_ptr + offs, tl.load(dGp_ptr + offs, mask=mc, other=0.0) + beta[:, None] * k * egx, mask=mc)
     vdu = tl.full([BT], 0.0, tl.float32)
+    dAu = tl.full([BT, BT], 0.0, tl.float32)  # U_FREE: dXu (diag(beta) V)^T, summed over the value blocks
     for j in tl.static_range(NV):
         vc = j * BV + tl.arange(0, BV)
         mv = valid[:, None] & (vc < V)[None, :]
@@ -1124,8 +1130,13 @@ def _kda_wy_bwd_program(c, hh, ONLY_FLAGGED: tl.constexpr, k_ptr, v_ptr, beta_pt
         tl.store(dv_ptr + row[:, None] * V + vc[None, :], (dxu * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
         v = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
         vdu += tl.sum(v * dxu, 1)
-        u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
-        dA -= _mm(dxu, tl.trans(u), PREC, DT, DA)
+        if U_FREE:
+            dAu += _mm(dxu, tl.trans(v * beta[:, None]), PREC, DT, DA)
+        else:
+            u = tl.load(u_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
+            dA -= _mm(dxu, tl.trans(u), PREC, DT, DA)
+    if U_FREE:
+        dA -= _mm(dAu, Tt, PREC, DT, DA)  # dXu U^T = (dXu Bv^T) T^T
     strict = valid[:, None] & valid[None, :] & (r[:, None] > r[None, :])
     tl.store(da_ptr + row[:, None] * BT + r[None, :], tl.where(strict, dA, 0.0), mask=valid[:, None])
     if not PAIRS:
@@ -1337,6 +1348,14 @@ def _flagged_launch(kernel, grid, args, span_flags, worklist, launch, **kwargs):
 # Read at each call.
 BACKWARD_FLAGGED_WORKLIST = True
 
+# Whether a backward from the forward's kept states (KEEP_FORWARD_STATES: no stage-5 recompute, the
+# one other reader of U) never forms U: stage 10 takes dXu U^T as (dXu (diag(beta) V)^T) T^T
+# (`_kda_wy_bwd_kernel` and the gluon backend's `_kda_wy_dA_kernel`, U_FREE; docs/perf/kda.md,
+# "Plan: the backward without W and U", step 1). Predicted at S1: U's two launches (~0.15 ms) and
+# stage 10's U reads (268 MB) go. Off: CPU interpreter and sm_90a compile only, not run on the H200.
+# Read at each call.
+BACKWARD_U_FROM_T = False
+
 
 def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None,
                     fuse_9b: bool = False, outputs=None, worklist=None):
@@ -1395,7 +1414,8 @@ def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: t
     written at all, and 9's partials dk, dG are read but left as they were. only_flagged (with
     outputs_10b): another kernel has finished the unflagged chunks (their dk, dbeta, dg, and dv in
     `dv`, which this launch completes): only the flagged chunks are launched here (on a persistent
-    grid over their worklist where given)."""
+    grid over their worklist where given). u None: U was never formed (BACKWARD_U_FROM_T), the
+    kernel's U_FREE form."""
     if outputs_10b is not None and span_flags is None:
         raise ValueError("chunk_wy_bwd_kda: outputs_10b needs span_flags (the recompute's per-chunk flags)")
     if only_flagged and (outputs_10b is None or dv is None):
@@ -1413,11 +1433,11 @@ def chunk_wy_bwd_kda(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dtype: t
         if only_flagged:
             _flagged_launch(_kda_wy_bwd_kernel, (plan.NC, H), args, span_flags, worklist, _LAUNCH_CHUNK,
                             CB=min(BK, 64), PAIRS=True, dk_ptr=outputs_10b[0], dbeta_ptr=outputs_10b[1],
-                            dg_ptr=outputs_10b[2])
+                            dg_ptr=outputs_10b[2], U_FREE=u is None)
         else:
             pair_args = {} if outputs_10b is None else dict(PAIRS=True, flags_ptr=span_flags, dk_ptr=outputs_10b[0],
                                                             dbeta_ptr=outputs_10b[1], dg_ptr=outputs_10b[2])
-            _kda_wy_bwd_kernel[(plan.NC, H)](*args, CB=min(BK, 64), **pair_args, **_LAUNCH_CHUNK)
+            _kda_wy_bwd_kernel[(plan.NC, H)](*args, CB=min(BK, 64), U_FREE=u is None, **pair_args, **_LAUNCH_CHUNK)
     return da, dbp, _done(dv, dv_dtype)
 
 
@@ -1489,7 +1509,9 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     # with BACKWARD_WHOLE_CHUNKS the recompute's stage 3 in whole-chunk tiles too, its flags routing 7, 9b, 10b
     if kept is not None and BACKWARD_WHOLE_CHUNKS:
         G, Ai, flags = kept[:3]
-        w, u = chunk_wu_from_t_kda(Ai, kn, vf, bf, G, flags, plan, dt, keys_normalised=l2)
+        # U's one reader besides stage 10 is stage 5's recompute, which kept states spare
+        u_free = kept.h is not None and _checked("BACKWARD_U_FROM_T", BACKWARD_U_FROM_T, (False, True))
+        w, u = chunk_wu_from_t_kda(Ai, kn, vf, bf, G, flags, plan, dt, keys_normalised=l2, with_u=not u_free)
     else:
         flags = _span_flags(plan, H, q, BACKWARD_WHOLE_CHUNKS)
         G, g_in_3 = _gate_sums(gf, plan, flags, dt)
