@@ -124,6 +124,52 @@ def test_stage10_matches_triton_route_by_route(layout, K, l2, form, device, seed
             assert err <= BOUND[a.dtype], f"{name} on {route} chunks {where}: normwise {err:.2e} from Triton's"
 
 
+# U never formed (BACKWARD_U_FROM_T): dXu U^T as (dXu (diag(beta) V)^T) T^T, a new rounding of dA's
+# U part: two tf32 products for one, and on the flagged chunks in place of a U formed at tf32x3.
+# Measured under the interpreter (tf32 emulated), worst of the eight cases: dA on flagged chunks
+# 4.5e-4 normwise (its terms cancel), dk, dg, dbeta 4.3e-5, dv and the partials bitwise. 2e-3 for
+# fp32 outputs, unmeasured on the H200; T in place of T^T puts dA off by O(1).
+U_FREE_BOUND = {torch.float32: 2e-3, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+@pytest.mark.parametrize("l2", [False, True], ids=["raw-keys", "l2norm"])
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stage10_without_u_route_by_route(layout, K, l2, device, seed, monkeypatch):
+    """Stage 10 with U never formed (u None: the U_FREE kernels; on the GPU the Gluon dA kernel for
+    the unflagged chunks, which a spy sees run, and Triton's for the flagged; on the CPU Triton's
+    for all) against Triton's one launch from U, same arguments, route by route: dv, the final dk,
+    dbeta, dg of the unflagged chunks, and dA, dbeta' and the partials the flagged chunks hand to
+    10b; K = 64 (one block of channels) and 128 (two: dAu summed over blocks, U_b's slot reused)."""
+    from tileport.dispatch import interpreter_enabled
+    from tileport.ops.kda import gluon_kernels as kg
+    from tileport.ops.kda import triton_kernels as kk
+
+    if device == "cpu" and not interpreter_enabled():
+        pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    args, kwargs = capture_stage("wy_bwd", layout, K, l2, device)
+    flags, plan = kwargs["span_flags"], args[11]
+    assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
+    unflagged, flagged = (m.to(args[0].device) for m in route_rows(plan, flags))
+    no_u = args[:6] + (None,) + args[7:]
+    if device == "cuda":
+        spies = _wy_on(monkeypatch, "split")
+        ours = _run_stage10(kg.chunk_wy_bwd_kda_gluon, no_u, kwargs)
+        assert all(spy.grids == [(plan.NC, flags.shape[1])] for spy in spies), [spy.grids for spy in spies]
+    else:
+        ours = _run_stage10(kk.chunk_wy_bwd_kda, no_u, kwargs)
+    theirs = _run_stage10(kk.chunk_wy_bwd_kda, args, kwargs)
+    where = f"[{layout} K={K} l2={l2} seed={seed}]"
+    for name in NAMES:
+        routes = (("unflagged", unflagged),) if name in FINAL else (("flagged", flagged),) if name in FOR_10B else (
+            ("unflagged", unflagged), ("flagged", flagged))
+        for route, rows in routes:
+            a, b = ours[name][rows], theirs[name][rows]
+            assert not a.isnan().any(), f"{name} on {route} chunks {where}: rows left unwritten"
+            err = normwise(a, b)
+            assert err <= U_FREE_BOUND[a.dtype], f"{name} on {route} chunks {where}: normwise {err:.2e} from U's"
+
+
 def test_flagged_route_leaves_the_other_chunks(device, seed):
     """Triton's stage 10 with only_flagged (the launch beside the Gluon kernel) writes the flagged
     chunks' dv and what 10b's launch reads exactly as the one launch over every chunk does, and

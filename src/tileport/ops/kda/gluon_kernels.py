@@ -1028,7 +1028,9 @@ if _GLUON_ERROR is None:
         descriptor of its block shape, e.g. W's, stands in): dXu_b U_b^T = dXu_b (T Bv_b)^T, so the
         blocks' dXu_b Bv_b^T (Bv_b = diag(beta) V_b, the V_b `_dxu_dxw_block` loads for vdu, stored
         into U_b's slot) sum apart and T, row-major through the same slot, takes the sum at the end:
-        dA = sum_b dXw_b W_b^T + (sum_b dXu_b Bv_b^T) T^T."""
+        dA = sum_b dXw_b W_b^T + (sum_b dXu_b Bv_b^T) T^T. T^T is then a shared A operand (16 KB, in
+        place of the register conversion's scratch: shared memory as without U_FREE), not registers,
+        which the second accumulator needs (sm_90a, K = 128: 251 registers, no spills)."""
         BT: gl.constexpr = u_desc.block_type.shape[0]
         CB: gl.constexpr = u_desc.block_type.shape[1]
         gl.static_assert(K == V and K % CB == 0, "the blocks of K and V pair up")

@@ -1510,7 +1510,7 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     if kept is not None and BACKWARD_WHOLE_CHUNKS:
         G, Ai, flags = kept[:3]
         # U's one reader besides stage 10 is stage 5's recompute, which kept states spare
-        u_free = kept.h is not None and _checked("BACKWARD_U_FROM_T", BACKWARD_U_FROM_T, (False, True))
+        u_free = _checked("BACKWARD_U_FROM_T", BACKWARD_U_FROM_T, (False, True)) and kept.h is not None
         w, u = chunk_wu_from_t_kda(Ai, kn, vf, bf, G, flags, plan, dt, keys_normalised=l2, with_u=not u_free)
     else:
         flags = _span_flags(plan, H, q, BACKWARD_WHOLE_CHUNKS)
