@@ -87,6 +87,20 @@ def _run_stage10(fn, args, kwargs, **extra):
     return dict(zip(NAMES, (dv,) + outs + (da, dbp, a[9], a[10])))
 
 
+def _assert_route_by_route(ours, theirs, unflagged, flagged, bound, where: str, against: str) -> None:
+    """Every output of NAMES written and within bound[dtype] normwise of theirs, the rows of unflagged
+    and of flagged chunks apart (an error in either route cannot hide in the other's mass): dv on
+    both, the final dk, dbeta, dg on the unflagged chunks, what 10b's launch reads on the flagged."""
+    for name in NAMES:
+        routes = (("unflagged", unflagged),) if name in FINAL else (("flagged", flagged),) if name in FOR_10B else (
+            ("unflagged", unflagged), ("flagged", flagged))
+        for route, rows in routes:
+            a, b = ours[name][rows], theirs[name][rows]
+            assert not a.isnan().any(), f"{name} on {route} chunks {where}: rows left unwritten"
+            err = normwise(a, b)
+            assert err <= bound[a.dtype], f"{name} on {route} chunks {where}: normwise {err:.2e} from {against}"
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("l2", [False, True], ids=["raw-keys", "l2norm"])
 @pytest.mark.parametrize("K", [64, 128])
@@ -113,15 +127,8 @@ def test_stage10_matches_triton_route_by_route(layout, K, l2, form, device, seed
     for spy in spies:
         assert spy.grids == [(plan.NC, flags.shape[1])], spy.grids
     theirs = _run_stage10(kk.chunk_wy_bwd_kda, args, kwargs)
-    where = f"[{layout} K={K} l2={l2} form={form} seed={seed}]"
-    for name in NAMES:
-        routes = (("unflagged", unflagged),) if name in FINAL else (("flagged", flagged),) if name in FOR_10B else (
-            ("unflagged", unflagged), ("flagged", flagged))
-        for route, rows in routes:
-            a, b = ours[name][rows], theirs[name][rows]
-            assert not a.isnan().any(), f"{name} on {route} chunks {where}: rows left unwritten"
-            err = normwise(a, b)
-            assert err <= BOUND[a.dtype], f"{name} on {route} chunks {where}: normwise {err:.2e} from Triton's"
+    _assert_route_by_route(ours, theirs, unflagged, flagged, BOUND, f"[{layout} K={K} l2={l2} form={form} seed={seed}]",
+                           "Triton's")
 
 
 # U never formed (BACKWARD_U_FROM_T): dXu U^T as (dXu (diag(beta) V)^T) T^T, a new rounding of dA's
@@ -159,15 +166,8 @@ def test_stage10_without_u_route_by_route(layout, K, l2, device, seed, monkeypat
     else:
         ours = _run_stage10(kk.chunk_wy_bwd_kda, no_u, kwargs)
     theirs = _run_stage10(kk.chunk_wy_bwd_kda, args, kwargs)
-    where = f"[{layout} K={K} l2={l2} seed={seed}]"
-    for name in NAMES:
-        routes = (("unflagged", unflagged),) if name in FINAL else (("flagged", flagged),) if name in FOR_10B else (
-            ("unflagged", unflagged), ("flagged", flagged))
-        for route, rows in routes:
-            a, b = ours[name][rows], theirs[name][rows]
-            assert not a.isnan().any(), f"{name} on {route} chunks {where}: rows left unwritten"
-            err = normwise(a, b)
-            assert err <= U_FREE_BOUND[a.dtype], f"{name} on {route} chunks {where}: normwise {err:.2e} from U's"
+    _assert_route_by_route(ours, theirs, unflagged, flagged, U_FREE_BOUND, f"[{layout} K={K} l2={l2} seed={seed}]",
+                           "U's")
 
 
 def test_flagged_route_leaves_the_other_chunks(device, seed):
