@@ -580,11 +580,15 @@ def test_keeping_forward_hands_the_fused_stage_its_state_buffers(keep_states, de
     assert kept.T.dtype == torch.float32, "a keeping forward keeps fp32 T"
 
 
-def test_backward_takes_kept_states_instead_of_stage_5(device, seed):
+def test_backward_takes_kept_states_instead_of_stage_5(device, seed, monkeypatch):
     """Given h and Vn with the tiles it kept, the backward does not run stage 5 and uses them as
-    they are: fed the recompute's own h and Vn, its gradients are the recompute's, bitwise."""
+    they are: fed the recompute's own h and Vn, its gradients are the recompute's, bitwise. With U
+    formed in both (BACKWARD_U_FROM_T off): the default backward from kept states never forms U and
+    takes stage 10's dA in another rounding, which test_backward_from_kept_states_without_u bounds."""
     parity._backend_or_skip("triton", device)
     from tileport.ops.kda import triton_kernels as kk
+
+    monkeypatch.setattr(kk, "BACKWARD_U_FROM_T", False)
 
     q, k, v, g, beta, _, cu = _inputs("varlen-empty-len1", 64, False, device)
     _, _, kept = kk.kda_forward_triton(q, k, v, g, beta, 0.125, None, False, True, cu, keep_for_backward=True)

@@ -1351,10 +1351,14 @@ BACKWARD_FLAGGED_WORKLIST = True
 # Whether a backward from the forward's kept states (KEEP_FORWARD_STATES: no stage-5 recompute, the
 # one other reader of U) never forms U: stage 10 takes dXu U^T as (dXu (diag(beta) V)^T) T^T
 # (`_kda_wy_bwd_kernel` and the gluon backend's `_kda_wy_dA_kernel`, U_FREE; docs/perf/kda.md,
-# "Plan: the backward without W and U", step 1). Predicted at S1: U's two launches (~0.15 ms) and
-# stage 10's U reads (268 MB) go. Off: CPU interpreter and sm_90a compile only, not run on the H200.
+# "Plan: the backward without W and U", step 1; row 36). H200, twenty-sixth session (kda_ab
+# "u-from-t" at 7f48ad3, S1, one process, same inputs): backward from kept states 6.027 -> 5.819 ms
+# with the bench's gates (predicted -0.2), forward+backward through chunk_kda 7.110 -> 6.934; steep
+# gates 22.17 -> 21.81; gradients within 2.0e-4 normwise of the U-forming backward's; the gate's
+# fused-t-u-from-t cases and the route-by-route stage-10 test passed there, racecheck of the U_FREE
+# dA kernel clean. The U-forming form stays in the gate (tests/test_kda_gluon_states.py "fused-t").
 # Read at each call.
-BACKWARD_U_FROM_T = False
+BACKWARD_U_FROM_T = True
 
 
 def chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None,
