@@ -1,6 +1,8 @@
-"""The op plumbing shared by the delta-rule ops (GDN, KDA): custom ops, fake impls, autograd, and
-the call after validation. The two ops differ only in their gate's shape and in which backend
-computes each direction, so each passes two backend choosers and gets back the runner.
+"""The op plumbing shared by the delta-rule ops (GDN, KDA): their backends and dispatcher, custom
+ops, fake impls, autograd, and the call after validation. The two ops differ only in their gate's
+shape and in the kernels behind each backend, so `delta_rule_op` builds both from the op's name
+(kernels in `tileport.ops.<op>.triton_kernels` / `.gluon_kernels`, `<op>_forward_triton` and so on)
+and its float64 reference.
 
 Schema, for both `tileport::<op>_forward` and `tileport::<op>_backward`:
     forward(q, k, v, g, beta, initial_state?, cu_seqlens?, scale, output_final_state, use_l2) -> (o, ht)
@@ -14,11 +16,18 @@ custom-op aliasing check rejected zero-size CUDA outputs, seen with AttnRes on t
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from tileport.autograd_ops import backends_forced_from, eager_function, forced_backends_arg, register_autograd
+from tileport.devices import capability
+from tileport.dispatch import (Backend, OpDispatcher, gluon_available, kernel_dtype_and_capability_refusal,
+                               lazy_stages, reference_backend, register, triton_available)
+from tileport.memory import new_copy
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -170,3 +179,94 @@ def make_delta_rule_op(op: str, forward_backend: Callable, backward_backend: Cal
         return o, (ht if output_final_state else None)
 
     return run
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaRuleCall:
+    """What a delta-rule op's backends decide on. Built once per call; hashable, so decisions are
+    cached on it."""
+
+    K: int
+    V: int
+    dtype: torch.dtype
+    device_type: str
+    capability: tuple[int, int] | None
+
+
+def describe_call(q: torch.Tensor, v: torch.Tensor) -> DeltaRuleCall:
+    return DeltaRuleCall(q.shape[-1], v.shape[-1], q.dtype, q.device.type, capability(q.device))
+
+
+def explain_call_of(op: str, shape: str, dtype: torch.dtype, device_type: str,
+                    cap: tuple[int, int] | None) -> DeltaRuleCall:
+    """The call `tileport explain <op> --shape B,T,H,K,V` describes."""
+    try:
+        _B, _T, _H, K, V = (int(x) for x in shape.split(","))
+    except ValueError:
+        raise ValueError(f"--shape for {op} is B,T,H,K,V (e.g. 8,4096,16,128,128), got {shape!r}") from None
+    return DeltaRuleCall(K, V, dtype, device_type, cap)
+
+
+class DeltaRuleOp(NamedTuple):
+    dispatcher: OpDispatcher
+    triton_refusal: Callable  # (DeltaRuleCall) -> reason or None
+    run: Callable  # make_delta_rule_op's runner
+
+
+def delta_rule_op(op: str, reference: Callable, recurrent_backward: Callable,
+                  keeping_backends: tuple[str, ...] = ()) -> DeltaRuleOp:
+    """The dispatcher (registered as `op`) and the runner of a delta-rule op, from its float64
+    `reference(q, k, v, g, beta, scale, h0, output_final_state, use_l2, cu_seqlens)` and closed-form
+    `recurrent_backward(do, dht, ...)`. Preference: gluon (Hopper; Triton's stages with some on Gluon
+    kernels, so it refuses what Triton refuses and what its own kernels do), then triton, then the
+    float64 reference. A backend without a backward has its gradients computed by the reference."""
+    package = f"tileport.ops.{op}"
+
+    def reference_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
+        o, ht = reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens)
+        return new_copy(o, q.dtype), (new_copy(ht, state_dtype(q.dtype)) if ht is not None else None)
+
+    def reference_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2, cu_seqlens):
+        # The closed-form reverse sweep in float64 (autograd is switched off inside a custom op's
+        # body). The parity tests check it, like every backend, against autograd through the reference.
+        dq, dk, dv, dg, dbeta, dh0 = recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2,
+                                                        cu_seqlens)
+        return (new_copy(dq, q.dtype), new_copy(dk, k.dtype), new_copy(dv, v.dtype), new_copy(dg, g.dtype),
+                new_copy(dbeta, beta.dtype), new_copy(dh0, initial_state.dtype) if dh0 is not None else None)
+
+    def triton_refusal(call: DeltaRuleCall) -> str | None:
+        common = kernel_dtype_and_capability_refusal(call.dtype, call.device_type, call.capability)
+        if common:
+            return common
+        return importlib.import_module(f"{package}.triton_kernels").triton_refusal(call.K, call.V, call.dtype)
+
+    def gluon_refusal(call: DeltaRuleCall) -> str | None:
+        if call.capability != (9, 0):
+            return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
+        # most stages are Triton's: what Triton refuses, this backend refuses too
+        return triton_refusal(call) or importlib.import_module(f"{package}.gluon_kernels").gluon_refusal(
+            call.K, call.V, call.dtype)
+
+    dispatcher = register(
+        OpDispatcher(
+            op,
+            [
+                Backend("gluon", gluon_available(f"{package}.gluon_kernels"), gluon_refusal,
+                        lazy_stages(f"{package}.gluon_kernels", f"{op}_forward_gluon", f"{op}_backward_gluon")),
+                Backend("triton", triton_available(f"{package}.triton_kernels"), triton_refusal,
+                        lazy_stages(f"{package}.triton_kernels", f"{op}_forward_triton", f"{op}_backward_triton")),
+                reference_backend(reference_forward, reference_backward),
+            ],
+            signature=lambda call: call,
+        )
+    )
+
+    def forward_backend(q: torch.Tensor, v: torch.Tensor) -> Backend:
+        return dispatcher.choose(describe_call(q, v), q.device.type)
+
+    def backward_backend(q: torch.Tensor, v: torch.Tensor) -> Backend:
+        backend = forward_backend(q, v)
+        return backend if backend.impl.backward is not None else dispatcher._by_name["reference"]
+
+    return DeltaRuleOp(dispatcher, triton_refusal,
+                       make_delta_rule_op(op, forward_backend, backward_backend, keeping_backends))

@@ -33,15 +33,11 @@ Status and TODO (2026-11-30):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
-from tileport.devices import capability
-from tileport.delta_rule_ops import make_delta_rule_op, state_dtype
-from tileport.dispatch import Backend, OpDispatcher, gluon_available, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
-from tileport.memory import new_copy
+from tileport.delta_rule_ops import DeltaRuleCall, delta_rule_op, explain_call_of
 from tileport.ops.gdn.reference import chunked_reference, gdn_reference, recurrent_backward
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -128,54 +124,10 @@ def validate_gdn_args(q, k, v, g, beta, scale, initial_state, output_final_state
 
 
 # --------------------------------------------------------------------------------------------
-# Backends
+# Backends (tileport/delta_rule_ops.py, shared with KDA: the dispatcher, custom ops, fake impls,
+# autograd in eager and compiled calls)
 # --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class GDNCall:
-    """What backends decide on. Built once per call; hashable, so decisions are cached on it."""
-
-    K: int
-    V: int
-    dtype: torch.dtype
-    device_type: str
-    capability: tuple[int, int] | None
-
-
-def _describe(q: torch.Tensor, v: torch.Tensor) -> GDNCall:
-    cap = capability(q.device)
-    return GDNCall(q.shape[-1], v.shape[-1], q.dtype, q.device.type, cap)
-
-
-def _reference_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
-    o, ht = gdn_reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens)
-    return new_copy(o, q.dtype), (new_copy(ht, state_dtype(q.dtype)) if ht is not None else None)
-
-
-def _reference_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2, cu_seqlens):
-    # The closed-form reverse sweep in float64 (autograd is switched off inside a custom op's body).
-    # The parity tests check it, like every backend, against autograd through gdn_reference.
-    dq, dk, dv, dg, dbeta, dh0 = recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2, cu_seqlens)
-    return (new_copy(dq, q.dtype), new_copy(dk, k.dtype), new_copy(dv, v.dtype), new_copy(dg, g.dtype),
-            new_copy(dbeta, beta.dtype), new_copy(dh0, initial_state.dtype) if dh0 is not None else None)
-
-
-def _triton_refusal(call: GDNCall) -> str | None:
-    from tileport.ops.gdn.triton_kernels import triton_refusal
-
-    common = kernel_dtype_and_capability_refusal(call.dtype, call.device_type, call.capability)
-    if common:
-        return common
-    return triton_refusal(call.K, call.V, call.dtype)
-
-
-def _gluon_refusal(call: GDNCall) -> str | None:
-    from tileport.ops.gdn.gluon_kernels import gluon_refusal
-
-    if call.capability != (9, 0):
-        return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
-    # stages 1-3 and most of the backward are Triton's: what Triton refuses, this backend refuses too
-    return _triton_refusal(call) or gluon_refusal(call.K, call.V, call.dtype)
-
+GDNCall = DeltaRuleCall
 
 # Preference: gluon (Hopper, bf16, K and V of 64 or 128), then triton, then the float64
 # reference. Gluon came first while its output kernel was the faster stage 6 (909a64e), Triton from
@@ -184,27 +136,7 @@ def _gluon_refusal(call: GDNCall) -> str | None:
 # S1: 0.690 ms against Triton's 0.818; with few (sequence, head) pairs gluon runs Triton's forward,
 # FORWARD_FORM "auto"). The backward is Triton's, with its two state recurrences in Gluon in the
 # gluon backend (gluon_kernels.BACKWARD_STATES, BACKWARD_DSTATES).
-DISPATCHER = register(
-    OpDispatcher(
-        "gdn",
-        [
-            Backend("gluon", gluon_available("tileport.ops.gdn.gluon_kernels"), _gluon_refusal,
-                    lazy_stages("tileport.ops.gdn.gluon_kernels", "gdn_forward_gluon", "gdn_backward_gluon")),
-            Backend("triton", triton_available("tileport.ops.gdn.triton_kernels"), _triton_refusal,
-                    lazy_stages("tileport.ops.gdn.triton_kernels", "gdn_forward_triton", "gdn_backward_triton")),
-            reference_backend(_reference_forward, _reference_backward),
-        ],
-        signature=lambda call: call,
-    )
-)
-
-
-def _forward_backend(q: torch.Tensor, v: torch.Tensor) -> Backend:
-    return DISPATCHER.choose(_describe(q, v), q.device.type)
-
-
-# custom ops, fake impls, autograd (eager and compiled): tileport/delta_rule_ops.py, shared with KDA
-_run = make_delta_rule_op("gdn", _forward_backend, _forward_backend)
+DISPATCHER, _triton_refusal, _run = delta_rule_op("gdn", gdn_reference, recurrent_backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,11 +180,7 @@ def chunk_gated_delta_rule(
 
 def explain_call(shape: str, dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None) -> GDNCall:
     """The call `tileport explain gdn --shape B,T,H,K,V` describes."""
-    try:
-        _B, _T, _H, K, V = (int(x) for x in shape.split(","))
-    except ValueError:
-        raise ValueError(f"--shape for gdn is B,T,H,K,V (e.g. 8,4096,16,128,128), got {shape!r}") from None
-    return GDNCall(K, V, dtype, device_type, capability)
+    return explain_call_of("gdn", shape, dtype, device_type, capability)
 
 
 __all__ = ["chunk_gated_delta_rule", "gdn_reference", "chunked_reference", "DISPATCHER", "GDNCall", "explain_call"]

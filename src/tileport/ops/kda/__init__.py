@@ -19,51 +19,20 @@ then runs through the torch.library custom ops `tileport::kda_forward` / `tilepo
     reference  float64 PyTorch (reference.py): the step-by-step recurrence forward, and its
                closed-form reverse sweep backward
 
-Status (twenty-first session, docs/perf/kda.md): the gluon forward at S1 0.970 ms on the H200
-(rows 27, 28; FLA's 1.887 at f328a34's bench); its backward 6.74 ms at f328a34 (FLA 7.78).
-Issue 6's goals (0.90 and 5.0 fwd+bwd) not met.
-
-Status (sixteenth session):
-- Triton and gluon pass the whole parity gate on the CPU (interpreter) and on the H200 (213 passed
-  at 8dc64de; the kept-tiles path of row 19 with the parity and gluon files at c0b5da6, 64 passed).
-- S1 on the H200 (bench at 366abfd, one run beside FLA): forward 1.581 ms (gluon) / 2.007 (triton)
-  against FLA's 1.892; backward 8.61 (gluon) against 7.83; with the forward's tiles kept for the
-  backward (row 19, kda_ab.py at c0b5da6) forward+backward 9.605 against FLA's 9.717 (another run).
-  Issue 6's goals (0.90 and 5.0 fwd+bwd) not met.
-- Head dims above 128 are refused by the Triton backend and fall back to the reference.
+Status: docs/perf/kda.md (each step's prediction and outcome on the H200) and issue 6's goals
+(S1 forward 0.90 ms, forward+backward 5.0 ms): at 7f48ad3 the gluon forward 0.896 ms (graph
+replay), forward+backward 7.12 (FLA 9.68); the forward+backward goal is not met. The parity gate:
+tests/test_kda_*.py on the CPU (interpreter) and on the H200. Head dims above 128 are refused by
+the Triton backend and fall back to the reference.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from tileport.devices import capability
-from tileport.delta_rule_ops import make_delta_rule_op, state_dtype
-from tileport.dispatch import Backend, OpDispatcher, gluon_available, kernel_dtype_and_capability_refusal, lazy_stages, reference_backend, register, triton_available
-from tileport.memory import new_copy
+from tileport.delta_rule_ops import DeltaRuleCall, delta_rule_op, explain_call_of
 from tileport.ops.gdn import validate_gdn_args
 from tileport.ops.kda.reference import chunked_reference, kda_reference, recurrent_backward
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-MAX_HEAD_DIM = 256
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
-@dataclasses.dataclass(frozen=True)
-class KDACall:
-    """What backends decide on. Built once per call; hashable, so decisions are cached on it."""
-
-    K: int
-    V: int
-    dtype: torch.dtype
-    device_type: str
-    capability: tuple[int, int] | None
-
-
-def _describe(q: torch.Tensor, v: torch.Tensor) -> KDACall:
-    cap = capability(q.device)
-    return KDACall(q.shape[-1], v.shape[-1], q.dtype, q.device.type, cap)
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,77 +44,20 @@ def validate_kda_args(q, k, v, g, beta, scale, initial_state, output_final_state
                              cu_seqlens, op_name="chunk_kda", per_channel_gate=True)
 
 
-def _reference_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
-    o, ht = kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens)
-    return new_copy(o, q.dtype), (new_copy(ht, state_dtype(q.dtype)) if ht is not None else None)
-
-
-def _reference_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2, cu_seqlens):
-    # The closed-form reverse sweep in float64 (autograd is switched off inside a custom op's body).
-    # The parity tests check it, like every backend, against autograd through kda_reference.
-    dq, dk, dv, dg, dbeta, dh0 = recurrent_backward(do, dht, q, k, v, g, beta, scale, initial_state, use_l2, cu_seqlens)
-    return (new_copy(dq, q.dtype), new_copy(dk, k.dtype), new_copy(dv, v.dtype), new_copy(dg, g.dtype),
-            new_copy(dbeta, beta.dtype), new_copy(dh0, initial_state.dtype) if dh0 is not None else None)
-
-
-def _triton_refusal(call: KDACall) -> str | None:
-    from tileport.ops.kda.triton_kernels import triton_refusal
-
-    common = kernel_dtype_and_capability_refusal(call.dtype, call.device_type, call.capability)
-    if common:
-        return common
-    return triton_refusal(call.K, call.V, call.dtype)
-
-
-def _gluon_refusal(call: KDACall) -> str | None:
-    from tileport.ops.kda.gluon_kernels import gluon_refusal
-
-    if call.capability != (9, 0):
-        return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
-    # every stage but the output is Triton's: what Triton refuses, this backend refuses too
-    return _triton_refusal(call) or gluon_refusal(call.K, call.V, call.dtype)
-
-
-_triton_impl = lazy_stages("tileport.ops.kda.triton_kernels", "kda_forward_triton", "kda_backward_triton")
+# --------------------------------------------------------------------------------------------
+# Backends (tileport/delta_rule_ops.py, shared with GDN: the dispatcher, custom ops, fake impls,
+# autograd in eager and compiled calls); gluon and triton keep stage 3's G, T and flags for their
+# backward (triton_kernels.KEEP_FORWARD_TILES), the gluon backend's fused forward also every
+# chunk's h and Vn (KEEP_FORWARD_STATES)
+# --------------------------------------------------------------------------------------------
+KDACall = DeltaRuleCall
 
 # Preference: gluon (Hopper, bf16, K = V of 64 or 128: Triton's stages with the forward's states
 # and output on one Gluon kernel and the backward's recurrences and stages 9 and 10 on Gluon
-# kernels; H200 bench at f328a34, S1: forward 1.227 ms against Triton's 2.006, backward 6.74
-# against 9.26; the forward 0.970 since rows 27-28), then triton, then the float64 reference.
-DISPATCHER = register(
-    OpDispatcher(
-        "kda",
-        [
-            Backend("gluon", gluon_available("tileport.ops.kda.gluon_kernels"), _gluon_refusal,
-                    lazy_stages("tileport.ops.kda.gluon_kernels", "kda_forward_gluon", "kda_backward_gluon")),
-            Backend("triton", triton_available("tileport.ops.kda.triton_kernels"), _triton_refusal, _triton_impl),
-            reference_backend(_reference_forward, _reference_backward),
-        ],
-        signature=lambda call: call,
-    )
-)
-
-
-def _backward_backend(backend: Backend) -> Backend:
-    """The backend that computes the gradients of a forward run by `backend`: itself, or the
-    reference when it has no backward yet (never a backward of a different algorithm's guess)."""
-    if backend.impl.backward is not None:
-        return backend
-    return DISPATCHER._by_name["reference"]
-
-
-def _forward_backend(q: torch.Tensor, v: torch.Tensor) -> Backend:
-    return DISPATCHER.choose(_describe(q, v), q.device.type)
-
-
-def _backward_chooser(q: torch.Tensor, v: torch.Tensor) -> Backend:
-    return _backward_backend(_forward_backend(q, v))
-
-
-# custom ops, fake impls, autograd (eager and compiled): tileport/delta_rule_ops.py, shared with GDN
-# gluon and triton keep stage 3's G, T and flags for their backward (triton_kernels.KEEP_FORWARD_TILES),
-# the gluon backend's fused forward also every chunk's h and Vn (KEEP_FORWARD_STATES)
-_run = make_delta_rule_op("kda", _forward_backend, _backward_chooser, keeping_backends=("gluon", "triton"))
+# kernels; H200 bench at 7f48ad3, S1: forward 0.896 ms in graph replay against Triton's 1.977,
+# backward 6.06 against 9.23), then triton, then the float64 reference.
+DISPATCHER, _triton_refusal, _run = delta_rule_op("kda", kda_reference, recurrent_backward,
+                                                 keeping_backends=("gluon", "triton"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,11 +101,7 @@ def chunk_kda(
 
 def explain_call(shape: str, dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None) -> KDACall:
     """The call `tileport explain kda --shape B,T,H,K,V` describes."""
-    try:
-        _B, _T, _H, K, V = (int(x) for x in shape.split(","))
-    except ValueError:
-        raise ValueError(f"--shape for kda is B,T,H,K,V (e.g. 8,4096,16,128,128), got {shape!r}") from None
-    return KDACall(K, V, dtype, device_type, capability)
+    return explain_call_of("kda", shape, dtype, device_type, capability)
 
 
 __all__ = ["chunk_kda", "kda_reference", "chunked_reference", "DISPATCHER", "KDACall", "explain_call"]
