@@ -1,8 +1,9 @@
 """The op plumbing shared by the delta-rule ops (GDN, KDA): their backends and dispatcher, custom
 ops, fake impls, autograd, and the call after validation. The two ops differ only in their gate's
-shape and in the kernels behind each backend, so `delta_rule_op` builds both from the op's name
-(kernels in `tileport.ops.<op>.triton_kernels` / `.gluon_kernels`, `<op>_forward_triton` and so on)
-and its float64 reference.
+shape, in the kernels behind each backend and in which backends keep forward intermediates for
+their backward (KDA's), so `delta_rule_op` builds both from the op's name (kernels in
+`tileport.ops.<op>.triton_kernels` / `.gluon_kernels`, `<op>_forward_triton` and so on), its float64
+reference and its keeping backends.
 
 Schema, for both `tileport::<op>_forward` and `tileport::<op>_backward`:
     forward(q, k, v, g, beta, initial_state?, cu_seqlens?, scale, output_final_state, use_l2) -> (o, ht)
@@ -219,7 +220,7 @@ def delta_rule_op(op: str, reference: Callable, recurrent_backward: Callable,
     `reference(q, k, v, g, beta, scale, h0, output_final_state, use_l2, cu_seqlens)` and closed-form
     `recurrent_backward(do, dht, ...)`. Preference: gluon (Hopper; Triton's stages with some on Gluon
     kernels, so it refuses what Triton refuses and what its own kernels do), then triton, then the
-    float64 reference. A backend without a backward has its gradients computed by the reference."""
+    float64 reference. Each backend computes its own forward's gradients (every one has a backward)."""
     package = f"tileport.ops.{op}"
 
     def reference_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
@@ -243,7 +244,7 @@ def delta_rule_op(op: str, reference: Callable, recurrent_backward: Callable,
     def gluon_refusal(call: DeltaRuleCall) -> str | None:
         if call.capability != (9, 0):
             return f"needs a Hopper GPU (sm_90), got {call.device_type} {call.capability}"
-        # most stages are Triton's: what Triton refuses, this backend refuses too
+        # Triton's stages run beside the Gluon kernels: what Triton refuses, this backend refuses too
         return triton_refusal(call) or importlib.import_module(f"{package}.gluon_kernels").gluon_refusal(
             call.K, call.V, call.dtype)
 
@@ -261,12 +262,7 @@ def delta_rule_op(op: str, reference: Callable, recurrent_backward: Callable,
         )
     )
 
-    def forward_backend(q: torch.Tensor, v: torch.Tensor) -> Backend:
+    def backend_for(q: torch.Tensor, v: torch.Tensor) -> Backend:
         return dispatcher.choose(describe_call(q, v), q.device.type)
 
-    def backward_backend(q: torch.Tensor, v: torch.Tensor) -> Backend:
-        backend = forward_backend(q, v)
-        return backend if backend.impl.backward is not None else dispatcher._by_name["reference"]
-
-    return DeltaRuleOp(dispatcher, triton_refusal,
-                       make_delta_rule_op(op, forward_backend, backward_backend, keeping_backends))
+    return DeltaRuleOp(dispatcher, triton_refusal, make_delta_rule_op(op, backend_for, backend_for, keeping_backends))
