@@ -13,7 +13,12 @@ the CPU, where the Triton launch is the interpreter's and only the tileport line
   - host: ms per call of 30 calls issued back to back, timed on the host only (the device queue
     takes them; a host-bound call shows host close to latency);
   - a cProfile of 30 calls: own time per call grouped by where the code lives (tileport, triton,
-    torch, builtins/C) and the functions that cost most.
+    torch, builtins/C) and the functions that cost most;
+  - on a GPU, the CUDA runtime and driver calls of 10 calls (torch.profiler): count and host time
+    per call of each (launches, copies, allocations), the ones that wait for the device marked: a
+    call that synchronises (a pageable host-to-device copy, cudaStreamSynchronize, a cudaMalloc or
+    cudaFree) makes the next call's launches wait for this call's kernels, so the eager time becomes
+    kernel time plus host time (seen with the grouped GEMM's tables, docs/perf/llm_ops.md row 6).
 The modes are the bench's: fwd under no_grad, bwd alone on a retained graph, fwdbwd both.
 """
 
@@ -78,6 +83,25 @@ def profile(run, n: int) -> tuple[dict, list]:
     return {g: t / n * 1e3 for g, t in groups.items()}, [(o / n * 1e3, g, f, c / n) for o, g, f, c in rows[:8]]
 
 
+# runtime and driver calls that wait for the device (or may: an allocation that misses the cache)
+SYNCING = ("Synchronize", "cudaMemcpy", "cuMemcpy", "cudaMalloc", "cudaFree", "cuMemAlloc", "cuMemFree",
+           "cudaHostAlloc", "cudaMemset")
+
+
+def runtime_calls(run, n: int = 10) -> list[tuple[str, float, float]]:
+    """(name, calls per step, host ms per step) of the CUDA runtime/driver calls of n steps, most
+    time first (torch.profiler's CPU-side events named cuda* / cu*)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            run()
+        sync()
+    rows = [(e.key, e.count / n, e.self_cpu_time_total / n / 1e3) for e in prof.key_averages()
+            if e.key.startswith(("cuda", "cu")) and e.self_cpu_time_total > 0]
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def report(op, shape, system, mode, fn, forced, inputs, leaves, grad_o):
     run = mode_step(torch, mode, fn, forced, inputs, leaves, grad_o)
     for _ in range(3):
@@ -98,6 +122,11 @@ def report(op, shape, system, mode, fn, forced, inputs, leaves, grad_o):
           "profiled own time per call: " + ", ".join(f"{g} {t:.3f}" for g, t in sorted(groups.items(), key=lambda x: -x[1])))
     for own, g, f, calls in top:
         print(f"    {own:7.3f} ms  {calls:5.1f}x  {g:10} {f}")
+    if gpu:
+        print("  CUDA runtime/driver calls per call (host time; * may wait for the device):")
+        for name, calls, ms in runtime_calls(run)[:10]:
+            mark = "*" if any(x in name for x in SYNCING) else " "
+            print(f"   {mark}{ms:7.3f} ms  {calls:5.1f}x  {name}")
 
 
 for op in args.ops.split(","):
