@@ -31,9 +31,10 @@ backward, which then skips stage 5's recompute (triton_kernels.KEEP_FORWARD_STAT
 on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole grids.
 "normalised-qk": the backward's normalised q and k in fp32 or bf16 (triton_kernels.BACKWARD_NORMALISED_QK).
 "u-from-t": the backward from kept states with U never formed (triton_kernels.BACKWARD_U_FROM_T) or formed.
+"dv-local-raw-qk": stage 7's whole chunks from the raw q and k (triton_kernels.DV_LOCAL_RAW_QK) or the fp32 copies.
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -466,3 +467,8 @@ if "normalised-qk" in SECTIONS and dev == "cuda":
 # stage 10 takes dXu U^T as (dXu (diag(beta) V)^T) T^T) or forming it, kda.md row 36
 if "u-from-t" in SECTIONS and dev == "cuda":
     backward_switch_ab("u-from-t", kk, "BACKWARD_U_FROM_T", (False, True))
+
+# "dv-local-raw-qk": stage 7's whole chunks from the raw bf16 q and k, normalised where loaded
+# (triton_kernels.DV_LOCAL_RAW_QK), or from l2norm_fwd's fp32 copies, kda.md row 38
+if "dv-local-raw-qk" in SECTIONS and dev == "cuda":
+    backward_switch_ab("dv-local-raw-qk", kk, "DV_LOCAL_RAW_QK", (False, True))

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
+import torch
+from kda_stage_cases import LAYOUTS, normwise, route_rows
 from test_kda_parity import CASES, _one_thread  # noqa: F401 (_one_thread: autouse fixture)
 
 from tileport.ops.gdn import triton_kernels as gdn_kernels
@@ -47,6 +49,8 @@ FORMS = {
     # the backward's flagged chunks' launches on grids of every chunk rather than over their
     # worklist (before the twenty-fifth session)
     "bwd-flagged-grid": dict(BACKWARD_FLAGGED_WORKLIST=False),
+    # stage 7's whole chunks from the raw q and k, normalised where loaded (DV_LOCAL_RAW_QK; off)
+    "dv-local-raw-qk": dict(DV_LOCAL_RAW_QK=True),
 }
 
 
@@ -69,3 +73,39 @@ def test_other_dqkwg_key_block(case_id, device, seed, monkeypatch):
     parity._backend_or_skip("triton", device)
     monkeypatch.setattr(gdn_kernels, "DQKWG_KEY_BLOCK", OTHER_DQKWG_KEY_BLOCK)
     parity._run_and_check("triton", case_id, device, seed)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dv_local_whole_chunks_from_raw_keys(layout, device, seed, monkeypatch):
+    """DV_LOCAL_RAW_QK: stage 7's whole-chunk launch reads the raw bf16 q and k and normalises each
+    row itself in fp32; against the same launch on `l2norm_fwd`'s fp32 copies (the default), dVl of
+    the unflagged chunks within 1e-4 normwise, the flagged chunks' rows (normalised copies either
+    way) bitwise equal. The same formula, but the row sums may run in another order on the GPU, and
+    a last-bit difference in a normalised value can flip the bf16 rounding of a product operand
+    (2^-8 relative, rarely): hence 1e-4, not bitwise. Rows left unnormalised are off by their norms
+    (6.97 normwise when the keys were not normalised). CPU interpreter: 0, bitwise."""
+    parity._backend_or_skip("triton", device)
+    cu, B, T, (lo, hi) = LAYOUTS[layout]
+    K = 64
+    q, k, v, g, beta, h0, cu_t = parity.make_inputs(B, T, 2, K, K, torch.bfloat16, cu, True, True, "normal", "rand",
+                                                    device)
+    g[0, lo:hi, 0] = -20.0 - 10.0 * torch.rand(hi - lo, K, device=device)  # one chunk flagged
+    captured = []
+    real = kk.chunk_dv_local_kda
+    monkeypatch.setattr(kk, "chunk_dv_local_kda", lambda *a, **kw: captured.append((a, kw)) or real(*a, **kw))
+    monkeypatch.setattr(kk, "DV_LOCAL_RAW_QK", True)
+    kk.kda_backward_triton(torch.randn_like(v), None, q, k, v, g, beta, K ** -0.5, h0, True, cu_t)
+    (args, kwargs), = captured
+    assert kwargs["raw_qk"] is not None, "the switch hands stage 7 the raw q and k"
+    raw_q, raw_k = kwargs["raw_qk"]
+    assert raw_q.dtype == torch.bfloat16 and args[0].dtype == torch.float32
+    got = real(*args, **kwargs)
+    base = real(*args, **dict(kwargs, raw_qk=None))
+    unflagged, flagged = route_rows(args[5], kwargs["span_flags"])
+    unflagged, flagged = unflagged.to(got.device), flagged.to(got.device)
+    assert unflagged.any() and flagged.any(), "both routes run"
+    assert not got.isnan().any()
+    err = normwise(got[unflagged], base[unflagged])
+    print(f"dv-local raw q, k [{layout}]: {err:.2e}")
+    assert err <= 1e-4, f"dVl of the whole chunks [{layout}]: {err:.2e} normwise from the fp32 copies' launch"
+    assert torch.equal(got[flagged], base[flagged]), f"dVl of the flagged chunks [{layout}]"

@@ -365,6 +365,10 @@ def _kda_backward_cases():
     yield "kda dv_local whole BV128", kk._kda_dv_local_kernel, dict(  # DV_LOCAL_WHOLE_BV 128: one program per chunk
         q_ptr=tok(K), k_ptr=tok(K), G_ptr=tok(K), do_ptr=tok(V, bf), dvl_ptr=tok(V), chunks_ptr=ch, H=H, scale=0.1,
         K=K, V=V, BK=BK, BV=128, NV=V // 128, BT=64, CHUNKS="whole", **flags, **prec)
+    yield "kda dv_local whole BV128 raw q, k", kk._kda_dv_local_kernel, dict(  # DV_LOCAL_RAW_QK: bf16 q and k
+        q_ptr=tok(K, bf), k_ptr=tok(K, bf), G_ptr=tok(K), do_ptr=tok(V, bf), dvl_ptr=tok(V), chunks_ptr=ch, H=H,
+        scale=0.1, K=K, V=V, BK=BK, BV=128, NV=V // 128, BT=64, CHUNKS="whole", L2NORM_QK=True, eps=1e-6, **flags,
+        **prec)
     work = T([1 + NC * H], torch.int32)  # BACKWARD_FLAGGED_WORKLIST: the flagged routes over their worklist
     for route in ("whole", "flagged", "worklist"):
         if route == "worklist":

@@ -56,6 +56,7 @@ from tileport.memory import new_empty
 from tileport.ops.gdn.triton_kernels import (
     _F32,
     BT,
+    L2NORM_EPS,
     _blocks,
     _checked,
     _chunk_gate_offsets,
@@ -690,17 +691,25 @@ def _gated_cols_diagonal(acc, mbb, y_ptr, ys_ptr, G_ptr, Gb, okb, bos, eos, b: t
 @triton.jit
 def _kda_dv_local_chunk(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, bos, eos, H, hh, vc, scale, K: tl.constexpr,
                         V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                        DA: tl.constexpr):
+                        DA: tl.constexpr, L2NORM_QK: tl.constexpr = False, eps=1e-6):
     """7 for a whole chunk whose gates span at most 60 about its middle row m (the recompute left
     its flag clear): P^T = upper((K * exp(G_m - G)) (Q * exp(G - G_m))^T) [s, t], formed as keys
     times queries (never tl.trans of a dot result: the miscompile GDN's stage 9 avoids), then
-    dVl = scale P^T dO for this V block; the products at the backward's PREC (`_mm`)."""
+    dVl = scale P^T dO for this V block; the products at the backward's PREC (`_mm`). L2NORM_QK:
+    q and k are the raw inputs and each row is normalised here in fp32 (x rsqrt(sum x^2 + eps), the
+    fp32 values `l2norm_fwd` stores for the other stages, up to the sum's order): 16-bit rows read
+    instead of fp32 ones (DV_LOCAL_RAW_QK)."""
     r = tl.arange(0, BT)
     kc = tl.arange(0, BK)
     valid, row, mk = _block_rows(bos, eos, 0, H, hh, kc, K, BT)
     d, _ = _chunk_gate_offsets(G_ptr, row, mk, bos, eos, H, hh, kc, K, BT)
-    ks = _block_tile(k_ptr, row, mk, kc, K) * tl.exp(-d)
-    xq = _block_tile(q_ptr, row, mk, kc, K) * tl.exp(d)
+    kt = _block_tile(k_ptr, row, mk, kc, K)
+    qt = _block_tile(q_ptr, row, mk, kc, K)
+    if L2NORM_QK:  # BK covers K: whole rows (rows past the sequence are 0 and stay 0)
+        kt = kt * tl.rsqrt(tl.sum(kt * kt, 1) + eps)[:, None]
+        qt = qt * tl.rsqrt(tl.sum(qt * qt, 1) + eps)[:, None]
+    ks = kt * tl.exp(-d)
+    xq = qt * tl.exp(d)
     Pt = _mm(ks, tl.trans(xq), PREC, DT, DA)
     Pt = tl.where((r[:, None] <= r[None, :]) & valid[:, None] & valid[None, :], Pt, 0.0)
     mv = valid[:, None] & (vc < V)[None, :]
@@ -737,14 +746,17 @@ def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, sc
                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                          BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, DA: tl.constexpr,
                          FACTORED: tl.constexpr = False, SPAN_MAX: tl.constexpr = 40.0,
-                         CHUNKS: tl.constexpr = "all", flags_ptr=None, work_ptr=None):
+                         CHUNKS: tl.constexpr = "all", flags_ptr=None, work_ptr=None,
+                         L2NORM_QK: tl.constexpr = False, eps=1e-6):
     """7 (per-channel gates): dVl = scale P^T dO, P_ts = sum_c q_tc k_sc exp(G_tc - G_sc) (t >= s),
     by 16-row blocks: dVl_j = sum_{i >= j} P_ij^T dO_i; grid (NC * V/BV, H). P_ij^T through block
     i's first row (`_scores_t`) for i > j and, with FACTORED, for a diagonal block whose gates span
     at most SPAN_MAX (the forward's FACTORED_DIAGONAL); the exact pairwise form otherwise.
     CHUNKS as the output kernel's (DIAGONAL_FORM "chunk", the recompute's flags at flags_ptr):
     "whole" forms the unflagged chunks whole (`_kda_dv_local_chunk`), "flagged" the others by
-    blocks, "worklist" the same from their worklist at work_ptr on a persistent grid."""
+    blocks, "worklist" the same from their worklist at work_ptr on a persistent grid. L2NORM_QK
+    ("whole" only): q and k raw, normalised where loaded (`_kda_dv_local_chunk`)."""
+    tl.static_assert(CHUNKS == "whole" or not L2NORM_QK, "raw q and k on the whole-chunk route only")
     if CHUNKS == "worklist":
         i = tl.program_id(0)
         n = tl.load(work_ptr) * NV
@@ -760,7 +772,8 @@ def _kda_dv_local_kernel(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H, sc
         vc = (tl.program_id(0) % NV) * BV + tl.arange(0, BV)
         if CHUNKS == "whole":
             _kda_dv_local_chunk(q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, tl.load(chunks_ptr + 2 * c),
-                                tl.load(chunks_ptr + 2 * c + 1), H, hh, vc, scale, K, V, BK, BT, PREC, DT, DA)
+                                tl.load(chunks_ptr + 2 * c + 1), H, hh, vc, scale, K, V, BK, BT, PREC, DT, DA,
+                                L2NORM_QK, eps)
         else:
             _kda_dv_local_blocks(c, tl.program_id(0) % NV, hh, q_ptr, k_ptr, G_ptr, do_ptr, dvl_ptr, chunks_ptr, H,
                                  scale, K, V, BK, BV, BT, PREC, DT, DA, FACTORED, SPAN_MAX)
@@ -1275,6 +1288,13 @@ BACKWARD_FUSED_PAIRS = ("9b", "10b")
 # V = 128, each forming the chunk's P^T from q, k and G again) or 128 (one: those reads halved; a
 # [64, 128] accumulator). sm_90a, K = V = 128, 8 warps: see tests/test_triton_compile.py.
 DV_LOCAL_WHOLE_BV = 128
+# Whether stage 7's whole-chunk launch reads the raw q and k (16-bit inputs: 268 MB at S1) and
+# normalises each row itself in fp32, instead of the fp32 copies `l2norm_fwd` made for the other
+# stages (537 MB): the same values up to a row sum's order. Why: the H200's kda_ab "normalised-qk"
+# (twenty-sixth session, row 37) timed this launch at 0.644 ms on fp32 q and k and 0.418 on bf16
+# ones; the other stages keep their fp32 copies (stage 8's Gluon kernel takes no other). Off: CPU
+# interpreter and sm_90a compile only, not run on the H200 (docs/perf/kda.md row 38). Read at each call.
+DV_LOCAL_RAW_QK = False
 _FUSABLE_PAIRS = ("9b", "10b")
 
 
@@ -1284,10 +1304,14 @@ def _fused_pairs() -> tuple:
     return tuple(BACKWARD_FUSED_PAIRS)
 
 
-def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None, worklist=None):
+def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None, worklist=None,
+                       raw_qk=None):
     """7: dVl [Ntok, H, V] fp32. span_flags: the recompute's per-chunk flags (DIAGONAL_FORM
     "chunk"): the chunks it left unflagged are formed whole. worklist: the flags' `flagged_worklist`
-    (BACKWARD_FLAGGED_WORKLIST), which the flagged chunks' launch then takes on a persistent grid."""
+    (BACKWARD_FLAGGED_WORKLIST), which the flagged chunks' launch then takes on a persistent grid.
+    raw_qk: the caller's (q, k) before `l2norm_fwd` normalised them into q and k (fp32): the whole
+    chunks' launch reads these and normalises them itself (DV_LOCAL_RAW_QK), the flagged chunks'
+    launch the normalised ones."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
@@ -1299,17 +1323,22 @@ def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype
             return (q, k, G, do, dvl, plan.chunks, H, scale, K, V, BK, bv, cdiv(V, bv), BT, PREC, DT, DA,
                     _factored_diagonal())
 
-        # the whole chunks on their own block of value columns
+        # the whole chunks on their own block of value columns, from the raw q and k where given
         BVW = max(16, min(_checked("DV_LOCAL_WHOLE_BV", DV_LOCAL_WHOLE_BV, (16, 32, 64, 128)), next_pow2(V)))
+        whole_args = args(BVW)
+        whole_kwargs = {}
+        if raw_qk is not None:
+            whole_args = tuple(raw_qk) + whole_args[2:]
+            whole_kwargs = dict(L2NORM_QK=True, eps=L2NORM_EPS)
         _by_route(_kda_dv_local_kernel, (plan.NC * NV, H), args(BV), span_flags,
-                  whole_launch=((plan.NC * cdiv(V, BVW), H), args(BVW)), worklist=worklist)
+                  whole_launch=((plan.NC * cdiv(V, BVW), H), whole_args, whole_kwargs), worklist=worklist)
     return dvl
 
 
 def _by_route(kernel, grid, args, span_flags, whole: bool = True, whole_launch=None, worklist=None):
     """One of the backward's block kernels (7, 9b, 10b) over every chunk by 16-row blocks (span_flags
     None), or twice on the recompute's flags (DIAGONAL_FORM "chunk"): the unflagged chunks whole
-    (CHUNKS "whole", on WHOLE_CHUNK_WARPS; whole_launch: its own (grid, args), else grid and args;
+    (CHUNKS "whole", on WHOLE_CHUNK_WARPS; whole_launch: its own (grid, args[, kwargs]), else grid and args;
     not when `whole` is False: 9 or 10 took them, see BACKWARD_FUSED_PAIRS), then the flagged ones
     by blocks: on grid, each program returning at an unflagged chunk, or, given their worklist, on
     a persistent grid over it (CHUNKS "worklist")."""
@@ -1317,8 +1346,8 @@ def _by_route(kernel, grid, args, span_flags, whole: bool = True, whole_launch=N
         kernel[grid](*args, **_LAUNCH_BACKWARD)
         return
     if whole:
-        whole_grid, whole_args = whole_launch or (grid, args)
-        kernel[whole_grid](*whole_args, CHUNKS="whole", flags_ptr=span_flags,
+        whole_grid, whole_args, *whole_kwargs = whole_launch or (grid, args)
+        kernel[whole_grid](*whole_args, CHUNKS="whole", flags_ptr=span_flags, **(whole_kwargs[0] if whole_kwargs else {}),
                            **dict(_LAUNCH_BACKWARD, num_warps=WHOLE_CHUNK_WARPS))
     _flagged_launch(kernel, grid, args, span_flags, worklist, _LAUNCH_BACKWARD)
 
@@ -1529,7 +1558,9 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     fused_stages = _fused_pairs() if flags is not None else ()
     # the flagged chunks' launches on a persistent grid over their worklist (formed once here)
     work = flagged_worklist(flags) if flags is not None and BACKWARD_FLAGGED_WORKLIST else None
-    dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags, worklist=work)
+    # stage 7's whole chunks from the raw q and k where their fp32 normalisation is what it would read
+    raw_qk = (qf, kf) if _checked("DV_LOCAL_RAW_QK", DV_LOCAL_RAW_QK, (False, True)) and l2 and qn.dtype == _F32 else None
+    dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags, worklist=work, raw_qk=raw_qk)
     dh, dvn, dh0 = dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
     dq, dkp, dw, dGp, dp = dqkwg(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt, span_flags=flags,
                                  fuse_9b="9b" in fused_stages, worklist=work)
