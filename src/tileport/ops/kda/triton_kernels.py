@@ -1347,7 +1347,7 @@ def _by_route(kernel, grid, args, span_flags, whole: bool = True, whole_launch=N
         return
     if whole:
         whole_grid, whole_args, *whole_kwargs = whole_launch or (grid, args)
-        kernel[whole_grid](*whole_args, CHUNKS="whole", flags_ptr=span_flags, **(whole_kwargs[0] if whole_kwargs else {}),
+        kernel[whole_grid](*whole_args, CHUNKS="whole", flags_ptr=span_flags, **dict(*whole_kwargs),
                            **dict(_LAUNCH_BACKWARD, num_warps=WHOLE_CHUNK_WARPS))
     _flagged_launch(kernel, grid, args, span_flags, worklist, _LAUNCH_BACKWARD)
 
