@@ -11,9 +11,10 @@ stage 3 leaves unflagged, stage 10 in its split form's two kernels (`_kda_wy_dA_
 `_kda_wy_pairs_kernel`, WY_FORM "split", the default) on the first pass and in one kernel
 (`_kda_wy_bwd_wgmma_kernel`) on the second.
 
-    python3 scripts/sanitize_kda.py [quick] [first] [q-registers] [u-from-t]
+    python3 scripts/sanitize_kda.py [quick] [first] [q-registers] [u-formed]
         (first: the first pass only, the defaults; q-registers: gluon_kernels.Q_NORM "registers";
-        u-from-t: triton_kernels.BACKWARD_U_FROM_T, `_kda_wy_dA_kernel`'s U_FREE form)
+        u-formed: the split form's `_kda_wy_dA_kernel` reading a formed U, triton_kernels.BACKWARD_U_FROM_T
+        off; by default it runs U_FREE, the one-kernel pass always with U formed)
 
 Each case runs the forward and backward (T kept for the backward) and a forward under no_grad.
 
@@ -30,6 +31,7 @@ import tileport
 from tileport.dispatch import use_backend
 from tileport.ops.gdn import gluon_kernels as gdn_gluon
 from tileport.ops.kda import gluon_kernels as kda_gluon
+from tileport.ops.kda import triton_kernels as kda_triton
 
 torch.manual_seed(0)
 quick = "quick" in sys.argv[1:]
@@ -39,15 +41,15 @@ if not quick:
 gdn_gluon.BACKWARD_STATES = "gluon"
 if "q-registers" in sys.argv[1:]:
     kda_gluon.Q_NORM = "registers"
-if "u-from-t" in sys.argv[1:]:  # the backward never forms U: the dA kernel's U_FREE form (kda.md row 36)
-    from tileport.ops.kda import triton_kernels as kda_triton
-
-    kda_triton.BACKWARD_U_FROM_T = True
+u_formed_split = "u-formed" in sys.argv[1:]
 # stage 10 in its split form (the default) and in one kernel (WY_FORM)
 passes = ((128, 8, "split", "fused-t", "triton"), (64, 4, "one-kernel", "split", "gluon"))
 for bv, warps, wy_form, recurrence, solve in passes[:1] if "first" in sys.argv[1:] else passes:
     gdn_gluon.TF32_RECURRENCE_BV, gdn_gluon.TF32_RECURRENCE_WARPS = bv, warps
     kda_gluon.WY_FORM = wy_form
+    # U is formed for the one kernel, which reads it (without U its chunks would go to Triton's
+    # kernel); the split form's dA kernel runs U_FREE by default (BACKWARD_U_FROM_T, kda.md row 36)
+    kda_triton.BACKWARD_U_FROM_T = wy_form == "split" and not u_formed_split
     kda_gluon.FORWARD_RECURRENCE = recurrence
     kda_gluon.FORWARD_SOLVE = solve
     for c in cases:

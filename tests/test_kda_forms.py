@@ -49,8 +49,9 @@ FORMS = {
     # the backward's flagged chunks' launches on grids of every chunk rather than over their
     # worklist (before the twenty-fifth session)
     "bwd-flagged-grid": dict(BACKWARD_FLAGGED_WORKLIST=False),
-    # stage 7's whole chunks from the raw q and k, normalised where loaded (DV_LOCAL_RAW_QK; off)
-    "dv-local-raw-qk": dict(DV_LOCAL_RAW_QK=True),
+    # stage 7's whole chunks from l2norm_fwd's fp32 copies rather than the raw q and k normalised
+    # where loaded (DV_LOCAL_RAW_QK; before the twenty-seventh session)
+    "dv-local-fp32-qk": dict(DV_LOCAL_RAW_QK=False),
 }
 
 
@@ -78,7 +79,7 @@ def test_other_dqkwg_key_block(case_id, device, seed, monkeypatch):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dv_local_whole_chunks_from_raw_keys(layout, device, seed, monkeypatch):
     """DV_LOCAL_RAW_QK: stage 7's whole-chunk launch reads the raw bf16 q and k and normalises each
-    row itself in fp32; against the same launch on `l2norm_fwd`'s fp32 copies (the default), dVl of
+    row itself in fp32 (the default); against the same launch on `l2norm_fwd`'s fp32 copies, dVl of
     the unflagged chunks within 1e-4 normwise, the flagged chunks' rows (normalised copies either
     way) bitwise equal. The same formula, but the row sums may run in another order on the GPU, and
     a last-bit difference in a normalised value can flip the bf16 rounding of a product operand

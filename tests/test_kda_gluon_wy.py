@@ -31,10 +31,17 @@ FORMS = ("split", "one-kernel")  # WY_FORM: the two kernels (the default) or the
 
 
 def _wy_on(monkeypatch, form: str = "split") -> list[LaunchSpy]:
-    """BACKWARD_WY "gluon" in one of FORMS, and spies on the launches of that form's kernels."""
+    """BACKWARD_WY "gluon" in one of FORMS (with U formed for the one-kernel form), and spies on the
+    launches of that form's kernels."""
     from tileport.ops.kda import gluon_kernels as kg
+    from tileport.ops.kda import triton_kernels as kk
 
     names = ("_kda_wy_dA_kernel", "_kda_wy_pairs_kernel") if form == "split" else ("_kda_wy_bwd_wgmma_kernel",)
+    if form != "split":
+        # the one kernel reads U, which the default backward no longer forms (BACKWARD_U_FROM_T:
+        # `wy_bwd_kernel_for` then hands its chunks to Triton's kernel, seen on the H200 in the
+        # twenty-seventh session)
+        monkeypatch.setattr(kk, "BACKWARD_U_FROM_T", False)
     return spy_on_kernels(monkeypatch, kg, names, BACKWARD_WY="gluon", WY_FORM=form)
 
 

@@ -1292,9 +1292,11 @@ DV_LOCAL_WHOLE_BV = 128
 # normalises each row itself in fp32, instead of the fp32 copies `l2norm_fwd` made for the other
 # stages (537 MB): the same values up to a row sum's order. Why: the H200's kda_ab "normalised-qk"
 # (twenty-sixth session, row 37) timed this launch at 0.644 ms on fp32 q and k and 0.418 on bf16
-# ones; the other stages keep their fp32 copies (stage 8's Gluon kernel takes no other). Off: CPU
-# interpreter and sm_90a compile only, not run on the H200 (docs/perf/kda.md row 38). Read at each call.
-DV_LOCAL_RAW_QK = False
+# ones; the other stages keep their fp32 copies (stage 8's Gluon kernel takes no other). On since
+# the twenty-seventh session (docs/perf/kda.md row 38): the H200 timed the launch 0.647 -> 0.607 ms
+# at S1 (its own row norms cost most of what the halved reads save; 0.22 was predicted), the
+# backward 5.824 -> 5.785, the gradients bitwise equal there. Read at each call.
+DV_LOCAL_RAW_QK = True
 _FUSABLE_PAIRS = ("9b", "10b")
 
 
