@@ -823,6 +823,17 @@ WY_FORM = "split"
 # kda_ab at 32fbcd8), and issued one after the other they left the kernel latency-bound (1.72 ms
 # per backward against 1.54; docs/perf/kda.md row 23). Fixed: the compile cases and tests run 32.
 _PAIRS_CHANNELS = 32
+# How the pairs kernel gets a block's G, dXw, dK', K and dG' tiles: "tma" (TMA into shared slots,
+# the next block's under this one's work; TMA_TILES) or "loads" (pointer loads at the block's start,
+# the form timed at 32fbcd8). Read at each call (kda_ab "pairs-tiles").
+PAIRS_TILES = "tma"
+
+
+def _pairs_tma_fits(*tensors) -> bool:
+    """Whether the pairs kernel's tiles can come by TMA: contiguous fp32 or bf16 tensors on
+    16-byte aligned storage (their [Ntok, H K] rows are then 16-byte multiples at K of HEAD_DIMS)."""
+    return all(x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16) and x.data_ptr() % 16 == 0
+               for x in tensors)
 
 if _GLUON_ERROR is None:
 
@@ -1133,7 +1144,9 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _kda_wy_pairs_kernel(m_desc, dxw_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, vdu_ptr, dk_ptr,
-                             dbeta_ptr, dg_ptr, chunks_ptr, flags_ptr, H, K: gl.constexpr, CW: gl.constexpr):
+                             dbeta_ptr, dg_ptr, chunks_ptr, flags_ptr, H, K: gl.constexpr, CW: gl.constexpr,
+                             g_desc=None, dxw_desc=None, dkp_desc=None, k_desc=None, dgp_desc=None,
+                             TMA_TILES: gl.constexpr = False):
         """Stage 10's second half (WY_FORM "split"): 10b's pair terms and the final dk, dg and dbeta
         for one chunk and head whose flag is clear, from M and M^T (`_kda_wy_dA_kernel`'s, by TMA);
         grid (NC, H), 4 warps, a flagged chunk's program returns. By blocks b of CW key channels
@@ -1151,7 +1164,16 @@ if _GLUON_ERROR is None:
         block's start, all together, so that their latencies overlap the keys' gating and the
         products instead of following each other (at 64 channels loaded one after the other, ncu:
         88% of cycles with no eligible warp, 22.7% of DRAM bandwidth, 1.72 ms per backward at S1;
-        this form 1.54); 32-channel blocks leave the registers for that."""
+        this form 1.54); 32-channel blocks leave the registers for that.
+        TMA_TILES (PAIRS_TILES "tma"): a block's G, dXw, dK', K and dG' tiles come by TMA into one
+        set of shared slots (g_desc, dxw_desc, dkp_desc, k_desc, dgp_desc: [Ntok, H K] views,
+        blocks [64, CW]), and once every warp has read them into registers (both layouts: the
+        transposed gated keys from the same K and G tiles) the slots are refilled with the next
+        block's, so the next block's loads are in flight under this block's products, scan and
+        stores instead of after them (the pointer form's loads wait at each block's start: ncu at
+        469bc98, 88% of cycles with no eligible warp). TMA's rows past a varlen chunk are the next
+        sequence's (a flagged chunk's dXw rows unwritten): every tile is masked by row on its way
+        out of shared memory. 40 KB more shared memory (fp32 keys), still two programs an SM."""
         BT: gl.constexpr = m_desc.block_type.shape[0]
         gl.static_assert(K % CW == 0, "whole blocks of key channels")
         NB: gl.constexpr = K // CW
@@ -1167,14 +1189,26 @@ if _GLUON_ERROR is None:
         xT_s = gl.allocate_shared_memory(gl.float32, [CW, BT], XT_SL)  # (K_b e^-d)^T
         yT_s = gl.allocate_shared_memory(gl.float32, [CW, BT], XT_SL)  # (diag(beta) K_b e^d)^T
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if TMA_TILES:
+            g_s = gl.allocate_shared_memory(g_desc.dtype, [BT, CW], g_desc.layout)
+            dxw_s = gl.allocate_shared_memory(dxw_desc.dtype, [BT, CW], dxw_desc.layout)
+            dkp_s = gl.allocate_shared_memory(dkp_desc.dtype, [BT, CW], dkp_desc.layout)
+            k_s = gl.allocate_shared_memory(k_desc.dtype, [BT, CW], k_desc.layout)
+            dgp_s = gl.allocate_shared_memory(dgp_desc.dtype, [BT, CW], dgp_desc.layout)
+            tbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         if gl.load(flags_ptr + c * H + hh) == 0:
             bos, eos = _chunk_bounds(chunks_ptr, c)
             mbarrier.init(bar, count=1)
+            if TMA_TILES:
+                mbarrier.init(tbar, count=1)
             fence_async_shared()
             tile = (c * H + hh) * BT
             mbarrier.expect(bar, 2 * m_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(m_desc, [tile, 0], bar, m_s.index(0))
             tma.async_copy_global_to_shared(m_desc, [tile, BT], bar, m_s.index(1))
+            if TMA_TILES:
+                _pairs_tiles_issue(g_desc, dxw_desc, dkp_desc, k_desc, dgp_desc, g_s, dxw_s, dkp_s, k_s, dgp_s, tbar,
+                                   bos, hh * K)
 
             rr, cc, r_ok, rows = _chunk_rows(bos, eos, hh, H, BT, CW, ROWS_L)
             r_ok, rows = r_ok[:, None], rows[:, None]
@@ -1186,24 +1220,39 @@ if _GLUON_ERROR is None:
             betar = gl.load(beta_ptr + (bos + rr).to(gl.int64) * H + hh, mask=bos + rr < eos, other=0.0).to(gl.float32)
             kr = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
             for b in range(NB):  # not unrolled: unrolled, the next block's loads rise into this one's and spill
-                # the block's tiles in the accumulator layout first, all in flight together
                 offs = orows[:, None] * K + (b * CW + co)[None, :]
-                # lint: allow TP001 -- G, K, dXw and 9's partials in the accumulator layout they are combined in; a varlen tail's rows masked
-                G2 = gl.load(G_ptr + offs, mask=o_ok[:, None], other=0.0)
-                # lint: allow TP001 -- as G
-                dxw = gl.load(dxw_ptr + offs, mask=o_ok[:, None], other=0.0)
-                # lint: allow TP001 -- as G
-                dkp = gl.load(dkp_ptr + offs, mask=o_ok[:, None], other=0.0)
-                # lint: allow TP001 -- as G
-                k2 = gl.load(k_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32)
-                # lint: allow TP001 -- as G
-                dGp = gl.load(dGp_ptr + offs, mask=o_ok[:, None], other=0.0)
                 Gm2 = gl.load(G_ptr + mrow + b * CW + co)
-                # lint: allow TP001 -- K's and G's rows, masked past the sequence, are gated in registers on their way to shared memory transposed, which TMA cannot give
-                kt = gl.load(k_ptr + rows * K + (b * CW + cc)[None, :], mask=r_ok, other=0.0).to(gl.float32)
                 Gm = gl.load(G_ptr + mrow + b * CW + cc)
-                # lint: allow TP001 -- as K's rows
-                Gt = gl.load(G_ptr + rows * K + (b * CW + cc)[None, :], mask=r_ok, other=0.0)
+                if TMA_TILES:
+                    mbarrier.wait(tbar, b & 1)
+                    o_ok2 = o_ok[:, None]
+                    G2 = gl.where(o_ok2, g_s.load(A_L), 0.0)
+                    dxw = gl.where(o_ok2, dxw_s.load(A_L), 0.0)
+                    dkp = gl.where(o_ok2, dkp_s.load(A_L), 0.0)
+                    k2 = gl.where(o_ok2, k_s.load(A_L).to(gl.float32), 0.0)
+                    dGp = gl.where(o_ok2, dgp_s.load(A_L), 0.0)
+                    kt = gl.where(r_ok, k_s.load(ROWS_L).to(gl.float32), 0.0)
+                    Gt = gl.where(r_ok, g_s.load(ROWS_L), 0.0)
+                    gl.thread_barrier()  # every warp has read the slots before they take the next block's tiles
+                    if b + 1 < NB:
+                        _pairs_tiles_issue(g_desc, dxw_desc, dkp_desc, k_desc, dgp_desc, g_s, dxw_s, dkp_s, k_s,
+                                           dgp_s, tbar, bos, hh * K + (b + 1) * CW)
+                else:
+                    # the block's tiles in the accumulator layout first, all in flight together
+                    # lint: allow TP001 -- G, K, dXw and 9's partials in the accumulator layout they are combined in; a varlen tail's rows masked
+                    G2 = gl.load(G_ptr + offs, mask=o_ok[:, None], other=0.0)
+                    # lint: allow TP001 -- as G
+                    dxw = gl.load(dxw_ptr + offs, mask=o_ok[:, None], other=0.0)
+                    # lint: allow TP001 -- as G
+                    dkp = gl.load(dkp_ptr + offs, mask=o_ok[:, None], other=0.0)
+                    # lint: allow TP001 -- as G
+                    k2 = gl.load(k_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32)
+                    # lint: allow TP001 -- as G
+                    dGp = gl.load(dGp_ptr + offs, mask=o_ok[:, None], other=0.0)
+                    # lint: allow TP001 -- K's and G's rows, masked past the sequence, are gated in registers on their way to shared memory transposed, which TMA cannot give
+                    kt = gl.load(k_ptr + rows * K + (b * CW + cc)[None, :], mask=r_ok, other=0.0).to(gl.float32)
+                    # lint: allow TP001 -- as K's rows
+                    Gt = gl.load(G_ptr + rows * K + (b * CW + cc)[None, :], mask=r_ok, other=0.0)
                 d = gl.where(r_ok, (Gt - Gm[None, :]).to(gl.float32), 0.0)
                 xT_s.store(gl.permute(kt * gl.exp(-d), (1, 0)))
                 yT_s.store(gl.permute(kt * betar[:, None] * gl.exp(d), (1, 0)))
@@ -1232,6 +1281,20 @@ if _GLUON_ERROR is None:
             vdu = gl.load(vdu_ptr + orows, mask=o_ok, other=0.0)
             gl.store(dbeta_ptr + orows, (vdu + kr).to(dbeta_ptr.dtype.element_ty), mask=o_ok)
             mbarrier.invalidate(bar)
+            if TMA_TILES:
+                mbarrier.invalidate(tbar)
+
+    @gluon.jit
+    def _pairs_tiles_issue(g_desc, dxw_desc, dkp_desc, k_desc, dgp_desc, g_s, dxw_s, dkp_s, k_s, dgp_s, bar, row, col):
+        """`_kda_wy_pairs_kernel`'s TMA_TILES loads: one block's five [64, CW] tiles at (row, col)
+        into their slots, armed on bar together."""
+        mbarrier.expect(bar, g_desc.block_type.nbytes + dxw_desc.block_type.nbytes + dkp_desc.block_type.nbytes
+                        + k_desc.block_type.nbytes + dgp_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(g_desc, [row, col], bar, g_s)
+        tma.async_copy_global_to_shared(dxw_desc, [row, col], bar, dxw_s)
+        tma.async_copy_global_to_shared(dkp_desc, [row, col], bar, dkp_s)
+        tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_s)
+        tma.async_copy_global_to_shared(dgp_desc, [row, col], bar, dgp_s)
 
 
 def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
@@ -1284,9 +1347,14 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
             _kda_wy_dA_kernel[(plan.NC, H)](rows(w, K) if u is None else rows(u, V), rows(w, K), Ai, dw, dvn, v, beta,
                                             dv, vdu, dxw, mm_desc, plan.chunks, span_flags, H, K, V,
                                             U_FREE=u is None, num_warps=4)
+            tiles = {}
+            if kk._checked("PAIRS_TILES", PAIRS_TILES, ("tma", "loads")) == "tma" and _pairs_tma_fits(k, G, dxw, dk, dG):
+                tiles = dict(zip(("g_desc", "dxw_desc", "dkp_desc", "k_desc", "dgp_desc"),
+                                 (_descriptor(x.view(Ntok, H * K), [BT, _PAIRS_CHANNELS]) for x in (G, dxw, dk, k, dG))),
+                             TMA_TILES=True)
             _kda_wy_pairs_kernel[(plan.NC, H)](mm_desc, dxw, k, beta, G, dk, dG, vdu, dk_out,
                                                dbeta_out, dg_out, plan.chunks, span_flags, H, K,
-                                               _PAIRS_CHANNELS, num_warps=4)
+                                               _PAIRS_CHANNELS, **tiles, num_warps=4)
         else:
             _kda_wy_bwd_wgmma_kernel[(plan.NC, H)](
                 rows(u, V), rows(w, K), Ai, dw, dvn, k, v, beta, G, dk, dG, dk_out, dv, dbeta_out, dg_out,
@@ -1828,6 +1896,15 @@ def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
         }
         # U never formed (U_FREE, triton_kernels.BACKWARD_U_FROM_T): W's descriptor stands in for U's
         split_args["dA_ufree"] = (_kda_wy_dA_kernel, dict(split_args["dA"][1], U_FREE=True))
+
+        def tile_desc(dtype=f32):
+            return descriptor_stand_in([Ntok, H * K], dtype, [BT, _PAIRS_CHANNELS],
+                                       _smem_layout((BT, _PAIRS_CHANNELS), dtype))
+
+        # the pairs kernel's tiles by TMA (PAIRS_TILES "tma", the default)
+        split_args["pairs_tma"] = (_kda_wy_pairs_kernel, dict(
+            split_args["pairs"][1], g_desc=tile_desc(), dxw_desc=tile_desc(), dkp_desc=tile_desc(),
+            k_desc=tile_desc(k_dtype), dgp_desc=tile_desc(), TMA_TILES=True))
         for part, (kernel, kargs) in split_args.items():
             cases.append(CompileCase(name=f"kda_wy_split_{part}_{tag}", kernel=kernel, args=kargs, num_warps=4,
                                      expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],
