@@ -33,9 +33,10 @@ on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole gr
 "u-from-t": the backward from kept states with U never formed (triton_kernels.BACKWARD_U_FROM_T) or formed.
 "dv-local-raw-qk": stage 7's whole chunks from the raw q and k (triton_kernels.DV_LOCAL_RAW_QK) or the fp32 copies.
 "pairs-tiles": stage 10's pairs kernel with its tiles by pointer loads or by TMA (gluon_kernels.PAIRS_TILES).
+"dA-tiles": stage 10's dA kernel with its dVn and dW tiles by pointer loads or by TMA (gluon_kernels.DA_TILES).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -481,3 +482,11 @@ if "pairs-tiles" in SECTIONS and dev == "cuda":
     from tileport.ops.kda import gluon_kernels as kg_pairs
 
     backward_switch_ab("pairs-tiles", kg_pairs, "PAIRS_TILES", ("loads", "tma"))
+
+# "dA-tiles": stage 10's dA kernel taking a block's dVn and dW tiles by pointer loads transposed into
+# shared memory at the block's start ("loads") or by TMA into staging slots, the next block's under
+# this one's work (gluon_kernels.DA_TILES "tma"), kda.md row 40
+if "dA-tiles" in SECTIONS and dev == "cuda":
+    from tileport.ops.kda import gluon_kernels as kg_da
+
+    backward_switch_ab("dA-tiles", kg_da, "DA_TILES", ("loads", "tma"))

@@ -827,6 +827,10 @@ _PAIRS_CHANNELS = 32
 # the next block's under this one's work; TMA_TILES) or "loads" (pointer loads at the block's start,
 # the form timed at 32fbcd8). Read at each call (kda_ab "pairs-tiles").
 PAIRS_TILES = "tma"
+# How the dA kernel gets a block's dVn and dW tiles: "tma" (TMA into staging slots, the next
+# block's under this one's work; TMA_TILES) or "loads" (pointer loads transposed into shared
+# memory at the block's start, the form timed at e48d059). Read at each call (kda_ab "dA-tiles").
+DA_TILES = "tma"
 
 
 def _pairs_tma_fits(*tensors) -> bool:
@@ -1020,7 +1024,8 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _kda_wy_dA_kernel(u_desc, w_desc, t_ptr, dw_ptr, dvn_ptr, v_ptr, beta_ptr, dv_ptr, vdu_ptr, dxw_ptr, mm_desc,
-                          chunks_ptr, flags_ptr, H, K: gl.constexpr, V: gl.constexpr, U_FREE: gl.constexpr = False):
+                          chunks_ptr, flags_ptr, H, K: gl.constexpr, V: gl.constexpr, U_FREE: gl.constexpr = False,
+                          dvn_desc=None, dw_desc=None, TMA_TILES: gl.constexpr = False):
         """Stage 10's first half (WY_FORM "split") for one chunk and head whose flag is clear; grid
         (NC, H), 4 warps (one warpgroup), a flagged chunk's program returns. By blocks b of 64
         channels, in `_kda_wy_bwd_wgmma_kernel`'s order:
@@ -1041,7 +1046,15 @@ if _GLUON_ERROR is None:
         into U_b's slot) sum apart and T, row-major through the same slot, takes the sum at the end:
         dA = sum_b dXw_b W_b^T + (sum_b dXu_b Bv_b^T) T^T. T^T is then a shared A operand (16 KB, in
         place of the register conversion's scratch: shared memory as without U_FREE), not registers,
-        which the second accumulator needs (sm_90a, K = 128: 251 registers, no spills)."""
+        which the second accumulator needs (sm_90a, K = 128: 251 registers, no spills).
+        TMA_TILES (DA_TILES "tma"): a block's dVn_b and dW_b come by TMA (dvn_desc, dw_desc: [Ntok, H V]
+        and [Ntok, H K] views, blocks [64, 64]) into two staging slots, and go from there to their
+        transposed slots through registers; the next block's are issued once every warp has read the
+        staging, so they land under this block's products and stores instead of being waited for at
+        the block's start (the pointer form: ncu at e48d059, long_scoreboard 5.90 cycles per issued
+        instruction). Rows past a varlen chunk (TMA gives the next sequence's) are zeroed on the way
+        out of the staging, as the pointer form's masked loads. 32 KB more shared memory (112 KB at
+        any K): still two programs an SM."""
         BT: gl.constexpr = u_desc.block_type.shape[0]
         CB: gl.constexpr = u_desc.block_type.shape[1]
         gl.static_assert(K == V and K % CB == 0, "the blocks of K and V pair up")
@@ -1064,10 +1077,18 @@ if _GLUON_ERROR is None:
             # takes (in registers T^T and dAu spilled at K = 128: 255 registers, 44 B)
             tT_s = gl.allocate_shared_memory(gl.float32, [BT, BT], XT_SL)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if TMA_TILES:
+            dvn_st = gl.allocate_shared_memory(gl.float32, [BT, CB], dvn_desc.layout)
+            dw_st = gl.allocate_shared_memory(gl.float32, [BT, CB], dw_desc.layout)
+            tbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         if gl.load(flags_ptr + c * H + hh) == 0:
             bos, eos = _chunk_bounds(chunks_ptr, c)
             mbarrier.init(bar, count=1)
+            if TMA_TILES:
+                mbarrier.init(tbar, count=1)
             fence_async_shared()
+            if TMA_TILES:
+                _da_tiles_issue(dvn_desc, dw_desc, dvn_st, dw_st, tbar, bos, hh * V, hh * K)
             rr, cc, r_ok, rows = _chunk_rows(bos, eos, hh, H, BT, CB, ROWS_L)
             r_ok, rows = r_ok[:, None], rows[:, None]
             ro, co, o_ok, orows = _chunk_rows(bos, eos, hh, H, BT, CB, A_L)
@@ -1088,10 +1109,18 @@ if _GLUON_ERROR is None:
                     else:
                         a_tT = _transposed_rows(t_ptr, rows, r_ok, cc, A_L)  # under the first loads
                     beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
-                _store_transposed(dvnT_s, dvn_ptr, rows, b * CB + cc, r_ok, V)
-                _store_transposed(dwT_s, dw_ptr, rows, b * CB + cc, r_ok, K)
+                if TMA_TILES:
+                    mbarrier.wait(tbar, b % 2)
+                    dvnT_s.store(gl.permute(gl.where(r_ok, dvn_st.load(ROWS_L), 0.0), (1, 0)))
+                    dwT_s.store(gl.permute(gl.where(r_ok, dw_st.load(ROWS_L), 0.0), (1, 0)))
+                else:
+                    _store_transposed(dvnT_s, dvn_ptr, rows, b * CB + cc, r_ok, V)
+                    _store_transposed(dwT_s, dw_ptr, rows, b * CB + cc, r_ok, K)
                 fence_async_shared()
                 gl.thread_barrier()  # every warp's part of dVn_b^T and dW_b^T, before the WGMMAs read them
+                if TMA_TILES and b + 1 < NB:  # the staging is read by every warp: the next block's tiles
+                    _da_tiles_issue(dvn_desc, dw_desc, dvn_st, dw_st, tbar, bos, hh * V + (b + 1) * CB,
+                                    hh * K + (b + 1) * CB)
                 if U_FREE:
                     dxu, dxw, vdu_b, vt = _dxu_dxw_block(tT_s, dvnT_s, dwT_s, zero, v_ptr, dv_ptr, beta, orows, o_ok,
                                                          b * CB, V)
@@ -1141,6 +1170,16 @@ if _GLUON_ERROR is None:
             tma.async_copy_shared_to_global(mm_desc, [(c * H + hh) * BT, BT], w_s)
             tma.store_wait(0)
             mbarrier.invalidate(bar)
+            if TMA_TILES:
+                mbarrier.invalidate(tbar)
+
+    @gluon.jit
+    def _da_tiles_issue(dvn_desc, dw_desc, dvn_s, dw_s, bar, row, dvn_col, dw_col):
+        """`_kda_wy_dA_kernel`'s TMA_TILES loads: one block's dVn_b and dW_b [64, 64] tiles at
+        (row, dvn_col) and (row, dw_col) into their staging slots, armed on bar together."""
+        mbarrier.expect(bar, dvn_desc.block_type.nbytes + dw_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(dvn_desc, [row, dvn_col], bar, dvn_s)
+        tma.async_copy_global_to_shared(dw_desc, [row, dw_col], bar, dw_s)
 
     @gluon.jit
     def _kda_wy_pairs_kernel(m_desc, dxw_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, vdu_ptr, dk_ptr,
@@ -1344,9 +1383,12 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
             dxw = new_empty((Ntok, H, K), torch.float32, k.device)
             mm_desc = _descriptor(mm, [BT, BT])
             # U never formed (BACKWARD_U_FROM_T): W's descriptor stands in for U's, unread (U_FREE)
+            da_tiles = {}
+            if kk._checked("DA_TILES", DA_TILES, ("tma", "loads")) == "tma" and _pairs_tma_fits(dvn, dw):
+                da_tiles = dict(dvn_desc=rows(dvn, V), dw_desc=rows(dw, K), TMA_TILES=True)
             _kda_wy_dA_kernel[(plan.NC, H)](rows(w, K) if u is None else rows(u, V), rows(w, K), Ai, dw, dvn, v, beta,
                                             dv, vdu, dxw, mm_desc, plan.chunks, span_flags, H, K, V,
-                                            U_FREE=u is None, num_warps=4)
+                                            U_FREE=u is None, **da_tiles, num_warps=4)
             tiles = {}
             if kk._checked("PAIRS_TILES", PAIRS_TILES, ("tma", "loads")) == "tma" and _pairs_tma_fits(k, G, dxw, dk, dG):
                 tiles = dict(zip(("g_desc", "dxw_desc", "dkp_desc", "k_desc", "dgp_desc"),
@@ -1896,6 +1938,10 @@ def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
         }
         # U never formed (U_FREE, triton_kernels.BACKWARD_U_FROM_T): W's descriptor stands in for U's
         split_args["dA_ufree"] = (_kda_wy_dA_kernel, dict(split_args["dA"][1], U_FREE=True))
+        # the dA kernel's dVn and dW tiles by TMA (DA_TILES "tma", the default), U formed or not
+        for part in ("dA", "dA_ufree"):
+            split_args[f"{part}_tma"] = (_kda_wy_dA_kernel, dict(split_args[part][1], dvn_desc=desc(), dw_desc=desc(),
+                                                                 TMA_TILES=True))
 
         def tile_desc(dtype=f32):
             return descriptor_stand_in([Ntok, H * K], dtype, [BT, _PAIRS_CHANNELS],
