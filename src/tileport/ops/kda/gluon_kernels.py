@@ -1700,7 +1700,31 @@ if _GLUON_ERROR is None:
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
         vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
-        if PERSISTENT:
+        if not PERSISTENT:
+            c = gl.program_id(0) // NK
+            kb = gl.program_id(0) % NK  # a chunk's key blocks in adjacent programs: its rows' second read from L2
+            hh = gl.program_id(1)
+            h_s, dh_s, vn_s, dvn_s = h_r.index(0), dh_r.index(0), vn_r.index(0), dvn_r.index(0)
+            do_s, xT_s, yT_s, m_s = do_r.index(0), xT_r.index(0), yT_r.index(0), m_r.index(0)
+            if gl.load(flags_ptr + c * H + hh) == 0:
+                bos, eos = _chunk_bounds(chunks_ptr, c)
+                mbarrier.init(bar, count=1)
+                fence_async_shared()
+                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, do_desc, vn_s, dvn_s, h_s, dh_s, do_s, bar, bos,
+                                   hh, (c * H + hh) * K + kb * BKS, V, False)
+                # lint: allow TP001 -- dO (16-bit) is widened to fp32 on its way to shared memory (tf32 WGMMA takes fp32 operands), which TMA cannot do; rows past the sequence loaded as 0
+                do = gl.load(do_ptr + ((bos + rr).to(gl.int64) * H + hh)[:, None] * V + vc[None, :],
+                             mask=(bos + rr < eos)[:, None], other=0.0).to(gl.float32)
+                do_s.store(do)
+                fence_async_shared()
+                gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
+                mbarrier.wait(bar, 0)
+                dqh, dkd, dwa, hdh, dd = _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale,
+                                                               0, D_L, ROWS_L)
+                _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, m_s, xT_s, yT_s, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr,
+                                 dw_ptr, dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
+                mbarrier.invalidate(bar)
+        else:
             mbarrier.init(bar, count=1)
             fence_async_shared()
             pid = gl.program_id(0)
@@ -1722,7 +1746,8 @@ if _GLUON_ERROR is None:
                     do_s, xT_s, yT_s, m_s = do_r.index(z), xT_r.index(z), yT_r.index(z), m_r.index(z)
                     # dO's 16-bit tile lands in dO's fp32 slot (half of it), widened there at the item's start
                     do16_s = do_s._reinterpret(do_desc.dtype, [BT, V], do_desc.layout)
-                    if pending == 0:
+                    if pending == 0:  # the first item, or one after a flagged item: its own loads
+                        gl.thread_barrier()  # every warp is done with the previous item's slots
                         _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, do_desc, vn_s, dvn_s, h_s, dh_s,
                                            do16_s, bar, bos, hh, ch * K + kb * BKS, V, True)
                     mbarrier.wait(bar, phase)
@@ -1752,30 +1777,6 @@ if _GLUON_ERROR is None:
                 else:
                     pending = 0
             mbarrier.invalidate(bar)
-        else:
-            c = gl.program_id(0) // NK
-            kb = gl.program_id(0) % NK  # a chunk's key blocks in adjacent programs: its rows' second read from L2
-            hh = gl.program_id(1)
-            h_s, dh_s, vn_s, dvn_s = h_r.index(0), dh_r.index(0), vn_r.index(0), dvn_r.index(0)
-            do_s, xT_s, yT_s, m_s = do_r.index(0), xT_r.index(0), yT_r.index(0), m_r.index(0)
-            if gl.load(flags_ptr + c * H + hh) == 0:
-                bos, eos = _chunk_bounds(chunks_ptr, c)
-                mbarrier.init(bar, count=1)
-                fence_async_shared()
-                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, do_desc, vn_s, dvn_s, h_s, dh_s, do_s, bar, bos,
-                                   hh, (c * H + hh) * K + kb * BKS, V, False)
-                # lint: allow TP001 -- dO (16-bit) is widened to fp32 on its way to shared memory (tf32 WGMMA takes fp32 operands), which TMA cannot do; rows past the sequence loaded as 0
-                do = gl.load(do_ptr + ((bos + rr).to(gl.int64) * H + hh)[:, None] * V + vc[None, :],
-                             mask=(bos + rr < eos)[:, None], other=0.0).to(gl.float32)
-                do_s.store(do)
-                fence_async_shared()
-                gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
-                mbarrier.wait(bar, 0)
-                dqh, dkd, dwa, hdh, dd = _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale,
-                                                               0, D_L, ROWS_L)
-                _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, m_s, xT_s, yT_s, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr,
-                                 dw_ptr, dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
-                mbarrier.invalidate(bar)
 
 
 def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span_flags, fuse_9b: bool) -> str:
