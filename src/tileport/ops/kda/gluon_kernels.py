@@ -1501,21 +1501,47 @@ DQKWG_BKS = 64  # key channels per block: every tile of the stage-9 kernel is [6
 # How `_kda_dqkwg_wgmma_kernel` runs: "persistent" (PERSISTENT: one program an SM looping over the
 # work items, the next item's TMA loads under this one's epilogue, dO by TMA) or "grid" (a program
 # per item, the form timed at e48d059). Read at each call (kda_ab "dqkwg-persistent").
-DQKWG_FORM = "persistent"
+DQKWG_FORM = "grid"
 
 if _GLUON_ERROR is None:
 
     @gluon.jit
-    def _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, m_s, xT_s, yT_s, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr,
+    def _dqkwg_epilogue_tiles(q_ptr, k_ptr, G_ptr, bos, eos, hh, kb, H, K: gl.constexpr, BKS: gl.constexpr,
+                              BT: gl.constexpr, D_L: gl.constexpr):
+        """Stage 9's epilogue's reads for key block kb of the chunk from token bos: G, q and k
+        [BT, BKS] in the accumulator layout D_L (fp32, masked past the sequence), and G's last valid
+        row (G_L) and middle row (`_chunk_gate_offsets`' m; eos is the sequence's end). Apart from
+        `_kda_dqkwg_block` so that the persistent form can issue them before its next item's TMA
+        loads, ahead of them in the SM's queue."""
+        ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
+        kcol = kb * BKS + gl.arange(0, BKS, layout=gl.SliceLayout(0, D_L))
+        base = (bos.to(gl.int64) * H + hh) * K
+        offs = ro[:, None] * (H * K) + kcol[None, :]
+        mk = (bos + ro < eos)[:, None] & (kcol < K)[None, :]
+        last = gl.minimum(bos + BT, eos) - 1
+        mid = bos + (gl.minimum(eos - bos, BT) - 1) // 2
+        GL = gl.load(G_ptr + (last.to(gl.int64) * H + hh) * K + kcol)
+        Gm = gl.load(G_ptr + (mid.to(gl.int64) * H + hh) * K + kcol)
+        # lint: allow TP001 -- G, q and k meet the accumulators in their layout, masked past the sequence (TMA would give the next sequence's rows unmasked and cost another 48 KB of shared memory)
+        G = gl.load(G_ptr + base + offs, mask=mk, other=0.0)
+        # lint: allow TP001 -- as G
+        q = gl.load(q_ptr + base + offs, mask=mk, other=0.0).to(gl.float32)
+        # lint: allow TP001 -- as G
+        k = gl.load(k_ptr + base + offs, mask=mk, other=0.0).to(gl.float32)
+        return G, q, k, GL, Gm
+
+    @gluon.jit
+    def _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, G, q, k, GL, Gm, m_s, xT_s, yT_s, dq_ptr, dk_ptr, dw_ptr, dG_ptr,
                          bos, eos, hh, kb, H, scale, K: gl.constexpr, BKS: gl.constexpr):
         """Stage 9's epilogue for key block kb (columns kb * BKS ..) of an unflagged chunk: Triton's
         `_kda_dqkwg_kernel` with PAIRS after its V loop, for a chunk it takes whole, from the state
         products dQh = dO h^T, dKd = Vn dh^T, dwa = dVn h^T ([64, BKS] fp32, one accumulator
         layout), hdh = rowsum(h * dh) [BKS], dP's diagonal dd = scale dP_tt [64] and M =
-        strict_lower(scale dP) in m_s. The pair terms' operands go to shared memory transposed
-        (K e^-d and Q e^d contract over the chunk's tokens, and tf32 WGMMA reads K-major only); M
-        and M^T are register A operands made from m_s where used (M held in registers through the
-        epilogue instead: 255 registers at sm_90a, K = V = 128, against 246: no room left)."""
+        strict_lower(scale dP) in m_s, and `_dqkwg_epilogue_tiles`' G, q, k, G_L, G_m. The pair
+        terms' operands go to shared memory transposed (K e^-d and Q e^d contract over the chunk's
+        tokens, and tf32 WGMMA reads K-major only); M and M^T are register A operands made from m_s
+        where used (M held in registers through the epilogue instead: 255 registers at sm_90a, K =
+        V = 128, against 246: no room left)."""
         D_L: gl.constexpr = dqh.type.layout
         BT: gl.constexpr = dqh.shape[0]
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
@@ -1529,19 +1555,7 @@ if _GLUON_ERROR is None:
         mk = valid[:, None] & (kcol < K)[None, :]
         # lint: allow TP001 -- dW leaves from its accumulator layout; a varlen tail's rows belong to the next sequence (masked)
         gl.store(dw_ptr + base + offs, -dwa, mask=mk)
-
-        # the last valid row (G_L) and the middle row m of `_chunk_gate_offsets` (eos is the
-        # sequence's end, not the chunk's)
         last = gl.minimum(bos + BT, eos) - 1
-        mid = bos + (gl.minimum(eos - bos, BT) - 1) // 2
-        GL = gl.load(G_ptr + (last.to(gl.int64) * H + hh) * K + kcol)
-        Gm = gl.load(G_ptr + (mid.to(gl.int64) * H + hh) * K + kcol)
-        # lint: allow TP001 -- G, q and k meet the accumulators in their layout, masked past the sequence (TMA would give the next sequence's rows unmasked and cost another 48 KB of shared memory)
-        G = gl.load(G_ptr + base + offs, mask=mk, other=0.0)
-        # lint: allow TP001 -- as G
-        q = gl.load(q_ptr + base + offs, mask=mk, other=0.0).to(gl.float32)
-        # lint: allow TP001 -- as G
-        k = gl.load(k_ptr + base + offs, mask=mk, other=0.0).to(gl.float32)
         d = gl.where(mk, (G - Gm[None, :]).to(gl.float32), 0.0)  # |d| <= 60 on an unflagged chunk
         # the state terms first, in Triton's order (exp with -inf past the mask: 0 there), so that
         # G and the state accumulators retire before the pair products' operands are made
@@ -1721,8 +1735,9 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(bar, 0)
                 dqh, dkd, dwa, hdh, dd = _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale,
                                                                0, D_L, ROWS_L)
-                _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, m_s, xT_s, yT_s, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr,
-                                 dw_ptr, dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
+                G, q, k, GL, Gm = _dqkwg_epilogue_tiles(q_ptr, k_ptr, G_ptr, bos, eos, hh, kb, H, K, BKS, BT, D_L)
+                _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, G, q, k, GL, Gm, m_s, xT_s, yT_s, dq_ptr, dk_ptr, dw_ptr,
+                                 dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
                 mbarrier.invalidate(bar)
         else:
             mbarrier.init(bar, count=1)
@@ -1763,6 +1778,9 @@ if _GLUON_ERROR is None:
                     # item's loads, if it is unflagged, under this item's epilogue
                     fence_async_shared()
                     gl.thread_barrier()
+                    # this item's epilogue reads go out before the next item's TMA loads (queued
+                    # behind 144 KB of them, they would hold the epilogue up by about that long)
+                    G, q, k, GL, Gm = _dqkwg_epilogue_tiles(q_ptr, k_ptr, G_ptr, bos, eos, hh, kb, H, K, BKS, BT, D_L)
                     pending = 0
                     tn = t + P
                     if tn < n_items:
@@ -1772,8 +1790,8 @@ if _GLUON_ERROR is None:
                             _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, do_desc, vn_s, dvn_s, h_s, dh_s,
                                                do16_s, bar, bos_n, chn % H, chn * K + (tn % NK) * BKS, V, True)
                             pending = 1
-                    _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, m_s, xT_s, yT_s, q_ptr, k_ptr, G_ptr, dq_ptr, dk_ptr,
-                                     dw_ptr, dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
+                    _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, G, q, k, GL, Gm, m_s, xT_s, yT_s, dq_ptr, dk_ptr, dw_ptr,
+                                     dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
                 else:
                     pending = 0
             mbarrier.invalidate(bar)
