@@ -35,9 +35,10 @@ on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole gr
 "pairs-tiles": stage 10's pairs kernel with its tiles by pointer loads or by TMA (gluon_kernels.PAIRS_TILES).
 "dA-tiles": stage 10's dA kernel with its dVn and dW tiles by pointer loads or by TMA (gluon_kernels.DA_TILES).
 "dqkwg-persistent": stage 9's Gluon kernel on a program per work item or persistent (gluon_kernels.DQKWG_FORM).
+"pairs-keys": stage 10's pairs kernel forming its gated keys from a row layout or the accumulator's (gluon_kernels.PAIRS_GATED_KEYS).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,dqkwg-persistent (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,dqkwg-persistent,pairs-keys (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -499,3 +500,11 @@ if "dqkwg-persistent" in SECTIONS and dev == "cuda":
     from tileport.ops.kda import gluon_kernels as kg_dq
 
     backward_switch_ab("dqkwg-persistent", kg_dq, "DQKWG_FORM", ("grid", "persistent"))
+
+# "pairs-keys": stage 10's pairs kernel forming its transposed gated keys from K and G read again in a
+# row layout ("rows") or from the accumulator layout's tiles it reads anyway, e^d and e^-d formed
+# once (gluon_kernels.PAIRS_GATED_KEYS "accumulator"), kda.md row 42
+if "pairs-keys" in SECTIONS and dev == "cuda":
+    from tileport.ops.kda import gluon_kernels as kg_keys
+
+    backward_switch_ab("pairs-keys", kg_keys, "PAIRS_GATED_KEYS", ("rows", "accumulator"))

@@ -828,6 +828,11 @@ _PAIRS_CHANNELS = 32
 # the next block's under this one's work; TMA_TILES) or "loads" (pointer loads at the block's start,
 # the form timed at 32fbcd8). Read at each call (kda_ab "pairs-tiles").
 PAIRS_TILES = "tma"
+# Where the pairs kernel forms its transposed gated keys from: "accumulator" (KEYS_FROM_ACC: the
+# block's K and G in the accumulator layout, read once, e^d and e^-d formed once) or "rows" (K and
+# G read again in a row layout, the form timed at e48d059). Read at each call (kda_ab
+# "pairs-keys"). "rows" until the H200 has timed the other.
+PAIRS_GATED_KEYS = "rows"
 # How the dA kernel gets a block's dVn and dW tiles: "tma" (TMA into staging slots, the next
 # block's under this one's work; TMA_TILES) or "loads" (pointer loads transposed into shared
 # memory at the block's start, the form timed at e48d059). Read at each call (kda_ab "dA-tiles").
@@ -1186,7 +1191,7 @@ if _GLUON_ERROR is None:
     def _kda_wy_pairs_kernel(m_desc, dxw_ptr, k_ptr, beta_ptr, G_ptr, dkp_ptr, dGp_ptr, vdu_ptr, dk_ptr,
                              dbeta_ptr, dg_ptr, chunks_ptr, flags_ptr, H, K: gl.constexpr, CW: gl.constexpr,
                              g_desc=None, dxw_desc=None, dkp_desc=None, k_desc=None, dgp_desc=None,
-                             TMA_TILES: gl.constexpr = False):
+                             TMA_TILES: gl.constexpr = False, KEYS_FROM_ACC: gl.constexpr = False):
         """Stage 10's second half (WY_FORM "split"): 10b's pair terms and the final dk, dg and dbeta
         for one chunk and head whose flag is clear, from M and M^T (`_kda_wy_dA_kernel`'s, by TMA);
         grid (NC, H), 4 warps, a flagged chunk's program returns. By blocks b of CW key channels
@@ -1213,7 +1218,13 @@ if _GLUON_ERROR is None:
         stores instead of after them (the pointer form's loads wait at each block's start: ncu at
         469bc98, 88% of cycles with no eligible warp). TMA's rows past a varlen chunk are the next
         sequence's (a flagged chunk's dXw rows unwritten): every tile is masked by row on its way
-        out of shared memory. 40 KB more shared memory (fp32 keys), still two programs an SM."""
+        out of shared memory. 40 KB more shared memory (fp32 keys), still two programs an SM.
+        KEYS_FROM_ACC (PAIRS_GATED_KEYS "accumulator"): the transposed gated keys K_b e^-d and
+        diag(beta) K_b e^d are formed from the block's K and G in the accumulator layout, the tiles
+        the epilogue reads anyway, and their e^d, e^-d kept for R and C, instead of reading K and G
+        a second time in a row layout and exponentiating twice (ncu at e48d059: the TMA form's
+        leading stall, short_scoreboard 4.96 cycles per issued instruction, is its shared-memory
+        reads). The same values in the same order: gradients bitwise."""
         BT: gl.constexpr = m_desc.block_type.shape[0]
         gl.static_assert(K % CW == 0, "whole blocks of key channels")
         NB: gl.constexpr = K // CW
@@ -1257,12 +1268,15 @@ if _GLUON_ERROR is None:
             zero = gl.zeros([BT, CW], gl.float32, A_L)
             m = bos + (gl.minimum(eos - bos, BT) - 1) // 2  # the middle row as `_chunk_gate_offsets` takes it
             mrow = (m.to(gl.int64) * H + hh) * K
-            betar = gl.load(beta_ptr + (bos + rr).to(gl.int64) * H + hh, mask=bos + rr < eos, other=0.0).to(gl.float32)
+            if not KEYS_FROM_ACC:
+                betar = gl.load(beta_ptr + (bos + rr).to(gl.int64) * H + hh, mask=bos + rr < eos,
+                                other=0.0).to(gl.float32)
             kr = gl.zeros([BT], gl.float32, gl.SliceLayout(1, A_L))
             for b in range(NB):  # not unrolled: unrolled, the next block's loads rise into this one's and spill
                 offs = orows[:, None] * K + (b * CW + co)[None, :]
                 Gm2 = gl.load(G_ptr + mrow + b * CW + co)
-                Gm = gl.load(G_ptr + mrow + b * CW + cc)
+                if not KEYS_FROM_ACC:
+                    Gm = gl.load(G_ptr + mrow + b * CW + cc)
                 if TMA_TILES:
                     mbarrier.wait(tbar, b & 1)
                     o_ok2 = o_ok[:, None]
@@ -1271,8 +1285,9 @@ if _GLUON_ERROR is None:
                     dkp = gl.where(o_ok2, dkp_s.load(A_L), 0.0)
                     k2 = gl.where(o_ok2, k_s.load(A_L).to(gl.float32), 0.0)
                     dGp = gl.where(o_ok2, dgp_s.load(A_L), 0.0)
-                    kt = gl.where(r_ok, k_s.load(ROWS_L).to(gl.float32), 0.0)
-                    Gt = gl.where(r_ok, g_s.load(ROWS_L), 0.0)
+                    if not KEYS_FROM_ACC:
+                        kt = gl.where(r_ok, k_s.load(ROWS_L).to(gl.float32), 0.0)
+                        Gt = gl.where(r_ok, g_s.load(ROWS_L), 0.0)
                     gl.thread_barrier()  # every warp has read the slots before they take the next block's tiles
                     if b + 1 < NB:
                         _pairs_tiles_issue(g_desc, dxw_desc, dkp_desc, k_desc, dgp_desc, g_s, dxw_s, dkp_s, k_s,
@@ -1289,23 +1304,34 @@ if _GLUON_ERROR is None:
                     k2 = gl.load(k_ptr + offs, mask=o_ok[:, None], other=0.0).to(gl.float32)
                     # lint: allow TP001 -- as G
                     dGp = gl.load(dGp_ptr + offs, mask=o_ok[:, None], other=0.0)
-                    # lint: allow TP001 -- K's and G's rows, masked past the sequence, are gated in registers on their way to shared memory transposed, which TMA cannot give
-                    kt = gl.load(k_ptr + rows * K + (b * CW + cc)[None, :], mask=r_ok, other=0.0).to(gl.float32)
-                    # lint: allow TP001 -- as K's rows
-                    Gt = gl.load(G_ptr + rows * K + (b * CW + cc)[None, :], mask=r_ok, other=0.0)
-                d = gl.where(r_ok, (Gt - Gm[None, :]).to(gl.float32), 0.0)
-                xT_s.store(gl.permute(kt * gl.exp(-d), (1, 0)))
-                yT_s.store(gl.permute(kt * betar[:, None] * gl.exp(d), (1, 0)))
+                    if not KEYS_FROM_ACC:
+                        # lint: allow TP001 -- K's and G's rows, masked past the sequence, are gated in registers on their way to shared memory transposed, which TMA cannot give
+                        kt = gl.load(k_ptr + rows * K + (b * CW + cc)[None, :], mask=r_ok, other=0.0).to(gl.float32)
+                        # lint: allow TP001 -- as K's rows
+                        Gt = gl.load(G_ptr + rows * K + (b * CW + cc)[None, :], mask=r_ok, other=0.0)
+                if KEYS_FROM_ACC:
+                    d2 = gl.where(o_ok[:, None], (G2 - Gm2[None, :]).to(gl.float32), 0.0)
+                    ed2 = gl.exp(d2)
+                    emd2 = gl.exp(-d2)
+                    xT_s.store(gl.permute(k2 * emd2, (1, 0)))
+                    yT_s.store(gl.permute(k2 * beta[:, None] * ed2, (1, 0)))
+                else:
+                    d = gl.where(r_ok, (Gt - Gm[None, :]).to(gl.float32), 0.0)
+                    xT_s.store(gl.permute(kt * gl.exp(-d), (1, 0)))
+                    yT_s.store(gl.permute(kt * betar[:, None] * gl.exp(d), (1, 0)))
                 fence_async_shared()
                 gl.thread_barrier()  # every warp's part of both tiles, before the WGMMAs read them
                 mbarrier.wait(bar, 0)  # M and M^T (at once after the first block)
                 R = warpgroup_mma(m_s.index(0), xT_s.permute((1, 0)), zero, is_async=True)
                 C = warpgroup_mma(m_s.index(1), yT_s.permute((1, 0)), zero, is_async=True)
                 R, C, _m, _mt, _x2, _y2 = warpgroup_mma_wait(0, deps=[R, C, m_s.index(0), m_s.index(1), xT_s, yT_s])
-                d2 = gl.where(o_ok[:, None], (G2 - Gm2[None, :]).to(gl.float32), 0.0)
+                if not KEYS_FROM_ACC:
+                    d2 = gl.where(o_ok[:, None], (G2 - Gm2[None, :]).to(gl.float32), 0.0)
+                    ed2 = gl.exp(d2)
+                    emd2 = gl.exp(-d2)
                 eg = gl.exp(gl.where(o_ok[:, None], G2.to(gl.float32), float("-inf")))
-                R = R * gl.exp(d2) + eg * dxw
-                C = C * gl.exp(-d2)
+                R = R * ed2 + eg * dxw
+                C = C * emd2
                 dk = dkp + beta[:, None] * R + C
                 # lint: allow TP001 -- as G
                 gl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=o_ok[:, None])
@@ -1395,9 +1421,10 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
                 tiles = dict(zip(("g_desc", "dxw_desc", "dkp_desc", "k_desc", "dgp_desc"),
                                  (_descriptor(x.view(Ntok, H * K), [BT, _PAIRS_CHANNELS]) for x in (G, dxw, dk, k, dG))),
                              TMA_TILES=True)
+            from_acc = kk._checked("PAIRS_GATED_KEYS", PAIRS_GATED_KEYS, ("accumulator", "rows")) == "accumulator"
             _kda_wy_pairs_kernel[(plan.NC, H)](mm_desc, dxw, k, beta, G, dk, dG, vdu, dk_out,
                                                dbeta_out, dg_out, plan.chunks, span_flags, H, K,
-                                               _PAIRS_CHANNELS, **tiles, num_warps=4)
+                                               _PAIRS_CHANNELS, **tiles, KEYS_FROM_ACC=from_acc, num_warps=4)
         else:
             _kda_wy_bwd_wgmma_kernel[(plan.NC, H)](
                 rows(u, V), rows(w, K), Ai, dw, dvn, k, v, beta, G, dk, dG, dk_out, dv, dbeta_out, dg_out,
@@ -2085,6 +2112,8 @@ def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
         split_args["pairs_tma"] = (_kda_wy_pairs_kernel, dict(
             split_args["pairs"][1], g_desc=tile_desc(), dxw_desc=tile_desc(), dkp_desc=tile_desc(),
             k_desc=tile_desc(k_dtype), dgp_desc=tile_desc(), TMA_TILES=True))
+        # the gated keys from the accumulator layout's tiles (PAIRS_GATED_KEYS "accumulator")
+        split_args["pairs_tma_acckeys"] = (_kda_wy_pairs_kernel, dict(split_args["pairs_tma"][1], KEYS_FROM_ACC=True))
         for part, (kernel, kargs) in split_args.items():
             cases.append(CompileCase(name=f"kda_wy_split_{part}_{tag}", kernel=kernel, args=kargs, num_warps=4,
                                      expect_ptx=["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait"],
