@@ -308,6 +308,11 @@ for section, switch, choices in (("wy", "BACKWARD_WY", ("triton", "gluon")), ("d
 
     do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
     default_choice = getattr(kg, switch)
+    default_u_free = kk.BACKWARD_U_FROM_T
+    if section == "wy-split":
+        # the one-kernel form reads U: with U never formed (BACKWARD_U_FROM_T) its rule hands the
+        # chunks to Triton's kernel, and this section would time that instead; both forms with U
+        kk.BACKWARD_U_FROM_T = False
     for name, g in gates.items():
         fargs = (q, k, v, g, beta, K ** -0.5, None, False, True, None)
         _, _, kept = kg.kda_forward_gluon(*fargs, keep_for_backward=True)
@@ -323,6 +328,7 @@ for section, switch, choices in (("wy", "BACKWARD_WY", ("triton", "gluon")), ("d
             kernel_table(lambda: kg.kda_backward_gluon(*bargs, kept=kept),
                          f"kda backward (gluon, kept), {switch} {choices[-1]}", calls=3, rows=14)
         setattr(kg, switch, default_choice)
+    kk.BACKWARD_U_FROM_T = default_u_free
 
 def forward_ab(section: str, forms: dict, kept_name: str, final_state: bool, table_every_form: bool,
                keep: bool = True) -> None:
