@@ -36,9 +36,10 @@ on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole gr
 "dA-tiles": stage 10's dA kernel with its dVn and dW tiles by pointer loads or by TMA (gluon_kernels.DA_TILES).
 "dqkwg-persistent": stage 9's Gluon kernel on a program per work item or persistent (gluon_kernels.DQKWG_FORM).
 "pairs-keys": stage 10's pairs kernel forming its gated keys from a row layout or the accumulator's (gluon_kernels.PAIRS_GATED_KEYS).
+"dv-local-gluon": stage 7's unflagged chunks on Triton's kernel or the Gluon one (gluon_kernels.BACKWARD_DV_LOCAL).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,dqkwg-persistent,pairs-keys (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,dqkwg-persistent,pairs-keys,dv-local-gluon (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -514,3 +515,10 @@ if "pairs-keys" in SECTIONS and dev == "cuda":
     from tileport.ops.kda import gluon_kernels as kg_keys
 
     backward_switch_ab("pairs-keys", kg_keys, "PAIRS_GATED_KEYS", ("rows", "accumulator"))
+
+# "dv-local-gluon": stage 7's unflagged chunks on Triton's whole-chunk launch or on the Gluon kernel
+# (gluon_kernels.BACKWARD_DV_LOCAL "gluon": TMA and tf32 WGMMA), kda.md row 43
+if "dv-local-gluon" in SECTIONS and dev == "cuda":
+    from tileport.ops.kda import gluon_kernels as kg_dvl
+
+    backward_switch_ab("dv-local-gluon", kg_dvl, "BACKWARD_DV_LOCAL", ("triton", "gluon"))

@@ -17,8 +17,8 @@ LAYOUTS = {
 
 
 def capture_stage(stage: str, layout: str, K: int, l2: bool, device: str):
-    """(args, kwargs) of stage 9 ("dqkwg", `chunk_dqkwg_kda`'s) or 10 ("wy_bwd", `chunk_wy_bwd_kda`'s)
-    in a real backward (`kda_backward_triton`, through its stage parameter): bf16 inputs, K = V,
+    """(args, kwargs) of stage 9 ("dqkwg", `chunk_dqkwg_kda`'s), 10 ("wy_bwd", `chunk_wy_bwd_kda`'s) or
+    7 ("dv_local", `chunk_dv_local_kda`'s) in a real backward (`kda_backward_triton`, through its stage parameter): bf16 inputs, K = V,
     H = 2, an initial state; some chunks flagged and some not. Stage 10's in-place inputs (stage 9's
     partials dK', dG', args 9 and 10) are captured as they came in."""
     from tileport.ops.kda import triton_kernels as kk
@@ -27,7 +27,7 @@ def capture_stage(stage: str, layout: str, K: int, l2: bool, device: str):
     q, k, v, g, beta, h0, cu_t = parity.make_inputs(B, T, 2, K, K, torch.bfloat16, cu, True, l2, "normal", "rand",
                                                     device)
     g[0, lo:hi, 0] = -20.0 - 10.0 * torch.rand(hi - lo, K, device=device)
-    real = {"dqkwg": kk.chunk_dqkwg_kda, "wy_bwd": kk.chunk_wy_bwd_kda}[stage]
+    real = {"dqkwg": kk.chunk_dqkwg_kda, "wy_bwd": kk.chunk_wy_bwd_kda, "dv_local": kk.chunk_dv_local_kda}[stage]
     captured = []
 
     def spy(*args, **kwargs):

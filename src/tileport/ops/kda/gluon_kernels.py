@@ -797,6 +797,166 @@ if _GLUON_ERROR is None:
 
 
 # --------------------------------------------------------------------------------------------
+# Stage 7 (dVl = scale P^T dO) of the unflagged chunks on TMA and tf32 WGMMA
+# --------------------------------------------------------------------------------------------
+# Which kernel takes stage 7's unflagged chunks in the gluon backend's backward: "triton"
+# (`_kda_dv_local_kernel`'s whole-chunk route, CHUNKS "whole") or "gluon"
+# (`_kda_dv_local_wgmma_kernel`; Triton's kernel then takes the flagged chunks only). Read at each
+# call. "triton" until the H200 has run the Gluon kernel: Triton's launch took 0.61 ms per backward
+# at S1 (kda_ab "dA-tiles" at 01ef56b) against ~0.22 ms of bytes (q, k, dO in bf16, G and dVl in
+# fp32: 0.92 GB); ncu at e48d059: long_scoreboard 2.52 and mio_throttle 1.65 cycles per issued
+# instruction, issue slots 22% busy.
+BACKWARD_DV_LOCAL = "triton"
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _kda_dv_local_wgmma_kernel(q_desc, k_desc, do_desc, G_ptr, dvl_ptr, chunks_ptr, flags_ptr, H, scale, eps,
+                                   K: gl.constexpr, V: gl.constexpr, L2NORM_QK: gl.constexpr):
+        """Stage 7 for one chunk and head whose flag (stage 3's, int8 [NC, H]) is clear: what Triton's
+        `_kda_dv_local_chunk` computes for it at PREC "tf32",
+            P^T = upper((K^ e^-d) (Q^ e^d)^T) [s, t] (s <= t, both rows in the sequence),
+            dVl = scale P^T dO   (fp32 [Ntok, H, V]),
+        with d = G - G_m (m the chunk's middle row; |d| <= 60 where the flag is clear) and, with
+        L2NORM_QK, Q^ and K^ the raw rows normalised here in fp32 (x rsqrt(sum x^2 + eps)), else q and
+        k as given. Grid (NC, H), 4 warps (one warpgroup); a flagged chunk's program returns
+        (Triton's kernel takes it). Both products tf32 WGMMAs on fp32 operands, as Triton's tl.dot
+        at tf32 multiplies (truncated, m64nNk8).
+        Explicit here (Triton would choose): q, k and dO (16-bit) come by TMA on one mbarrier while
+        the gates load into registers; K^ e^-d is P^T's register A operand, Q^ e^d goes to shared
+        memory row-major (the K-major B operand as a transposed view), dO widened to fp32 and
+        written transposed (tokens contiguous: the K-major B operand of the second product, which
+        contracts over tokens; TMA cannot transpose); P^T masked in registers becomes the second
+        product's register A operand. 112 KB of shared memory at K = V = 128: two programs an SM.
+        Rows past the sequence (a varlen tail: TMA gives the next sequence's rows) are zeroed as
+        they leave the TMA tiles, and dVl's rows are stored with a row mask."""
+        BT: gl.constexpr = q_desc.block_type.shape[0]
+        NW: gl.constexpr = gl.num_warps()
+        gl.static_assert(NW == 4, "one warpgroup: P^T's rows and dVl's in one accumulator layout each")
+        c = gl.program_id(0)
+        hh = gl.program_id(1)
+        ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # [64, K] and [64, V] rows
+        P_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 8])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, V, 8])
+        XQ_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, K], gl.float32)
+        DOT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([V, BT], gl.float32)
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [BT, K], q_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [BT, K], k_desc.layout)
+        do_s = gl.allocate_shared_memory(do_desc.dtype, [BT, V], do_desc.layout)
+        xq_s = gl.allocate_shared_memory(gl.float32, [BT, K], XQ_SL)  # Q^ e^d, row-major
+        doT_s = gl.allocate_shared_memory(gl.float32, [V, BT], DOT_SL)  # dO^T, tokens contiguous
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if gl.load(flags_ptr + c * H + hh) == 0:
+            bos, eos = _chunk_bounds(chunks_ptr, c)
+            mbarrier.init(bar, count=1)
+            fence_async_shared()
+            mbarrier.expect(bar, q_desc.block_type.nbytes + k_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [bos, hh * K], bar, q_s)
+            tma.async_copy_global_to_shared(k_desc, [bos, hh * K], bar, k_s)
+            tma.async_copy_global_to_shared(do_desc, [bos, hh * V], bar, do_s)
+            # the gates under the loads: d = G - G_m on the chunk's rows, 0 past the sequence
+            r = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+            kc = gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_L))
+            valid = (bos + r < eos)[:, None]
+            m = bos + (gl.minimum(eos - bos, BT) - 1) // 2  # the middle row as `_chunk_gate_offsets` takes it
+            Gm = gl.load(G_ptr + (m.to(gl.int64) * H + hh) * K + kc)
+            # lint: allow TP001 -- G's rows, masked past the sequence, meet Q and K in registers (fp32 G: no TMA tile is used as loaded)
+            Gt = gl.load(G_ptr + ((bos + r).to(gl.int64) * H + hh)[:, None] * K + kc[None, :], mask=valid, other=0.0)
+            d = gl.where(valid, (Gt - Gm[None, :]).to(gl.float32), 0.0)
+            mbarrier.wait(bar, 0)
+            q = gl.where(valid, q_s.load(ROWS_L).to(gl.float32), 0.0)
+            if L2NORM_QK:
+                q = q * gl.rsqrt(gl.sum(q * q, axis=1) + eps)[:, None]
+            xq_s.store(q * gl.exp(d))
+            k = gl.where(valid, k_s.load(ROWS_L).to(gl.float32), 0.0)
+            if L2NORM_QK:
+                k = k * gl.rsqrt(gl.sum(k * k, axis=1) + eps)[:, None]
+            a_ks = gl.convert_layout(k * gl.exp(-d), gl.DotOperandLayout(operand_index=0, parent=P_L, k_width=1))
+            doT_s.store(gl.permute(gl.where(valid, do_s.load(ROWS_L).to(gl.float32), 0.0), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of Q^ e^d and dO^T, before the WGMMAs read them
+            pt = warpgroup_mma(a_ks, xq_s.permute((1, 0)), gl.zeros([BT, BT], gl.float32, P_L), is_async=True)
+            pt, _a, _x = warpgroup_mma_wait(0, deps=[pt, a_ks, xq_s])
+            rs = gl.arange(0, BT, layout=gl.SliceLayout(1, P_L))
+            ts = gl.arange(0, BT, layout=gl.SliceLayout(0, P_L))
+            keep = (rs[:, None] <= ts[None, :]) & (bos + rs < eos)[:, None] & (bos + ts < eos)[None, :]
+            a_pt = gl.convert_layout(gl.where(keep, pt, 0.0), gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=1))
+            dvl = warpgroup_mma(a_pt, doT_s.permute((1, 0)), gl.zeros([BT, V], gl.float32, O_L), is_async=True)
+            dvl, _p, _d = warpgroup_mma_wait(0, deps=[dvl, a_pt, doT_s])
+            ro = gl.arange(0, BT, layout=gl.SliceLayout(1, O_L))
+            co = gl.arange(0, V, layout=gl.SliceLayout(0, O_L))
+            offs = ((bos + ro).to(gl.int64) * H + hh)[:, None] * V + co[None, :]
+            # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: a 64-row TMA store would overwrite them; the masked store writes only this chunk's rows
+            gl.store(dvl_ptr + offs, dvl * scale, mask=(bos + ro < eos)[:, None])
+            mbarrier.invalidate(bar)
+
+
+def dv_local_kernel_for(q, k, G, do, input_dtype: torch.dtype, span_flags) -> str:
+    """"gluon" or "triton": which kernel takes stage 7's unflagged chunks (BACKWARD_DV_LOCAL,
+    validated here): the Gluon kernel where Triton's would multiply in tf32 (`_products` for the
+    input dtype), on 16-bit q, k (raw, with or without the in-kernel normalisation) and dO, per
+    channel gates G in fp32, K and V of HEAD_DIMS, stage 3's int8 flags given, every tensor
+    contiguous, 16-byte aligned (TMA) and on the GPU."""
+    if kk._checked("BACKWARD_DV_LOCAL", BACKWARD_DV_LOCAL, _KERNEL_CHOICES) == "triton" or _GLUON_ERROR is not None:
+        return "triton"
+    if span_flags is None or span_flags.dtype != torch.int8:
+        return "triton"
+    K, V = q.shape[-1], do.shape[-1]
+    sixteen = (torch.bfloat16, torch.float16)
+    dtypes = q.dtype in sixteen and k.dtype == q.dtype and do.dtype in sixteen and G.dtype == torch.float32
+    shapes = K in HEAD_DIMS and V in HEAD_DIMS and k.shape == q.shape == G.shape
+    placed = all(x.is_cuda and x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, G, do))
+    tf32 = kk._products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"
+    return "gluon" if dtypes and shapes and placed and tf32 else "triton"
+
+
+def chunk_dv_local_kda_gluon(q, k, G, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None,
+                             worklist=None, raw_qk=None):
+    """Stage 7 (`triton_kernels.chunk_dv_local_kda`'s contract): the unflagged chunks on
+    `_kda_dv_local_wgmma_kernel` where `dv_local_kernel_for` takes their operands (raw_qk's 16-bit
+    q and k, normalised in the kernel, or q and k as given when they are 16-bit), then the flagged
+    ones on Triton's kernel into the same buffer; Triton's stage 7 whole otherwise."""
+    qk = raw_qk if raw_qk is not None else (q, k)
+    if dv_local_kernel_for(*qk, G, do, input_dtype, span_flags) == "triton":
+        return kk.chunk_dv_local_kda(q, k, G, do, scale, plan, input_dtype, span_flags=span_flags,
+                                     worklist=worklist, raw_qk=raw_qk)
+    Ntok, H, K = q.shape
+    V = do.shape[-1]
+    dvl = new_empty((Ntok, H, V), torch.float32, q.device)
+    if plan.NC:
+        qd, kd = (_descriptor(x.view(Ntok, H * K), [BT, K]) for x in qk)
+        _kda_dv_local_wgmma_kernel[(plan.NC, H)](qd, kd, _descriptor(do.view(Ntok, H * V), [BT, V]), G, dvl,
+                                                 plan.chunks, span_flags, H, float(scale), kk.L2NORM_EPS, K, V,
+                                                 raw_qk is not None, num_warps=4)
+    return kk.chunk_dv_local_kda(q, k, G, do, scale, plan, input_dtype, span_flags=span_flags, worklist=worklist,
+                                 raw_qk=raw_qk, dvl=dvl)
+
+
+def _dv_local_compile_cases():
+    """`_kda_dv_local_wgmma_kernel` at K = V = 128 and 64, bf16 q, k and dO, with and without the
+    in-kernel normalisation."""
+    from tileport.compile_check import CompileCase, TensorStandIn, descriptor_stand_in
+
+    cases = []
+    Ntok, H, NC = 32768, 16, 512
+    bf = torch.bfloat16
+    for K, l2 in ((128, True), (128, False), (64, True)):
+        V = K
+
+        def desc(D):
+            return descriptor_stand_in([Ntok, H * D], bf, [BT, D], _smem_layout((BT, D), bf))
+
+        args = dict(q_desc=desc(K), k_desc=desc(K), do_desc=desc(V), G_ptr=TensorStandIn([Ntok, H, K], torch.float32),
+                    dvl_ptr=TensorStandIn([Ntok, H, V], torch.float32), chunks_ptr=TensorStandIn([2 * NC], torch.int32),
+                    flags_ptr=TensorStandIn([NC, H], torch.int8), H=H, scale=0.1, eps=1e-6, K=K, V=V, L2NORM_QK=l2)
+        cases.append(CompileCase(name=f"kda_dv_local_K{K}_V{V}{'_l2' if l2 else ''}", kernel=_kda_dv_local_wgmma_kernel,
+                                 args=args, num_warps=4,
+                                 expect_ptx=["wgmma.mma_async", "tf32.tf32", "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                 expect_max_spills=0, expect_max_shared=SMEM_PER_SM // 2))
+    return cases
+
+
+# --------------------------------------------------------------------------------------------
 # Stage 10 (back through W, U, T and A, with 10b's pair terms) on TMA and tf32 WGMMA
 # --------------------------------------------------------------------------------------------
 # Which kernel takes stage 10's unflagged chunks in the gluon backend's backward: "triton"
@@ -1936,7 +2096,8 @@ def kda_backward_gluon(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l
     kept: what the forward kept (`triton_kernels.KeptTiles`), as there."""
     return kk.kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
                                   cu_seqlens, states=chunk_states_recompute_gluon, dstates=chunk_dstates_gluon,
-                                  kept=kept, dqkwg=chunk_dqkwg_kda_gluon, wy_bwd=chunk_wy_bwd_kda_gluon)
+                                  kept=kept, dqkwg=chunk_dqkwg_kda_gluon, wy_bwd=chunk_wy_bwd_kda_gluon,
+                                  dv_local=chunk_dv_local_kda_gluon)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1971,6 +2132,7 @@ def compile_cases():
     cases += _states_output_compile_cases(Ntok, H, NC)
     cases += _wy_bwd_compile_cases(Ntok, H, NC)
     cases += _dqkwg_compile_cases()
+    cases += _dv_local_compile_cases()
     return cases
 
 

@@ -1307,17 +1307,21 @@ def _fused_pairs() -> tuple:
 
 
 def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype, span_flags=None, worklist=None,
-                       raw_qk=None):
+                       raw_qk=None, dvl=None):
     """7: dVl [Ntok, H, V] fp32. span_flags: the recompute's per-chunk flags (DIAGONAL_FORM
     "chunk"): the chunks it left unflagged are formed whole. worklist: the flags' `flagged_worklist`
     (BACKWARD_FLAGGED_WORKLIST), which the flagged chunks' launch then takes on a persistent grid.
     raw_qk: the caller's (q, k) before `l2norm_fwd` normalised them into q and k (fp32): the whole
     chunks' launch reads these and normalises them itself (DV_LOCAL_RAW_QK), the flagged chunks'
-    launch the normalised ones."""
+    launch the normalised ones. dvl: a buffer whose unflagged chunks another kernel has written
+    (the gluon backend's `chunk_dv_local_kda_gluon`): only the flagged chunks' launch runs, into it."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK, BV, NV = _blocks(K, V)
-    dvl = new_empty((Ntok, H, V), _F32, q.device)
+    only_flagged = dvl is not None
+    if only_flagged and span_flags is None:
+        raise ValueError("chunk_dv_local_kda(dvl=...) writes the flagged chunks only: it needs span_flags")
+    dvl = dvl if only_flagged else new_empty((Ntok, H, V), _F32, q.device)
     if plan.NC:
         DT, DA, PREC = _products(input_dtype, True)
 
@@ -1332,7 +1336,7 @@ def chunk_dv_local_kda(q, k, G, do, scale: float, plan, input_dtype: torch.dtype
         if raw_qk is not None:
             whole_args = tuple(raw_qk) + whole_args[2:]
             whole_kwargs = dict(L2NORM_QK=True, eps=L2NORM_EPS)
-        _by_route(_kda_dv_local_kernel, (plan.NC * NV, H), args(BV), span_flags,
+        _by_route(_kda_dv_local_kernel, (plan.NC * NV, H), args(BV), span_flags, whole=not only_flagged,
                   whole_launch=((plan.NC * cdiv(V, BVW), H), whole_args, whole_kwargs), worklist=worklist)
     return dvl
 
@@ -1512,20 +1516,22 @@ BACKWARD_NORMALISED_QK = "fp32"
 
 
 def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                        states=None, dstates=None, kept=None, dqkwg=None, wy_bwd=None):
+                        states=None, dstates=None, kept=None, dqkwg=None, wy_bwd=None, dv_local=None):
     """(dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype: recomputes the
     forward's stages 1-5 (T stored, fp32 intermediates; less where `kept` says), then 7, 8 (GDN's,
     per-channel), 9, 9b, 10, 10b.
     states, dstates: the recompute's stage 5 and stage 8 (another backend's, e.g. the gluon
     backend's on GDN's Gluon recurrence kernel; `chunk_states`' and `chunk_dstates`' contracts; None:
-    those two). dqkwg, wy_bwd: stages 9 and 10 likewise (`chunk_dqkwg_kda`'s and `chunk_wy_bwd_kda`'s
-    contracts, with the flagged chunks' worklist or None: BACKWARD_FLAGGED_WORKLIST). kept: the forward's `KeptTiles` (KEEP_FORWARD_TILES): G, T and the flags are its,
+    those two). dqkwg, wy_bwd, dv_local: stages 9, 10 and 7 likewise (`chunk_dqkwg_kda`'s,
+    `chunk_wy_bwd_kda`'s and `chunk_dv_local_kda`'s contracts, with the flagged chunks' worklist or
+    None: BACKWARD_FLAGGED_WORKLIST). kept: the forward's `KeptTiles` (KEEP_FORWARD_TILES): G, T and the flags are its,
     and W and U are formed from T (`chunk_wu_from_t_kda`) instead of recomputing stage 3; where it
     holds h and Vn (KEEP_FORWARD_STATES), stage 5 is not recomputed either."""
     states = states or chunk_states
     dstates = dstates or chunk_dstates
     dqkwg = dqkwg or chunk_dqkwg_kda
     wy_bwd = wy_bwd or chunk_wy_bwd_kda
+    dv_local = dv_local or chunk_dv_local_kda
     B, T, H, K = q.shape
     plan = make_plan(B, T, cu_seqlens, q.device)
     qf, kf, vf, gf, bf = (_flatten(x) for x in (q, k, v, g, beta))
@@ -1562,7 +1568,7 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     work = flagged_worklist(flags) if flags is not None and BACKWARD_FLAGGED_WORKLIST else None
     # stage 7's whole chunks from the raw q and k where their fp32 normalisation is what it would read
     raw_qk = (qf, kf) if _checked("DV_LOCAL_RAW_QK", DV_LOCAL_RAW_QK, (False, True)) and l2 and qn.dtype == _F32 else None
-    dvl = chunk_dv_local_kda(qn, kn, G, dof, scale, plan, dt, span_flags=flags, worklist=work, raw_qk=raw_qk)
+    dvl = dv_local(qn, kn, G, dof, scale, plan, dt, span_flags=flags, worklist=work, raw_qk=raw_qk)
     dh, dvn, dh0 = dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
     dq, dkp, dw, dGp, dp = dqkwg(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt, span_flags=flags,
                                  fuse_9b="9b" in fused_stages, worklist=work)

@@ -1,0 +1,173 @@
+"""KDA's backward stage 7 on the Gluon kernel (`gluon_kernels._kda_dv_local_wgmma_kernel`,
+BACKWARD_DV_LOCAL "gluon"): the chunks stage 3 left unflagged on it, the flagged ones on Triton's
+kernel into the same buffer (`chunk_dv_local_kda_gluon`). On the GPU: the stage against Triton's
+stage 7 on the same inputs (captured from a real backward), route by route, and the whole forward
+and backward through `tileport.chunk_kda` against the float64 reference (the parity gate's cases).
+On the CPU: the switch's validation, the rule that picks the kernel, the flagged-only launch's
+contract, and that the gluon backend's backward routes stage 7 through it;
+tests/test_gluon_compile.py compile-checks the kernel for sm_90a.
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_kda_parity as parity  # a module import: pytest would collect imported test functions
+import torch
+from kda_stage_cases import LAYOUTS, capture_stage, normwise, route_rows
+from standins import operand, spy_on_kernels
+from test_kda_gluon import ACCEPTED, plumbing_backward_args
+from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
+
+from tileport.testing import poisoned
+
+
+@pytest.fixture
+def gluon_stage7(monkeypatch):
+    """BACKWARD_DV_LOCAL "gluon", and the Gluon kernel's launches recorded (their grids)."""
+    from tileport.ops.kda import gluon_kernels as gk
+
+    return spy_on_kernels(monkeypatch, gk, ["_kda_dv_local_wgmma_kernel"], BACKWARD_DV_LOCAL="gluon")[0]
+
+
+@pytest.mark.parametrize("l2", [False, True], ids=["raw-keys", "l2norm"])
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stage7_matches_triton_route_by_route(layout, K, l2, device, seed, gluon_stage7, monkeypatch):
+    """dVl from `chunk_dv_local_kda_gluon` against Triton's `chunk_dv_local_kda` on the same inputs,
+    on the rows of unflagged chunks (the Gluon kernel's) and of flagged ones (Triton's kernel in
+    both) apart, so that an error in either route cannot hide in the other's mass. The output is
+    NaN-poisoned: a chunk no route writes fails. With l2norm the whole chunks read the raw 16-bit q
+    and k and normalise them in the kernel (DV_LOCAL_RAW_QK), as Triton's whole-chunk launch does.
+    Bound: 1e-5 normwise per route, the repo's bound for "the same products, summed in another
+    order": both kernels multiply the same fp32 operands by tf32 WGMMA (Triton's tl.dot at tf32 on
+    sm_90a: m64nNk8, truncating), with the same exponents and masks; the rows' normalisation sums
+    and the accumulation order may differ in fp32 rounding."""
+    parity._backend_or_skip("gluon", device)
+    from tileport.ops.kda import gluon_kernels as gk
+    from tileport.ops.kda import triton_kernels as kk
+
+    args, kwargs = capture_stage("dv_local", layout, K, l2, device)
+    flags, plan = kwargs["span_flags"], args[5]
+    assert flags is not None and (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks: {flags}"
+    assert (kwargs["raw_qk"] is not None) == l2, "l2norm's whole chunks read the raw keys (DV_LOCAL_RAW_QK)"
+    want = kk.chunk_dv_local_kda(*args, **kwargs)
+
+    flagged_launches = []
+    real = kk.chunk_dv_local_kda
+    monkeypatch.setattr(kk, "chunk_dv_local_kda",
+                        lambda *a, **kw: flagged_launches.append(kw.get("dvl") is not None) or real(*a, **kw))
+    with poisoned():
+        got = gk.chunk_dv_local_kda_gluon(*args, **kwargs)
+    assert gluon_stage7.grids == [(plan.NC, flags.shape[1])], gluon_stage7.grids
+    assert flagged_launches == [True], flagged_launches  # Triton's kernel, flagged chunks only, into our buffer
+
+    unflagged, flagged = (m.to(got.device) for m in route_rows(plan, flags))
+    for route, rows in (("unflagged", unflagged), ("flagged", flagged)):
+        err = normwise(got[rows], want[rows])
+        assert err < 1e-5, f"dVl on {route} chunks [{layout} K={K} l2={l2} seed={seed}]: {err:.2e} from Triton's"
+
+
+@pytest.mark.parametrize("case_id", ACCEPTED)
+def test_forward_backward(case_id, device, seed, gluon_stage7):
+    """The parity gate's cases that the gluon backend takes (bf16, K = V of 64 or 128), forward and
+    backward through `tileport.chunk_kda`, with stage 7 on the Gluon kernel: against the float64
+    reference at the gate's bounds; and the kernel launched once per backward (its programs return
+    on flagged chunks)."""
+    parity._backend_or_skip("gluon", device)
+    parity._run_and_check("gluon", case_id, device, seed)
+    assert len(gluon_stage7.grids) == 1, gluon_stage7.grids
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the switch, the rule, the plumbing
+# --------------------------------------------------------------------------------------------
+def _rule_operands(K=128, V=128, keys=torch.bfloat16, **changes):
+    """dv_local_kernel_for's tensor arguments as the gluon backward hands them (the raw 16-bit keys
+    of an l2norm call); `changes` replaces some by name."""
+    Ntok, H, NC = 256, 2, 4
+    ops = dict(q=operand([Ntok, H, K], keys), k=operand([Ntok, H, K], keys),
+               G=operand([Ntok, H, K], torch.float32), do=operand([Ntok, H, V], torch.bfloat16),
+               span_flags=operand([NC, H], torch.int8))
+    ops.update(changes)
+    return ops
+
+
+def _rule(ops, input_dtype=torch.bfloat16):
+    from tileport.ops.kda import gluon_kernels as gk
+
+    return gk.dv_local_kernel_for(ops["q"], ops["k"], ops["G"], ops["do"], input_dtype, ops["span_flags"])
+
+
+def test_switch_is_validated(monkeypatch):
+    from tileport.ops.kda import gluon_kernels as gk
+
+    monkeypatch.setattr(gk, "BACKWARD_DV_LOCAL", "cuda")
+    with pytest.raises(ValueError, match="BACKWARD_DV_LOCAL 'cuda'.*'triton', 'gluon'"):
+        _rule(_rule_operands())
+    with pytest.raises(ValueError, match="BACKWARD_DV_LOCAL"):  # validated before any fallback is decided
+        _rule(_rule_operands(span_flags=None))
+
+
+def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
+    from tileport.ops.gdn import triton_kernels as tk
+    from tileport.ops.kda import gluon_kernels as gk
+
+    f32, bf, f16 = torch.float32, torch.bfloat16, torch.float16
+    monkeypatch.setattr(gk, "BACKWARD_DV_LOCAL", "triton")
+    assert _rule(_rule_operands()) == "triton"
+    monkeypatch.setattr(gk, "BACKWARD_DV_LOCAL", "gluon")
+    if gk._GLUON_ERROR is not None:
+        assert _rule(_rule_operands()) == "triton"
+        pytest.skip(f"no Gluon here: {gk._GLUON_ERROR}")
+    for K in (64, 128):
+        for keys in (bf, f16):
+            assert _rule(_rule_operands(K, K, keys)) == "gluon", (K, keys)
+    assert _rule(_rule_operands(128, 64)) == "gluon"  # K and V apart: each of HEAD_DIMS
+    refused = {
+        "no flags": _rule_operands(span_flags=None),
+        "int32 flags": _rule_operands(span_flags=operand([4, 2], torch.int32)),
+        "K = 32": _rule_operands(32, 32),
+        "V = 256": _rule_operands(128, 256),
+        "fp32 keys (l2norm_fwd's copies)": _rule_operands(keys=f32),
+        "q, k of two dtypes": _rule_operands(k=operand([256, 2, 128], torch.float16)),
+        "fp64 G": _rule_operands(G=operand([256, 2, 128], torch.float64)),
+        "fp32 dO": _rule_operands(do=operand([256, 2, 128], f32)),
+        "on the CPU": _rule_operands(G=operand([256, 2, 128], f32, is_cuda=False)),
+        "strided": _rule_operands(q=operand([256, 2, 128], bf, contiguous=False)),
+        "off 16 bytes": _rule_operands(do=operand([256, 2, 128], bf, data_ptr=8)),
+    }
+    for why, ops in refused.items():
+        assert _rule(ops) == "triton", why
+    assert _rule(_rule_operands(), input_dtype=f32) == "triton"  # fp32 inputs: exact products
+    monkeypatch.setattr(tk, "BACKWARD_PRODUCTS", "bf16x3")
+    assert _rule(_rule_operands()) == "triton"
+
+
+def test_flagged_only_launch_needs_flags():
+    """`chunk_dv_local_kda(dvl=...)` (Triton's kernel on the flagged chunks only, beside the Gluon
+    kernel) needs the flags that say which chunks those are."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    q = torch.zeros(64, 1, 64)
+    with pytest.raises(ValueError, match="needs span_flags"):
+        kk.chunk_dv_local_kda(q, q, q, q, 1.0, None, torch.bfloat16, span_flags=None, dvl=torch.empty(64, 1, 64))
+
+
+def test_gluon_backward_runs_stage7_through_the_gluon_stage(monkeypatch):
+    """Plumbing: `kda_backward_gluon` hands stage 7 to `chunk_dv_local_kda_gluon` with the flags and,
+    with l2norm, the raw keys; off the GPU that stage falls back to Triton's, so the gradients are
+    Triton's backward's, bitwise, with the switch on."""
+    from tileport.dispatch import interpreter_enabled
+    from tileport.ops.kda import gluon_kernels as gk
+    from tileport.ops.kda import triton_kernels as kk
+
+    if not interpreter_enabled():
+        pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    monkeypatch.setattr(gk, "BACKWARD_DV_LOCAL", "gluon")
+    calls = []
+    real = gk.chunk_dv_local_kda_gluon
+    monkeypatch.setattr(gk, "chunk_dv_local_kda_gluon", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    args = plumbing_backward_args()
+    for ours, theirs in zip(gk.kda_backward_gluon(*args), kk.kda_backward_triton(*args)):
+        assert torch.equal(ours, theirs)
+    assert len(calls) == 1 and calls[0]["span_flags"] is not None and calls[0]["raw_qk"] is not None, calls
