@@ -894,16 +894,17 @@ if _GLUON_ERROR is None:
 def dv_local_kernel_for(q, k, G, do, input_dtype: torch.dtype, span_flags) -> str:
     """"gluon" or "triton": which kernel takes stage 7's unflagged chunks (BACKWARD_DV_LOCAL,
     validated here): the Gluon kernel where Triton's would multiply in tf32 (`_products` for the
-    input dtype), on 16-bit q, k (raw, with or without the in-kernel normalisation) and dO, per
-    channel gates G in fp32, K and V of HEAD_DIMS, stage 3's int8 flags given, every tensor
+    input dtype), on bf16 q, k (raw, with or without the in-kernel normalisation) and dO (the
+    descriptors' shared layouts exist for bf16 and fp32 only, and the gluon backend takes bf16),
+    per channel gates G in fp32, K and V of HEAD_DIMS, stage 3's int8 flags given, every tensor
     contiguous, 16-byte aligned (TMA) and on the GPU."""
     if kk._checked("BACKWARD_DV_LOCAL", BACKWARD_DV_LOCAL, _KERNEL_CHOICES) == "triton" or _GLUON_ERROR is not None:
         return "triton"
     if span_flags is None or span_flags.dtype != torch.int8:
         return "triton"
     K, V = q.shape[-1], do.shape[-1]
-    sixteen = (torch.bfloat16, torch.float16)
-    dtypes = q.dtype in sixteen and k.dtype == q.dtype and do.dtype in sixteen and G.dtype == torch.float32
+    bf = torch.bfloat16
+    dtypes = q.dtype == bf and k.dtype == bf and do.dtype == bf and G.dtype == torch.float32
     shapes = K in HEAD_DIMS and V in HEAD_DIMS and k.shape == q.shape == G.shape
     placed = all(x.is_cuda and x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, G, do))
     tf32 = kk._products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"
