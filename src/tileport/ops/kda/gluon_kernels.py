@@ -33,7 +33,8 @@ v and beta (no W and U in the forward) and normalises q itself (rows 27, 28: the
 
 Stage 3 of the forward has a Gluon kernel too, `_kda_solve_wgmma_kernel` (FORWARD_SOLVE, off: bitwise
 equal to Triton's tile kernel but slower on the H200, 0.915 against 0.72 ms at S1; docs/perf/kda.md
-row 24).
+row 24). Stage 7 of the backward has one, `_kda_dv_local_wgmma_kernel` (BACKWARD_DV_LOCAL, off until
+the H200 has run it; row 43).
 
 Per chunk, with d = G - G_m (m the chunk's middle row, fp32) and factors that are finite where the
 chunk is not flagged (|d| <= 60):
