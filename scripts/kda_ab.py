@@ -473,6 +473,12 @@ if "flagged-worklist" in SECTIONS and dev == "cuda":
 # gradients' distance between them beside the time
 if "normalised-qk" in SECTIONS and dev == "cuda":
     backward_switch_ab("normalised-qk", kk, "BACKWARD_NORMALISED_QK", ("fp32", "input"))
+    # the same with stage 8 on the Gluon kernel taking the bf16 q and k (gdn gluon_kernels.DSTATES_16BIT_KEYS)
+    from tileport.ops.gdn import gluon_kernels as gdn_gluon_keys
+
+    gdn_gluon_keys.DSTATES_16BIT_KEYS = True
+    backward_switch_ab("normalised-qk, stage 8 on 16-bit keys", kk, "BACKWARD_NORMALISED_QK", ("fp32", "input"))
+    gdn_gluon_keys.DSTATES_16BIT_KEYS = False
 
 # "u-from-t": the backward from the kept states never forming U (triton_kernels.BACKWARD_U_FROM_T:
 # stage 10 takes dXu U^T as (dXu (diag(beta) V)^T) T^T) or forming it, kda.md row 36

@@ -101,6 +101,26 @@ def test_per_channel_gates_take_the_gluon_recurrences(monkeypatch):
     assert not gdn_gluon._gluon_takes("dqkwg", (x, x, x), g, torch.bfloat16)
 
 
+def test_stage8_takes_bf16_keys_where_asked(monkeypatch):
+    """Stage 8 (dstates) on bf16 q and k with fp32 W (BACKWARD_NORMALISED_QK "input"): the Gluon
+    kernel's A_LOADS form where DSTATES_16BIT_KEYS is on, Triton's otherwise; never stage 5, per-head
+    gates, one 16-bit key alone, or a 16-bit W."""
+    from tileport.ops.gdn import gluon_kernels as gdn_gluon
+
+    x, g, b = OnGPU(torch.float32, 3), OnGPU(torch.float32, 3), OnGPU(torch.bfloat16, 3)
+    monkeypatch.setattr(gdn_gluon, "BACKWARD_STATES", "gluon")
+    assert gdn_gluon.recurrence_kernel_for("dstates", (b, b, x), g, torch.bfloat16) == "triton"  # off by default
+    monkeypatch.setattr(gdn_gluon, "DSTATES_16BIT_KEYS", True)
+    assert gdn_gluon.recurrence_kernel_for("dstates", (b, b, x), g, torch.bfloat16) == "gluon"
+    for why, operands, gates in (("stage 5", None, g), ("per-head gates", (b, b, x), OnGPU(torch.float32, 2)),
+                                 ("q alone", (b, x, x), g), ("k alone", (x, b, x), g), ("bf16 W", (b, b, b), g)):
+        stage = "states" if operands is None else "dstates"
+        assert gdn_gluon.recurrence_kernel_for(stage, operands or (b, b, x), gates, torch.bfloat16) == "triton", why
+    monkeypatch.setattr(gdn_gluon, "DSTATES_16BIT_KEYS", "yes")
+    with pytest.raises(ValueError, match="DSTATES_16BIT_KEYS"):
+        gdn_gluon.recurrence_kernel_for("dstates", (x, x, x), g, torch.bfloat16)
+
+
 @pytest.mark.parametrize("case_id,flagged", [("T200-bf16-split-binarybeta", True), ("T65-bf16-l2-near0", False)])
 def test_cases_take_both_routes(case_id, flagged, device, seed, monkeypatch):
     """A "split" case sends chunks to Triton's block kernel (stage 3 flags them), a "near0" one

@@ -488,7 +488,7 @@ if _GLUON_ERROR is None:
     def _tf32_recurrence_kernel(a_desc, x1_ptr, x2_ptr, y2_ptr, add_ptr, G_ptr, s0_ptr, s_ptr, out_ptr, sfin_ptr,
                                 cu_ptr, choff_ptr, H, scale, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                                 HAS_S0: gl.constexpr, STORE_FINAL: gl.constexpr, BACKWARD: gl.constexpr,
-                                PER_CHANNEL: gl.constexpr):
+                                PER_CHANNEL: gl.constexpr, a_ptr=None, A_LOADS: gl.constexpr = False):
         """The backward's two state recurrences on fp32 operands with tf32 WGMMA: one program per
         (sequence, head, V block of BV columns), sequential over the sequence's chunks; grid
         (N * H, V / BV), 4 or 8 warps (one or two warpgroups side by side along BV). The state S
@@ -522,8 +522,13 @@ if _GLUON_ERROR is None:
         8: A = K * exp(G_L - G), gated in place in shared memory once its TMA tile has landed (each
         thread loads and stores the same entries, so only the fence and barrier before the WGMMA
         are needed), X2 = Q * exp(G), Y2 = scale dO, dVn = dVl + A dh; both: the decay exp(G_L) per
-        row of S. One [64, K] tile of G per chunk, loaded before the chunk's products."""
-        BT: gl.constexpr = a_desc.block_type.shape[0]
+        row of S. One [64, K] tile of G per chunk, loaded before the chunk's products.
+        A_LOADS (8 with PER_CHANNEL only; a_desc None): K is 16-bit (KDA's BACKWARD_NORMALISED_QK
+        "input"), read through a_ptr by pointer loads, widened and gated in registers on its way
+        into A's fp32 slot (a 16-bit TMA slot beside it does not fit the 224 KB of BV 128); X2 = Q
+        16-bit is widened as loaded. No TMA then: the tile's loads are not ahead of the chunk."""
+        BT: gl.constexpr = 64 if A_LOADS else a_desc.block_type.shape[0]
+        gl.static_assert(not A_LOADS or (BACKWARD and PER_CHANNEL), "16-bit K by loads: stage 8, per-channel gates")
         NW: gl.constexpr = gl.num_warps()
         WG: gl.constexpr = NW // 4
         n, hh, jv, bos, eos, nc = _sequence_program(cu_ptr, H, BT)
@@ -536,7 +541,8 @@ if _GLUON_ERROR is None:
         ST_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, K], gl.float32)
         XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BT], gl.float32)
         YT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, BT], gl.float32)
-        a_s = gl.allocate_shared_memory(gl.float32, [BT, K], a_desc.layout)
+        A_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, K], gl.float32) if A_LOADS else a_desc.layout
+        a_s = gl.allocate_shared_memory(gl.float32, [BT, K], A_SL)
         sT_s = gl.allocate_shared_memory(gl.float32, [BV, K], ST_SL)
         x1T_s = gl.allocate_shared_memory(gl.float32, [K, BT], XT_SL)
         y1T_s = gl.allocate_shared_memory(gl.float32, [BV, BT], YT_SL)
@@ -556,7 +562,7 @@ if _GLUON_ERROR is None:
             S = gl.load(s0_ptr + state + sblk).to(gl.float32)
         else:
             S = gl.zeros([K, BV], gl.float32, D_L)
-        if nc > 0:
+        if nc > 0 and not A_LOADS:
             first = nc - 1 if BACKWARD else 0
             mbarrier.expect(bar, a_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [bos + first * BT, hh * K], bar, a_s)
@@ -578,15 +584,23 @@ if _GLUON_ERROR is None:
             sT_s.store(gl.permute(S, (1, 0)))
             if PER_CHANNEL:
                 if BACKWARD:  # A = K * exp(G_L - G), in place once the tile is in (0 past the sequence)
-                    mbarrier.wait(bar, ii & 1)
+                    if not A_LOADS:
+                        mbarrier.wait(bar, ii & 1)
                     for half in gl.static_range(2):  # by halves of rows: a whole [64, K] tile and its gates spilled
                         hrows = t0 + half * (BT // 2) + rh
+                        hoffs = hrows.to(gl.int64) * H + hh
                         a_half = a_s.slice(half * (BT // 2), BT // 2)
-                        a_half.store(a_half.load(ROWS_L) * _channel_decay(G_ptr, hrows.to(gl.int64) * H + hh,
-                                                                          hrows < eos, kc, GLx, K))
+                        if A_LOADS:
+                            # lint: allow TP001 -- 16-bit K widened and gated in registers on its way to A's fp32 slot (no room for a 16-bit TMA slot); rows past the sequence masked
+                            k_half = gl.load(a_ptr + hoffs[:, None] * K + kc[None, :], mask=(hrows < eos)[:, None],
+                                             other=0.0).to(gl.float32)
+                        else:
+                            k_half = a_half.load(ROWS_L)
+                        a_half.store(k_half * _channel_decay(G_ptr, hoffs, hrows < eos, kc, GLx, K))
             fence_async_shared()
             gl.thread_barrier()  # every warp's part of S^T (and of the gated A), before the WGMMA reads it
-            mbarrier.wait(bar, ii & 1)
+            if not A_LOADS:
+                mbarrier.wait(bar, ii & 1)
             aS = warpgroup_mma(a_s, sT_s.permute((1, 0)), gl.zeros([BT, BV], gl.float32, D_L), is_async=True)
 
             # under A S: the chunk's rows, and the transposed operands of the update (their last
@@ -599,7 +613,7 @@ if _GLUON_ERROR is None:
             x1T_s.store(gl.permute(x1, (1, 0)))
             if BACKWARD:
                 # lint: allow TP001 -- as X1
-                x2 = gl.load(x2_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
+                x2 = gl.load(x2_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0).to(gl.float32)
                 if PER_CHANNEL:  # X2 = Q * exp(G) (G loaded again, from L1/L2: not held across A S)
                     # lint: allow TP001 -- as the gates above
                     x2 = x2 * gl.exp(gl.load(G_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None],
@@ -645,7 +659,7 @@ if _GLUON_ERROR is None:
             y1T_s.store(gl.permute(y1, (1, 0)))
             fence_async_shared()
             gl.thread_barrier()  # every warp's operands are in, and every warpgroup has waited for A S
-            if ii + 1 < nc:  # a_s is free (A S was its only reader): the next chunk's tile loads under the update
+            if ii + 1 < nc and not A_LOADS:  # a_s is free (A S was its only reader): the next chunk's tile loads under the update
                 nxt = t0 - BT if BACKWARD else t0 + BT
                 mbarrier.expect(bar, a_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(a_desc, [nxt, hh * K], bar, a_s)
@@ -1469,6 +1483,12 @@ BACKWARD_DSTATES = "gluon"
 TF32_STATES_MIN_PAIRS = 128
 TF32_RECURRENCE_BV = 128
 TF32_RECURRENCE_WARPS = 8
+# Whether the Gluon kernel takes KDA's stage 8 on bf16 q and k (`_tf32_recurrence_kernel` A_LOADS:
+# K by pointer loads, widened and gated in registers, no TMA), as KDA's BACKWARD_NORMALISED_QK
+# "input" hands them (row 37 of docs/perf/kda.md: with Triton's stage 8 there, 0.84 -> 1.56 ms, the
+# cut lost). Off: not yet run on the H200 (kda_ab "normalised-qk" times it); bf16 q and k then take
+# Triton's kernel, as raw 16-bit keys always did.
+DSTATES_16BIT_KEYS = False
 _KERNEL_CHOICES = ("gluon", "triton")
 
 
@@ -1480,7 +1500,13 @@ def _gluon_takes(stage: str, operands, G, input_dtype, per_channel: bool = False
 
     tf32 = tk._products(input_dtype, True, stage)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
     gates = G.dim() == 2 or per_channel and G.dim() == 3
-    return tf32 and all(x.dtype == torch.float32 for x in operands) and gates and G.is_cuda
+    fp32 = all(x.dtype == torch.float32 for x in operands)
+    # stage 8 with per-channel gates also takes bf16 q and k where DSTATES_16BIT_KEYS says so (the
+    # kernel's A_LOADS), W in fp32
+    bf16_keys = (tk._checked("DSTATES_16BIT_KEYS", DSTATES_16BIT_KEYS, (False, True)) and stage == "dstates"
+                 and per_channel and G.dim() == 3 and operands[0].dtype == torch.bfloat16
+                 and operands[1].dtype == torch.bfloat16 and operands[2].dtype == torch.float32)
+    return tf32 and (fp32 or bf16_keys) and gates and G.is_cuda
 
 
 def recurrence_kernel_for(stage: str, operands, G, input_dtype, pairs: int = 0) -> str:
@@ -1512,12 +1538,14 @@ def _launch_tf32_recurrence(a, x1, x2, y2, add, G, s0, s, out, sfin, plan, scale
     V = add.shape[-1]
     BV = check_tf32_recurrence_launch(V)
     if plan.N:
-        a_desc = _descriptor(a.view(Ntok, H * K), [BT, K])
+        # 16-bit K (stage 8 of KDA's backward with BACKWARD_NORMALISED_QK "input"): loaded, not by TMA
+        a_loads = a.dtype != torch.float32
+        a_desc = None if a_loads else _descriptor(a.view(Ntok, H * K), [BT, K])
         _tf32_recurrence_kernel[(plan.N * H, V // BV)](
             a_desc, x1, x2 if x2 is not None else x1, y2 if y2 is not None else add, add, G,
             s0 if s0 is not None else s, s, out, sfin if sfin is not None else s, plan.cu, plan.chunk_offsets, H,
             float(scale), K, V, BV, s0 is not None, sfin is not None, backward, G.dim() == 3,
-            num_warps=TF32_RECURRENCE_WARPS)
+            a_ptr=a if a_loads else None, A_LOADS=a_loads, num_warps=TF32_RECURRENCE_WARPS)
 
 
 def chunk_states_recompute_gluon(k, w, u, G, h0, plan, output_final_state: bool, input_dtype=None,
@@ -1949,4 +1977,13 @@ def compile_cases():
                                          # the tiles) 48-56 B; 8 warps (the default launch) none
                                          expect_max_spills=0 if warps == 8 else 64 if per_channel else 16,
                                          expect_max_shared=SMEM_PER_SM))
+                if backward and per_channel and warps == 8:
+                    # KDA's stage 8 on bf16 q and k (A_LOADS: K by loads; no TMA in the kernel then)
+                    bargs = dict(args, a_desc=None, a_ptr=TensorStandIn([Ntok, H, K], bf),
+                                 x2_ptr=TensorStandIn([Ntok, H, K], bf), A_LOADS=True)
+                    cases.append(CompileCase(name=f"{op}_bf16_keys_K{K}_V{V}_BV{BV}_w{warps}",
+                                             kernel=_tf32_recurrence_kernel, args=bargs, num_warps=warps,
+                                             expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32"],
+                                             # sm_90a at K = 128: 12 B (the widened K halves beside the gates)
+                                             expect_max_spills=12 if K == 128 else 0, expect_max_shared=SMEM_PER_SM))
     return cases
