@@ -60,6 +60,25 @@ def test_recurrences_run_where_the_gluon_kernel_takes_them(case_id, gluon_runs, 
     assert (seen[:len(per_backward)] == per_backward) if gluon_runs else not seen, (case_id, seen)
 
 
+@pytest.mark.parametrize("case_id", [c for c in ACCEPTED if parity.CASES[c][8]])  # the l2norm cases
+def test_bf16_keys_take_the_gluon_stage8(case_id, device, seed, monkeypatch):
+    """The backward's normalised q and k in bf16 (BACKWARD_NORMALISED_QK "input") with stage 8 on
+    GDN's Gluon recurrence taking them (its A_LOADS form, DSTATES_16BIT_KEYS): the gate's l2norm
+    cases against the float64 reference at its bounds, and stage 8's launch seen with 16-bit keys."""
+    parity._backend_or_skip("gluon", device)
+    from tileport.ops.gdn import gluon_kernels as gdn_gluon
+    from tileport.ops.kda import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "BACKWARD_NORMALISED_QK", "input")
+    monkeypatch.setattr(gdn_gluon, "DSTATES_16BIT_KEYS", True)
+    keys = []
+    real = gdn_gluon._launch_tf32_recurrence
+    monkeypatch.setattr(gdn_gluon, "_launch_tf32_recurrence",
+                        lambda *args, backward: (backward and keys.append(args[0].dtype)) or real(*args, backward=backward))
+    parity._run_and_check("gluon", case_id, device, seed)
+    assert keys and all(dtype == torch.bfloat16 for dtype in keys), (case_id, keys)
+
+
 def test_gluon_backward_falls_back_to_triton_off_the_gpu():
     """Plumbing only: kda_backward_gluon's stage parameters reach Triton's backward and, where the
     Gluon kernel does not take the recurrences (here: CPU tensors, under the interpreter), give

@@ -27,7 +27,9 @@ from tileport.testing import poisoned
 ACCEPTED = [cid for cid, c in parity.CASES.items() if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)]
 
 
-FORMS = ("split", "one-kernel")  # WY_FORM: the two kernels (the default) or the one
+# WY_FORM: the two kernels (the default) or the one; "split-acc-keys": the two kernels with the
+# pairs kernel's gated keys from its accumulator-layout tiles (PAIRS_GATED_KEYS "accumulator", off)
+FORMS = ("split", "one-kernel", "split-acc-keys")
 
 
 def _wy_on(monkeypatch, form: str = "split") -> list[LaunchSpy]:
@@ -36,13 +38,15 @@ def _wy_on(monkeypatch, form: str = "split") -> list[LaunchSpy]:
     from tileport.ops.kda import gluon_kernels as kg
     from tileport.ops.kda import triton_kernels as kk
 
-    names = ("_kda_wy_dA_kernel", "_kda_wy_pairs_kernel") if form == "split" else ("_kda_wy_bwd_wgmma_kernel",)
-    if form != "split":
+    split = form.startswith("split")
+    names = ("_kda_wy_dA_kernel", "_kda_wy_pairs_kernel") if split else ("_kda_wy_bwd_wgmma_kernel",)
+    monkeypatch.setattr(kg, "PAIRS_GATED_KEYS", "accumulator" if form == "split-acc-keys" else "rows")
+    if not split:
         # the one kernel reads U, which the default backward no longer forms (BACKWARD_U_FROM_T:
         # `wy_bwd_kernel_for` then hands its chunks to Triton's kernel, seen on the H200 in the
         # twenty-seventh session)
         monkeypatch.setattr(kk, "BACKWARD_U_FROM_T", False)
-    return spy_on_kernels(monkeypatch, kg, names, BACKWARD_WY="gluon", WY_FORM=form)
+    return spy_on_kernels(monkeypatch, kg, names, BACKWARD_WY="gluon", WY_FORM="split" if split else form)
 
 
 # the one-kernel form on the cases with a varlen tail, both head dims and flagged chunks
