@@ -1,6 +1,7 @@
-"""Helpers of the KDA backward-stage tests (tests/test_kda_gluon_stage9.py, test_kda_gluon_wy.py):
-a stage's real arguments captured from a backward, the rows of each route (chunks stage 3 flags
-or not), the normwise distance. Not a test module."""
+"""Helpers of the KDA backward-stage tests (tests/test_kda_gluon_stage9.py, test_kda_gluon_wy.py,
+test_kda_gluon_dv_local.py): a stage's real arguments captured from a backward, the rows of each
+route (chunks stage 3 flags or not), the normwise distance, the plumbing check of a Gluon stage.
+Not a test module."""
 
 from __future__ import annotations
 
@@ -67,3 +68,28 @@ def largest_unflagged_chunk(plan, flags) -> int:
 
 def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def gluon_stage_calls(monkeypatch, switch: str, stage: str) -> list:
+    """Plumbing of one Gluon backward stage: with gluon_kernels' `switch` at "gluon" and its stage
+    function `stage` (e.g. "chunk_dqkwg_kda_gluon") spied on, `kda_backward_gluon` on the small CPU
+    case (test_kda_gluon.plumbing_backward_args) gives Triton's backward's gradients bitwise (off
+    the GPU the stage falls back to Triton's); returns the keyword arguments of the stage's calls.
+    Skips where the Triton kernels cannot run on the CPU (no TRITON_INTERPRET=1)."""
+    import pytest
+    from test_kda_gluon import plumbing_backward_args
+
+    from tileport.dispatch import interpreter_enabled
+    from tileport.ops.kda import gluon_kernels as gk
+    from tileport.ops.kda import triton_kernels as kk
+
+    if not interpreter_enabled():
+        pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    monkeypatch.setattr(gk, switch, "gluon")
+    calls = []
+    real = getattr(gk, stage)
+    monkeypatch.setattr(gk, stage, lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    args = plumbing_backward_args()
+    for ours, theirs in zip(gk.kda_backward_gluon(*args), kk.kda_backward_triton(*args)):
+        assert torch.equal(ours, theirs)
+    return calls

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
-from kda_stage_cases import LAYOUTS, capture_stage, normwise, route_rows
+from kda_stage_cases import LAYOUTS, capture_stage, gluon_stage_calls, normwise, route_rows
 from standins import operand, spy_on_kernels
-from test_kda_gluon import ACCEPTED, plumbing_backward_args
+from test_kda_gluon import ACCEPTED
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 
 from tileport.testing import poisoned
@@ -188,17 +188,5 @@ def test_gluon_backward_runs_stage7_through_the_gluon_stage(monkeypatch):
     """Plumbing: `kda_backward_gluon` hands stage 7 to `chunk_dv_local_kda_gluon` with the flags and,
     with l2norm, the raw keys; off the GPU that stage falls back to Triton's, so the gradients are
     Triton's backward's, bitwise, with the switch on."""
-    from tileport.dispatch import interpreter_enabled
-    from tileport.ops.kda import gluon_kernels as gk
-    from tileport.ops.kda import triton_kernels as kk
-
-    if not interpreter_enabled():
-        pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
-    monkeypatch.setattr(gk, "BACKWARD_DV_LOCAL", "gluon")
-    calls = []
-    real = gk.chunk_dv_local_kda_gluon
-    monkeypatch.setattr(gk, "chunk_dv_local_kda_gluon", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    args = plumbing_backward_args()
-    for ours, theirs in zip(gk.kda_backward_gluon(*args), kk.kda_backward_triton(*args)):
-        assert torch.equal(ours, theirs)
+    calls = gluon_stage_calls(monkeypatch, "BACKWARD_DV_LOCAL", "chunk_dv_local_kda_gluon")
     assert len(calls) == 1 and calls[0]["span_flags"] is not None and calls[0]["raw_qk"] is not None, calls
