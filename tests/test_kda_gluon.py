@@ -38,6 +38,18 @@ def test_forward_backward(case_id, recurrences, device, seed, monkeypatch):
     parity._run_and_check("gluon", case_id, device, seed)
 
 
+def _recurrence_launches(monkeypatch) -> list:
+    """GDN's Gluon recurrence launches, recorded as they run: (backward, the dtype of its A operand's
+    tensor: K for stage 8, W for stage 5's recompute), in launch order."""
+    from tileport.ops.gdn import gluon_kernels as gdn_gluon
+
+    launches = []
+    real = gdn_gluon._launch_tf32_recurrence
+    monkeypatch.setattr(gdn_gluon, "_launch_tf32_recurrence",
+                        lambda *args, backward: launches.append((backward, args[0].dtype)) or real(*args, backward=backward))
+    return launches
+
+
 @pytest.mark.parametrize("keep_states", [False, True], ids=["recompute", "kept-states"])
 @pytest.mark.parametrize("case_id,gluon_runs", [("T65-bf16-l2-near0", True), ("T200-bf16-split-binarybeta", False)])
 def test_recurrences_run_where_the_gluon_kernel_takes_them(case_id, gluon_runs, keep_states, device, seed,
@@ -51,11 +63,9 @@ def test_recurrences_run_where_the_gluon_kernel_takes_them(case_id, gluon_runs, 
 
     monkeypatch.setattr(gdn_gluon, "BACKWARD_STATES", "gluon")
     monkeypatch.setattr(triton_kernels, "KEEP_FORWARD_STATES", keep_states)
-    seen = []
-    real = gdn_gluon._launch_tf32_recurrence
-    monkeypatch.setattr(gdn_gluon, "_launch_tf32_recurrence",
-                        lambda *args, backward: seen.append(backward) or real(*args, backward=backward))
+    launches = _recurrence_launches(monkeypatch)
     parity._run_and_check("gluon", case_id, device, seed)
+    seen = [backward for backward, _ in launches]
     per_backward = [True] if keep_states else [False, True]
     assert (seen[:len(per_backward)] == per_backward) if gluon_runs else not seen, (case_id, seen)
 
@@ -71,11 +81,9 @@ def test_bf16_keys_take_the_gluon_stage8(case_id, device, seed, monkeypatch):
 
     monkeypatch.setattr(triton_kernels, "BACKWARD_NORMALISED_QK", "input")
     monkeypatch.setattr(gdn_gluon, "DSTATES_16BIT_KEYS", True)
-    keys = []
-    real = gdn_gluon._launch_tf32_recurrence
-    monkeypatch.setattr(gdn_gluon, "_launch_tf32_recurrence",
-                        lambda *args, backward: (backward and keys.append(args[0].dtype)) or real(*args, backward=backward))
+    launches = _recurrence_launches(monkeypatch)
     parity._run_and_check("gluon", case_id, device, seed)
+    keys = [dtype for backward, dtype in launches if backward]  # stage 8's (stage 5's are backward=False)
     assert keys and all(dtype == torch.bfloat16 for dtype in keys), (case_id, keys)
 
 

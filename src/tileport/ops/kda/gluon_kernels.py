@@ -1902,7 +1902,6 @@ if _GLUON_ERROR is None:
         m_r = gl.allocate_shared_memory(gl.float32, [1, BT, BT], XT_SL)  # M, read by generic loads only
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
-        vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
         if not PERSISTENT:
             c = gl.program_id(0) // NK
             kb = gl.program_id(0) % NK  # a chunk's key blocks in adjacent programs: its rows' second read from L2
@@ -1915,6 +1914,7 @@ if _GLUON_ERROR is None:
                 fence_async_shared()
                 _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, do_desc, vn_s, dvn_s, h_s, dh_s, do_s, bar, bos,
                                    hh, (c * H + hh) * K + kb * BKS, V, False)
+                vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
                 # lint: allow TP001 -- dO (16-bit) is widened to fp32 on its way to shared memory (tf32 WGMMA takes fp32 operands), which TMA cannot do; rows past the sequence loaded as 0
                 do = gl.load(do_ptr + ((bos + rr).to(gl.int64) * H + hh)[:, None] * V + vc[None, :],
                              mask=(bos + rr < eos)[:, None], other=0.0).to(gl.float32)
