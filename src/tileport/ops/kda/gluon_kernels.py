@@ -803,11 +803,11 @@ if _GLUON_ERROR is None:
 # Which kernel takes stage 7's unflagged chunks in the gluon backend's backward: "triton"
 # (`_kda_dv_local_kernel`'s whole-chunk route, CHUNKS "whole") or "gluon"
 # (`_kda_dv_local_wgmma_kernel`; Triton's kernel then takes the flagged chunks only). Read at each
-# call. "triton" until the H200 has run the Gluon kernel: Triton's launch took 0.61 ms per backward
-# at S1 (kda_ab "dA-tiles" at 01ef56b) against ~0.22 ms of bytes (q, k, dO in bf16, G and dVl in
-# fp32: 0.92 GB); ncu at e48d059: long_scoreboard 2.52 and mio_throttle 1.65 cycles per issued
-# instruction, issue slots 22% busy.
-BACKWARD_DV_LOCAL = "triton"
+# call. "gluon" since the H200 timed it (kda_ab "dv-local-gluon" at 35f9352, S1, one process, same
+# inputs): stage 7 0.60 -> 0.31 ms per backward, the backward from kept tiles 5.412 -> 5.109 ms,
+# gradients 6e-5 (normwise) from Triton's (tf32 products in another order); ~0.22 ms is the stage's
+# bytes (q, k, dO in bf16, G and dVl in fp32: 0.92 GB). bf16 inputs only; others stay on Triton's.
+BACKWARD_DV_LOCAL = "gluon"
 
 if _GLUON_ERROR is None:
 
@@ -993,8 +993,9 @@ PAIRS_TILES = "tma"
 # Where the pairs kernel forms its transposed gated keys from: "accumulator" (KEYS_FROM_ACC: the
 # block's K and G in the accumulator layout, read once, e^d and e^-d formed once) or "rows" (K and
 # G read again in a row layout, the form timed at e48d059). Read at each call (kda_ab
-# "pairs-keys"). "rows" until the H200 has timed the other.
-PAIRS_GATED_KEYS = "rows"
+# "pairs-keys"). "accumulator" since the H200 timed it (at 35f9352, S1): the pairs kernel 1.229 ->
+# 1.146 ms, the backward 5.392 -> 5.302 ms, gradients bitwise equal to the "rows" form's.
+PAIRS_GATED_KEYS = "accumulator"
 # How the dA kernel gets a block's dVn and dW tiles: "tma" (TMA into staging slots, the next
 # block's under this one's work; TMA_TILES) or "loads" (pointer loads transposed into shared
 # memory at the block's start, the form timed at e48d059). Read at each call (kda_ab "dA-tiles").
