@@ -1486,9 +1486,10 @@ TF32_RECURRENCE_WARPS = 8
 # Whether the Gluon kernel takes KDA's stage 8 on bf16 q and k (`_tf32_recurrence_kernel` A_LOADS:
 # K by pointer loads, widened and gated in registers, no TMA), as KDA's BACKWARD_NORMALISED_QK
 # "input" hands them (row 37 of docs/perf/kda.md: with Triton's stage 8 there, 0.84 -> 1.56 ms, the
-# cut lost). Off: not yet run on the H200 (kda_ab "normalised-qk" times it); bf16 q and k then take
-# Triton's kernel, as raw 16-bit keys always did.
-DSTATES_16BIT_KEYS = False
+# cut lost). On since the H200 timed it (kda_ab "normalised-qk" at a876bf4, S1): with it, the bf16
+# keys cut the backward 5.059 -> 4.874 ms; without it (Triton's stage 8) 5.056 -> 5.629. Off, bf16
+# q and k take Triton's kernel, as raw 16-bit keys always do.
+DSTATES_16BIT_KEYS = True
 _KERNEL_CHOICES = ("gluon", "triton")
 
 

@@ -1510,9 +1510,12 @@ def chunk_da_apply_kda(da, k, beta, G, dkp, dGp, dbp, plan, dk_dtype: torch.dtyp
 # half the bytes, and the products' operands rounded as the forward's are). An experiment for the
 # backward's byte budget (docs/perf/kda.md, "The backward's bytes"): the gate's bounds under the
 # interpreter decide first. In the gluon backend each Gluon stage's rule picks its kernel by these
-# operands' dtypes (stage 9's takes bf16 q and k; the tf32 recurrences fp32 ones, Triton's else);
-# not run on the H200.
-BACKWARD_NORMALISED_QK = "fp32"
+# operands' dtypes (stage 9's takes bf16 q and k; stage 8's Gluon recurrence too with GDN's
+# DSTATES_16BIT_KEYS on). "input" since the H200 timed it with that recurrence (kda_ab
+# "normalised-qk" at a876bf4, S1): the backward from kept tiles 5.059 -> 4.874 ms, the gradients
+# 3.2e-3 (normwise) from the fp32 form's, as the forward's bf16 keys round them (FLA keeps its
+# normalised q and k in the inputs' dtype too).
+BACKWARD_NORMALISED_QK = "input"
 
 
 def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
