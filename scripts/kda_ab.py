@@ -468,17 +468,18 @@ if "flagged-worklist" in SECTIONS and dev == "cuda":
     backward_switch_ab("flagged-worklist", kk, "BACKWARD_FLAGGED_WORKLIST", (False, True),
                        tables=("logsigmoid", "steep"))
 
-# "normalised-qk": the backward's normalised q and k in fp32 (the default) or in the inputs' dtype
-# (triton_kernels.BACKWARD_NORMALISED_QK "input": the cut (2) of "The backward's bytes"), the
-# gradients' distance between them beside the time
+# "normalised-qk": the backward's normalised q and k in fp32 or in the inputs' dtype
+# (triton_kernels.BACKWARD_NORMALISED_QK "input", the default since a876bf4: the cut (2) of "The
+# backward's bytes"), the gradients' distance between them beside the time; with stage 8 on
+# Triton's kernel for bf16 keys, then on the Gluon one taking them (gdn gluon_kernels.DSTATES_16BIT_KEYS)
 if "normalised-qk" in SECTIONS and dev == "cuda":
-    backward_switch_ab("normalised-qk", kk, "BACKWARD_NORMALISED_QK", ("fp32", "input"))
-    # the same with stage 8 on the Gluon kernel taking the bf16 q and k (gdn gluon_kernels.DSTATES_16BIT_KEYS)
     from tileport.ops.gdn import gluon_kernels as gdn_gluon_keys
 
-    gdn_gluon_keys.DSTATES_16BIT_KEYS = True
-    backward_switch_ab("normalised-qk, stage 8 on 16-bit keys", kk, "BACKWARD_NORMALISED_QK", ("fp32", "input"))
-    gdn_gluon_keys.DSTATES_16BIT_KEYS = False
+    default_16bit_keys = gdn_gluon_keys.DSTATES_16BIT_KEYS
+    for on in (False, True):
+        gdn_gluon_keys.DSTATES_16BIT_KEYS = on
+        backward_switch_ab(f"normalised-qk, DSTATES_16BIT_KEYS={on}", kk, "BACKWARD_NORMALISED_QK", ("fp32", "input"))
+    gdn_gluon_keys.DSTATES_16BIT_KEYS = default_16bit_keys
 
 # "u-from-t": the backward from the kept states never forming U (triton_kernels.BACKWARD_U_FROM_T:
 # stage 10 takes dXu U^T as (dXu (diag(beta) V)^T) T^T) or forming it, kda.md row 36

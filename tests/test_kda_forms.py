@@ -45,13 +45,15 @@ FORMS = {
     # the backward recomputes stage 3 (G, T, W, U) rather than taking its forward's G and T
     # (before the sixteenth session)
     "recompute-stage3": dict(KEEP_FORWARD_TILES=False),
-    "bwd-qk-bf16": dict(BACKWARD_NORMALISED_QK="input"),
+    # the backward's l2-normalised q and k in fp32 rather than the inputs' dtype (before the thirtieth
+    # session; stage 7's whole chunks then read the raw keys and normalise them: DV_LOCAL_RAW_QK)
+    "bwd-qk-fp32": dict(BACKWARD_NORMALISED_QK="fp32"),
     # the backward's flagged chunks' launches on grids of every chunk rather than over their
     # worklist (before the twenty-fifth session)
     "bwd-flagged-grid": dict(BACKWARD_FLAGGED_WORKLIST=False),
-    # stage 7's whole chunks from l2norm_fwd's fp32 copies rather than the raw q and k normalised
-    # where loaded (DV_LOCAL_RAW_QK; before the twenty-seventh session)
-    "dv-local-fp32-qk": dict(DV_LOCAL_RAW_QK=False),
+    # with fp32 normalised q and k, stage 7's whole chunks from l2norm_fwd's fp32 copies rather than
+    # the raw q and k normalised where loaded (DV_LOCAL_RAW_QK; before the twenty-seventh session)
+    "dv-local-fp32-qk": dict(BACKWARD_NORMALISED_QK="fp32", DV_LOCAL_RAW_QK=False),
 }
 
 

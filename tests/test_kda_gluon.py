@@ -54,13 +54,17 @@ def _recurrence_launches(monkeypatch) -> list:
 @pytest.mark.parametrize("case_id,gluon_runs", [("T65-bf16-l2-near0", True), ("T200-bf16-split-binarybeta", False)])
 def test_recurrences_run_where_the_gluon_kernel_takes_them(case_id, gluon_runs, keep_states, device, seed,
                                                            monkeypatch):
-    """With l2-normalised q and k (fp32 in the backward) both recurrences launch the Gluon kernel
-    (stage 5's recompute, then 8, per backward; stage 8 alone where the forward's fused kernel kept
-    every chunk's h and Vn: KEEP_FORWARD_STATES); without, q and k stay 16-bit and Triton's kernels run."""
+    """With l2-normalised q and k in fp32 in the backward (BACKWARD_NORMALISED_QK "fp32"; the Gluon
+    stage 8's 16-bit keys form off) both recurrences launch the Gluon kernel (stage 5's recompute,
+    then 8, per backward; stage 8 alone where the forward's fused kernel kept every chunk's h and Vn:
+    KEEP_FORWARD_STATES); without l2norm, q and k stay 16-bit and Triton's kernels run. The bf16 keys
+    of the default: test_bf16_keys_take_the_gluon_stage8."""
     parity._backend_or_skip("gluon", device)
     from tileport.ops.gdn import gluon_kernels as gdn_gluon
     from tileport.ops.kda import triton_kernels
 
+    monkeypatch.setattr(triton_kernels, "BACKWARD_NORMALISED_QK", "fp32")
+    monkeypatch.setattr(gdn_gluon, "DSTATES_16BIT_KEYS", False)
     monkeypatch.setattr(gdn_gluon, "BACKWARD_STATES", "gluon")
     monkeypatch.setattr(triton_kernels, "KEEP_FORWARD_STATES", keep_states)
     launches = _recurrence_launches(monkeypatch)
@@ -70,11 +74,12 @@ def test_recurrences_run_where_the_gluon_kernel_takes_them(case_id, gluon_runs, 
     assert (seen[:len(per_backward)] == per_backward) if gluon_runs else not seen, (case_id, seen)
 
 
-@pytest.mark.parametrize("case_id", [c for c in ACCEPTED if parity.CASES[c][8]])  # the l2norm cases
+@pytest.mark.parametrize("case_id", ACCEPTED)
 def test_bf16_keys_take_the_gluon_stage8(case_id, device, seed, monkeypatch):
-    """The backward's normalised q and k in bf16 (BACKWARD_NORMALISED_QK "input") with stage 8 on
-    GDN's Gluon recurrence taking them (its A_LOADS form, DSTATES_16BIT_KEYS): the gate's l2norm
-    cases against the float64 reference at its bounds, and stage 8's launch seen with 16-bit keys."""
+    """The backward's normalised q and k in bf16 (BACKWARD_NORMALISED_QK "input", the default) with
+    stage 8 on GDN's Gluon recurrence taking them (its A_LOADS form, DSTATES_16BIT_KEYS, the default):
+    the gate's cases against the float64 reference at its bounds, and stage 8's launch seen with
+    16-bit keys (the l2norm cases' normalised ones, the others' raw ones)."""
     parity._backend_or_skip("gluon", device)
     from tileport.ops.gdn import gluon_kernels as gdn_gluon
     from tileport.ops.kda import triton_kernels
@@ -136,7 +141,8 @@ def test_stage8_takes_bf16_keys_where_asked(monkeypatch):
 
     x, g, b = OnGPU(torch.float32, 3), OnGPU(torch.float32, 3), OnGPU(torch.bfloat16, 3)
     monkeypatch.setattr(gdn_gluon, "BACKWARD_STATES", "gluon")
-    assert gdn_gluon.recurrence_kernel_for("dstates", (b, b, x), g, torch.bfloat16) == "triton"  # off by default
+    monkeypatch.setattr(gdn_gluon, "DSTATES_16BIT_KEYS", False)
+    assert gdn_gluon.recurrence_kernel_for("dstates", (b, b, x), g, torch.bfloat16) == "triton"
     monkeypatch.setattr(gdn_gluon, "DSTATES_16BIT_KEYS", True)
     assert gdn_gluon.recurrence_kernel_for("dstates", (b, b, x), g, torch.bfloat16) == "gluon"
     for why, operands, gates in (("stage 5", None, g), ("per-head gates", (b, b, x), OnGPU(torch.float32, 2)),

@@ -29,19 +29,26 @@ def gluon_stage7(monkeypatch):
     return spy_on_kernels(monkeypatch, gk, ["_kda_dv_local_wgmma_kernel"], BACKWARD_DV_LOCAL="gluon")[0]
 
 
-@pytest.mark.parametrize("l2", [False, True], ids=["raw-keys", "l2norm"])
+# the keys stage 7 reads: raw 16-bit ones (no l2norm); with l2norm, the raw 16-bit ones normalised
+# in the kernel (the backward's normalised q and k in fp32: BACKWARD_NORMALISED_QK "fp32", with
+# DV_LOCAL_RAW_QK), or the normalised ones in bf16 as given (BACKWARD_NORMALISED_QK "input")
+KEYS = {"raw-keys": (False, "input"), "l2norm-in-kernel": (True, "fp32"), "l2norm-bf16": (True, "input")}
+
+
+@pytest.mark.parametrize("keys", list(KEYS))
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stage7_matches_triton_route_by_route(layout, K, l2, device, seed, gluon_stage7, monkeypatch):
+def test_stage7_matches_triton_route_by_route(layout, K, keys, device, seed, gluon_stage7, monkeypatch):
     """dVl from `chunk_dv_local_kda_gluon` against Triton's `chunk_dv_local_kda` on the same inputs,
     on the rows of unflagged chunks (the Gluon kernel's) and of flagged ones (Triton's kernel in
     both) apart, so that an error in either route cannot hide in the other's mass. The output is
-    NaN-poisoned: a chunk no route writes fails. With l2norm the whole chunks read the raw 16-bit q
-    and k and normalise them in the kernel (DV_LOCAL_RAW_QK), as Triton's whole-chunk launch does.
+    NaN-poisoned: a chunk no route writes fails. Under each of KEYS: with l2norm and fp32
+    normalised keys the whole chunks read the raw 16-bit q and k and normalise them in the kernel
+    (DV_LOCAL_RAW_QK), as Triton's whole-chunk launch does; with bf16 normalised keys both read those.
     Bound: both kernels multiply fp32 operands by tf32 WGMMA (Triton's tl.dot at tf32 on sm_90a:
-    m64nNk8, truncating), with the same exponents and masks. With raw keys the operands are the
-    same: 1e-5 normwise per route, the repo's bound for "the same products, summed in another
-    order". With l2norm each kernel sums a row's squares in its own order (4 warps here, 8 there),
+    m64nNk8, truncating), with the same exponents and masks. Where both read the same 16-bit keys
+    the operands are the same: 1e-5 normwise per route, the repo's bound for "the same products,
+    summed in another order". Normalising in the kernel, each sums a row's squares in its own order (4 warps here, 8 there),
     and a norm 1 ulp apart can move an operand across a tf32 truncation step (2^-10 relative): a
     torch emulation changing only that order, on these captured cases, put the unflagged rows up
     to 3.5e-5 apart (a review's, twenty-ninth session); so 1e-4 there, still far below the gate's
@@ -50,10 +57,14 @@ def test_stage7_matches_triton_route_by_route(layout, K, l2, device, seed, gluon
     from tileport.ops.kda import gluon_kernels as gk
     from tileport.ops.kda import triton_kernels as kk
 
+    l2, normalised_qk = KEYS[keys]
+    monkeypatch.setattr(kk, "BACKWARD_NORMALISED_QK", normalised_qk)
     args, kwargs = capture_stage("dv_local", layout, K, l2, device)
     flags, plan = kwargs["span_flags"], args[5]
     assert flags is not None and (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks: {flags}"
-    assert (kwargs["raw_qk"] is not None) == l2, "l2norm's whole chunks read the raw keys (DV_LOCAL_RAW_QK)"
+    in_kernel = keys == "l2norm-in-kernel"
+    assert (kwargs["raw_qk"] is not None) == in_kernel, f"{keys}: the whole chunks' keys (DV_LOCAL_RAW_QK)"
+    assert args[0].dtype == (torch.float32 if in_kernel else torch.bfloat16), (keys, args[0].dtype)
     want = kk.chunk_dv_local_kda(*args, **kwargs)
 
     flagged_launches = []
@@ -66,10 +77,10 @@ def test_stage7_matches_triton_route_by_route(layout, K, l2, device, seed, gluon
     assert flagged_launches == [True], flagged_launches  # Triton's kernel, flagged chunks only, into our buffer
 
     unflagged, flagged = (m.to(got.device) for m in route_rows(plan, flags))
-    bound = 1e-4 if l2 else 1e-5
+    bound = 1e-4 if in_kernel else 1e-5
     for route, rows in (("unflagged", unflagged), ("flagged", flagged)):
         err = normwise(got[rows], want[rows])
-        assert err < bound, f"dVl on {route} chunks [{layout} K={K} l2={l2} seed={seed}]: {err:.2e} from Triton's"
+        assert err < bound, f"dVl on {route} chunks [{layout} K={K} {keys} seed={seed}]: {err:.2e} from Triton's"
 
 
 @pytest.mark.parametrize("case_id", ACCEPTED)
@@ -159,9 +170,9 @@ def test_flagged_only_launch_needs_flags():
         kk.chunk_dv_local_kda(q, q, q, q, 1.0, None, torch.bfloat16, span_flags=None, dvl=torch.empty(64, 1, 64))
 
 
-@pytest.mark.parametrize("l2", [False, True], ids=["raw-keys", "l2norm"])
+@pytest.mark.parametrize("keys", list(KEYS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_flagged_only_launch_leaves_the_unflagged_chunks(layout, l2, device):
+def test_flagged_only_launch_leaves_the_unflagged_chunks(layout, keys, device, monkeypatch):
     """`chunk_dv_local_kda(dvl=...)`, the launch after the Gluon kernel, writes the flagged chunks'
     rows (as the full launch does) and leaves every unflagged chunk's row as it found it: were it to
     run the whole-chunk launch too, it would overwrite the Gluon kernel's rows with Triton's, and
@@ -171,6 +182,8 @@ def test_flagged_only_launch_leaves_the_unflagged_chunks(layout, l2, device):
 
     if device == "cpu" and not interpreter_enabled():
         pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    l2, normalised_qk = KEYS[keys]
+    monkeypatch.setattr(kk, "BACKWARD_NORMALISED_QK", normalised_qk)
     args, kwargs = capture_stage("dv_local", layout, 64, l2, device)
     plan, flags = args[5], kwargs["span_flags"]
     want = kk.chunk_dv_local_kda(*args, **kwargs)
@@ -184,9 +197,15 @@ def test_flagged_only_launch_leaves_the_unflagged_chunks(layout, l2, device):
     assert torch.equal(got[flagged], want[flagged]), "the flagged chunks' rows differ from the full launch's"
 
 
-def test_gluon_backward_runs_stage7_through_the_gluon_stage(monkeypatch):
+@pytest.mark.parametrize("normalised_qk", ["fp32", "input"])
+def test_gluon_backward_runs_stage7_through_the_gluon_stage(normalised_qk, monkeypatch):
     """Plumbing: `kda_backward_gluon` hands stage 7 to `chunk_dv_local_kda_gluon` with the flags and,
-    with l2norm, the raw keys; off the GPU that stage falls back to Triton's, so the gradients are
-    Triton's backward's, bitwise, with the switch on."""
+    with l2norm and fp32 normalised keys, the raw keys (none with bf16 ones: the kernel reads those as
+    given); off the GPU that stage falls back to Triton's, so the gradients are Triton's backward's,
+    bitwise, with the switch on."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    monkeypatch.setattr(kk, "BACKWARD_NORMALISED_QK", normalised_qk)
     calls = gluon_stage_calls(monkeypatch, "BACKWARD_DV_LOCAL", "chunk_dv_local_kda_gluon")
-    assert len(calls) == 1 and calls[0]["span_flags"] is not None and calls[0]["raw_qk"] is not None, calls
+    assert len(calls) == 1 and calls[0]["span_flags"] is not None, calls
+    assert (calls[0]["raw_qk"] is not None) == (normalised_qk == "fp32"), calls

@@ -1487,8 +1487,8 @@ TF32_RECURRENCE_WARPS = 8
 # K by pointer loads, widened and gated in registers, no TMA), as KDA's BACKWARD_NORMALISED_QK
 # "input" hands them (row 37 of docs/perf/kda.md: with Triton's stage 8 there, 0.84 -> 1.56 ms, the
 # cut lost). On since the H200 timed it (kda_ab "normalised-qk" at a876bf4, S1): with it, the bf16
-# keys cut the backward 5.059 -> 4.874 ms; without it (Triton's stage 8) 5.056 -> 5.629. Off, bf16
-# q and k take Triton's kernel, as raw 16-bit keys always do.
+# keys cut the backward 5.059 -> 4.874 ms; without it (Triton's stage 8) 5.056 -> 5.629. It takes
+# KDA's raw 16-bit q and k (no l2norm) as well; off, both take Triton's kernel.
 DSTATES_16BIT_KEYS = True
 _KERNEL_CHOICES = ("gluon", "triton")
 
