@@ -34,12 +34,11 @@ on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole gr
 "dv-local-raw-qk": stage 7's whole chunks from the raw q and k (triton_kernels.DV_LOCAL_RAW_QK) or the fp32 copies.
 "pairs-tiles": stage 10's pairs kernel with its tiles by pointer loads or by TMA (gluon_kernels.PAIRS_TILES).
 "dA-tiles": stage 10's dA kernel with its dVn and dW tiles by pointer loads or by TMA (gluon_kernels.DA_TILES).
-"dqkwg-persistent": stage 9's Gluon kernel on a program per work item or persistent (gluon_kernels.DQKWG_FORM).
 "pairs-keys": stage 10's pairs kernel forming its gated keys from a row layout or the accumulator's (gluon_kernels.PAIRS_GATED_KEYS).
 "dv-local-gluon": stage 7's unflagged chunks on Triton's kernel or the Gluon one (gluon_kernels.BACKWARD_DV_LOCAL).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,dqkwg-persistent,pairs-keys,dv-local-gluon (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,pairs-keys,dv-local-gluon (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -506,14 +505,6 @@ if "dA-tiles" in SECTIONS and dev == "cuda":
     from tileport.ops.kda import gluon_kernels as kg_da
 
     backward_switch_ab("dA-tiles", kg_da, "DA_TILES", ("loads", "tma"))
-
-# "dqkwg-persistent": stage 9's Gluon kernel with a program per work item ("grid") or one program
-# an SM looping over them, the next item's loads under this one's epilogue (gluon_kernels.DQKWG_FORM
-# "persistent"), kda.md row 41
-if "dqkwg-persistent" in SECTIONS and dev == "cuda":
-    from tileport.ops.kda import gluon_kernels as kg_dq
-
-    backward_switch_ab("dqkwg-persistent", kg_dq, "DQKWG_FORM", ("grid", "persistent"))
 
 # "pairs-keys": stage 10's pairs kernel forming its transposed gated keys from K and G read again in a
 # row layout ("rows") or from the accumulator layout's tiles it reads anyway, e^d and e^-d formed

@@ -16,13 +16,27 @@ LAYOUTS = {
     "varlen-empty-len1": ([0, 1, 1, 130, 200], 1, 200, (70, 120)),  # sequence [1, 130)'s chunk [65, 129)
 }
 
+# The keys a backward stage reads, as (l2, triton_kernels.BACKWARD_NORMALISED_QK): the raw 16-bit
+# ones (no l2norm), or with l2norm the normalised ones in fp32 or in the inputs' bf16 (the default
+# since the thirtieth session)
+KEYS = {"raw-keys": (False, "input"), "l2norm-fp32": (True, "fp32"), "l2norm-bf16": (True, "input")}
 
-def capture_stage(stage: str, layout: str, K: int, l2: bool, device: str):
+
+def capture_stage(stage: str, layout: str, K: int, l2: bool, device: str, normalised_qk: str | None = None):
     """(args, kwargs) of stage 9 ("dqkwg", `chunk_dqkwg_kda`'s), 10 ("wy_bwd", `chunk_wy_bwd_kda`'s) or
     7 ("dv_local", `chunk_dv_local_kda`'s) in a real backward (`kda_backward_triton`, through its stage parameter): bf16 inputs, K = V,
     H = 2, an initial state; some chunks flagged and some not. Stage 10's in-place inputs (stage 9's
-    partials dK', dG', args 9 and 10) are captured as they came in."""
+    partials dK', dG', args 9 and 10) are captured as they came in. normalised_qk: the backward's
+    BACKWARD_NORMALISED_QK for this capture (None: as it is)."""
     from tileport.ops.kda import triton_kernels as kk
+
+    if normalised_qk is not None:
+        default = kk.BACKWARD_NORMALISED_QK
+        kk.BACKWARD_NORMALISED_QK = normalised_qk
+        try:
+            return capture_stage(stage, layout, K, l2, device)
+        finally:
+            kk.BACKWARD_NORMALISED_QK = default
 
     cu, B, T, (lo, hi) = LAYOUTS[layout]
     q, k, v, g, beta, h0, cu_t = parity.make_inputs(B, T, 2, K, K, torch.bfloat16, cu, True, l2, "normal", "rand",

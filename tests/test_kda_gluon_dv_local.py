@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
-from kda_stage_cases import LAYOUTS, capture_stage, gluon_stage_calls, normwise, route_rows
+from kda_stage_cases import KEYS, LAYOUTS, capture_stage, gluon_stage_calls, normwise, route_rows
 from standins import operand, spy_on_kernels
 from test_kda_gluon import ACCEPTED
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
@@ -27,12 +27,6 @@ def gluon_stage7(monkeypatch):
     from tileport.ops.kda import gluon_kernels as gk
 
     return spy_on_kernels(monkeypatch, gk, ["_kda_dv_local_wgmma_kernel"], BACKWARD_DV_LOCAL="gluon")[0]
-
-
-# the keys stage 7 reads: raw 16-bit ones (no l2norm); with l2norm, the raw 16-bit ones normalised
-# in the kernel (the backward's normalised q and k in fp32: BACKWARD_NORMALISED_QK "fp32", with
-# DV_LOCAL_RAW_QK), or the normalised ones in bf16 as given (BACKWARD_NORMALISED_QK "input")
-KEYS = {"raw-keys": (False, "input"), "l2norm-in-kernel": (True, "fp32"), "l2norm-bf16": (True, "input")}
 
 
 @pytest.mark.parametrize("keys", list(KEYS))
@@ -58,11 +52,10 @@ def test_stage7_matches_triton_route_by_route(layout, K, keys, device, seed, glu
     from tileport.ops.kda import triton_kernels as kk
 
     l2, normalised_qk = KEYS[keys]
-    monkeypatch.setattr(kk, "BACKWARD_NORMALISED_QK", normalised_qk)
-    args, kwargs = capture_stage("dv_local", layout, K, l2, device)
+    args, kwargs = capture_stage("dv_local", layout, K, l2, device, normalised_qk)
     flags, plan = kwargs["span_flags"], args[5]
     assert flags is not None and (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks: {flags}"
-    in_kernel = keys == "l2norm-in-kernel"
+    in_kernel = keys == "l2norm-fp32"  # the raw keys, normalised in each kernel (DV_LOCAL_RAW_QK)
     assert (kwargs["raw_qk"] is not None) == in_kernel, f"{keys}: the whole chunks' keys (DV_LOCAL_RAW_QK)"
     assert args[0].dtype == (torch.float32 if in_kernel else torch.bfloat16), (keys, args[0].dtype)
     want = kk.chunk_dv_local_kda(*args, **kwargs)
@@ -172,7 +165,7 @@ def test_flagged_only_launch_needs_flags():
 
 @pytest.mark.parametrize("keys", list(KEYS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_flagged_only_launch_leaves_the_unflagged_chunks(layout, keys, device, monkeypatch):
+def test_flagged_only_launch_leaves_the_unflagged_chunks(layout, keys, device):
     """`chunk_dv_local_kda(dvl=...)`, the launch after the Gluon kernel, writes the flagged chunks'
     rows (as the full launch does) and leaves every unflagged chunk's row as it found it: were it to
     run the whole-chunk launch too, it would overwrite the Gluon kernel's rows with Triton's, and
@@ -183,8 +176,7 @@ def test_flagged_only_launch_leaves_the_unflagged_chunks(layout, keys, device, m
     if device == "cpu" and not interpreter_enabled():
         pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
     l2, normalised_qk = KEYS[keys]
-    monkeypatch.setattr(kk, "BACKWARD_NORMALISED_QK", normalised_qk)
-    args, kwargs = capture_stage("dv_local", layout, 64, l2, device)
+    args, kwargs = capture_stage("dv_local", layout, 64, l2, device, normalised_qk)
     plan, flags = args[5], kwargs["span_flags"]
     want = kk.chunk_dv_local_kda(*args, **kwargs)
     sentinel = 12345.0

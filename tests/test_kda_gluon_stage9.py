@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
-from kda_stage_cases import LAYOUTS, capture_stage, gluon_stage_calls, normwise, route_rows
+from kda_stage_cases import KEYS, LAYOUTS, capture_stage, gluon_stage_calls, normwise, route_rows
 from standins import spy_on_kernels
 from test_kda_gluon import ACCEPTED
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
@@ -28,17 +28,16 @@ def gluon_stage9(monkeypatch):
     return spy_on_kernels(monkeypatch, gk, ["_kda_dqkwg_wgmma_kernel"], BACKWARD_DQKWG="gluon")[0]
 
 
-@pytest.mark.parametrize("form", ["grid", "persistent"])
-@pytest.mark.parametrize("l2", [False, True], ids=["raw-keys", "l2norm"])
+@pytest.mark.parametrize("keys", list(KEYS))
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stage9_matches_triton_route_by_route(layout, K, l2, form, device, seed, gluon_stage9, monkeypatch):
+def test_stage9_matches_triton_route_by_route(layout, K, keys, device, seed, gluon_stage9, monkeypatch):
     """Every output of `chunk_dqkwg_kda_gluon` (dq, dk, dw, dG; dP's slice 0 on the flagged chunks, the
     only rows read after stage 9) against Triton's `chunk_dqkwg_kda` with fuse_9b on the same inputs,
     on the rows of unflagged chunks (the Gluon kernel's) and of flagged ones (Triton's kernel in both)
     apart, so that an error in either route cannot hide in the other's mass. Outputs are NaN-poisoned:
-    a chunk no route writes fails. In both forms of the kernel (DQKWG_FORM): a program per work item,
-    or one an SM looping over them (its items skip flagged chunks and prefetch the next one's tiles).
+    a chunk no route writes fails. Under each of the keys stage 9 may read (kda_stage_cases.KEYS: raw
+    bf16, l2-normalised in fp32 or in bf16).
     Bound: 1e-5 normwise per output and route, the repo's bound for "the same products, summed in
     another order" (tests/test_kda_chunk_flags.py `_same`). Why it holds: both kernels multiply the
     same fp32 operands by tf32 WGMMA, truncating them alike (Triton's sm_90a PTX for this kernel has
@@ -53,12 +52,12 @@ def test_stage9_matches_triton_route_by_route(layout, K, l2, form, device, seed,
     from tileport.ops.kda import gluon_kernels as gk
     from tileport.ops.kda import triton_kernels as kk
 
-    monkeypatch.setattr(gk, "DQKWG_FORM", form)
-    args, kwargs = capture_stage("dqkwg", layout, K, l2, device)
+    l2, normalised_qk = KEYS[keys]
+    args, kwargs = capture_stage("dqkwg", layout, K, l2, device, normalised_qk)
     flags, plan = kwargs["span_flags"], args[9]
     assert kwargs["fuse_9b"] and flags is not None
     assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
-    assert args[0].dtype == (torch.float32 if l2 else torch.bfloat16), args[0].dtype
+    assert args[0].dtype == (torch.float32 if keys == "l2norm-fp32" else torch.bfloat16), (keys, args[0].dtype)
     want = kk.chunk_dqkwg_kda(*args, **kwargs)
 
     flagged_launches = []
@@ -67,17 +66,11 @@ def test_stage9_matches_triton_route_by_route(layout, K, l2, form, device, seed,
                         lambda *a, **kw: flagged_launches.append(kw.get("outputs") is not None) or real(*a, **kw))
     with poisoned():
         got = gk.chunk_dqkwg_kda_gluon(*args, **kwargs)
-    if form == "grid":
-        assert gluon_stage9.grids == [(plan.NC * K // gk.DQKWG_BKS, flags.shape[1])], gluon_stage9.grids
-    else:
-        from tileport.devices import sm_count
-
-        items = plan.NC * flags.shape[1] * (K // gk.DQKWG_BKS)
-        assert gluon_stage9.grids == [(min(items, sm_count(args[0].device)),)], gluon_stage9.grids
+    assert gluon_stage9.grids == [(plan.NC * K // gk.DQKWG_BKS, flags.shape[1])], gluon_stage9.grids
     assert flagged_launches == [True], flagged_launches  # Triton's kernel, flagged chunks only, into our buffers
 
     unflagged, flagged = (m.to(args[0].device) for m in route_rows(plan, flags))
-    where = f"[{layout} K={K} l2={l2} seed={seed}]"
+    where = f"[{layout} K={K} {keys} seed={seed}]"
     for name, a, b in zip(("dq", "dk", "dw", "dG"), got[:4], want[:4]):
         for route, rows in (("unflagged", unflagged), ("flagged", flagged)):
             err = normwise(a[rows], b[rows])
@@ -136,10 +129,6 @@ def test_switch_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="BACKWARD_DQKWG 'cuda'.*'triton', 'gluon'"):
         _rule(_rule_operands())
     with pytest.raises(ValueError, match="BACKWARD_DQKWG"):  # validated before any fallback is decided
-        _rule(_rule_operands(span_flags=None))
-    monkeypatch.setattr(gk, "BACKWARD_DQKWG", "gluon")
-    monkeypatch.setattr(gk, "DQKWG_FORM", "ring")
-    with pytest.raises(ValueError, match="DQKWG_FORM 'ring'.*'persistent', 'grid'"):
         _rule(_rule_operands(span_flags=None))
 
 

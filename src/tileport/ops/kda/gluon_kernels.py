@@ -1688,10 +1688,6 @@ def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact
 # gates, 22.34 -> 22.29 with steep ones (docs/perf/kda.md row 21).
 BACKWARD_DQKWG = "gluon"
 DQKWG_BKS = 64  # key channels per block: every tile of the stage-9 kernel is [64, 64] fp32
-# How `_kda_dqkwg_wgmma_kernel` runs: "persistent" (PERSISTENT: one program an SM looping over the
-# work items, the next item's TMA loads under this one's epilogue, dO by TMA) or "grid" (a program
-# per item, the form timed at e48d059). Read at each call (kda_ab "dqkwg-persistent").
-DQKWG_FORM = "grid"
 
 if _GLUON_ERROR is None:
 
@@ -1700,9 +1696,9 @@ if _GLUON_ERROR is None:
                               BT: gl.constexpr, D_L: gl.constexpr):
         """Stage 9's epilogue's reads for key block kb of the chunk from token bos: G, q and k
         [BT, BKS] in the accumulator layout D_L (fp32, masked past the sequence), and G's last valid
-        row (G_L) and middle row (`_chunk_gate_offsets`' m; eos is the sequence's end). Apart from
-        `_kda_dqkwg_block` so that the persistent form can issue them before its next item's TMA
-        loads, ahead of them in the SM's queue."""
+        row (G_L) and middle row (`_chunk_gate_offsets`' m; eos is the sequence's end). Issued
+        right after the state products, before the dW store, so that they are in flight while the
+        accumulators are read."""
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
         kcol = kb * BKS + gl.arange(0, BKS, layout=gl.SliceLayout(0, D_L))
         base = (bos.to(gl.int64) * H + hh) * K
@@ -1789,28 +1785,25 @@ if _GLUON_ERROR is None:
         gl.store(dG_ptr + base + offs, dG - k * C, mask=mk)
 
     @gluon.jit
-    def _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, do_desc, vn_s, dvn_s, h_s, dh_s, do16_s, bar, bos, hh,
-                           srow, V: gl.constexpr, DO_TMA: gl.constexpr):
+    def _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_s, dvn_s, h_s, dh_s, bar, bos, hh, srow,
+                           V: gl.constexpr):
         """`_kda_dqkwg_wgmma_kernel`'s TMA loads of one work item (chunk from token bos, head hh,
-        key block from row srow of h and dh in [NC H K, V]): Vn, dVn [64, V], h_b, dh_b [64, V]
-        and, with DO_TMA, dO [64, V] in 16 bits into do16_s, armed on bar together."""
+        key block from row srow of h and dh in [NC H K, V]): Vn, dVn [64, V], h_b, dh_b [64, V],
+        armed on bar together."""
         NBYTES: gl.constexpr = (vn_desc.block_type.nbytes + dvn_desc.block_type.nbytes + h_desc.block_type.nbytes
-                                + dh_desc.block_type.nbytes + (do_desc.block_type.nbytes if DO_TMA else 0))
+                                + dh_desc.block_type.nbytes)
         mbarrier.expect(bar, NBYTES)
         tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bar, vn_s)
         tma.async_copy_global_to_shared(dvn_desc, [bos, hh * V], bar, dvn_s)
         tma.async_copy_global_to_shared(h_desc, [srow, 0], bar, h_s)
         tma.async_copy_global_to_shared(dh_desc, [srow, 0], bar, dh_s)
-        if DO_TMA:
-            tma.async_copy_global_to_shared(do_desc, [bos, hh * V], bar, do16_s)
 
     @gluon.jit
-    def _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale, z, D_L: gl.constexpr,
+    def _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale, D_L: gl.constexpr,
                               ROWS_L: gl.constexpr):
         """The item's four state products (tf32 WGMMAs over V, issued together) and, under them,
         hdh = rowsum(h_b * dh_b); then M = strict_lower(scale dP) on the chunk's rows into m_s.
-        Returns (dQh, dKd, dW's accumulator, hdh, scale dP's diagonal). z: 0 (the persistent form's
-        unprovable zero, which keeps the triangle's masks from being hoisted out of its loop)."""
+        Returns (dQh, dKd, dW's accumulator, hdh, scale dP's diagonal)."""
         BT: gl.constexpr = vn_s.shape[0]
         BKS: gl.constexpr = h_s.shape[0]
         zero = gl.zeros([BT, BKS], gl.float32, D_L)
@@ -1828,7 +1821,7 @@ if _GLUON_ERROR is None:
         # M = strict_lower(scale dP) on the chunk's rows and its diagonal, as Triton's kernel has
         # them (scale dP's lower triangle stored, then read back strict, and dP_tt); M goes to
         # shared memory (read there as both register operands after the barrier in the epilogue)
-        ri = z + gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
+        ri = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
         cj = gl.arange(0, BT, layout=gl.SliceLayout(0, D_L))
         i_ok = bos + ri < eos
         dps = dp * scale
@@ -1838,8 +1831,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _kda_dqkwg_wgmma_kernel(h_desc, dh_desc, vn_desc, dvn_desc, q_ptr, k_ptr, G_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr,
-                                dG_ptr, chunks_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr,
-                                do_desc=None, n_items=0, PERSISTENT: gl.constexpr = False):
+                                dG_ptr, chunks_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr):
         """Stage 9 with 9b's pair terms for one chunk and head whose flag (stage 3's, int8 [NC, H])
         is clear, for one block of BKS = 64 key channels: what Triton's `_kda_dqkwg_kernel` with
         PAIRS computes for such a chunk (fp32 dQ', dK', dW, dG' [Ntok, H, K]; its dP slices are
@@ -1871,16 +1863,9 @@ if _GLUON_ERROR is None:
         Rows past the sequence (a varlen tail: the next sequence's TMA rows, finite; zeros past
         the tensor) meet masks: dO's are loaded as 0, M's rows and columns and q, k, G are masked,
         x by select, and the stores by row.
-        PERSISTENT (DQKWG_FORM "persistent"): grid (P,), P programs (one an SM) each taking work
-        items t = pid, pid + P, .. (t = (c H + hh) NK + kb: a chunk's key blocks adjacent), flagged
-        items skipped. Once an item's four state products have retired, its TMA slots are free, so
-        the next item's h_b, dh_b, Vn, dVn and dO (bf16, into dO's fp32 slot reinterpreted) are
-        issued there and land under this item's epilogue (its M, R, C products, loads and
-        stores), which the one-item program (one CTA an SM: 208 KB) can only follow by waiting
-        (ncu at e48d059: long_scoreboard 2.43 cycles per issued instruction, issue slots 24% busy).
-        dO is widened to fp32 in place at the item's start (read whole into registers first).
-        The next item's loads go out only when it is unflagged, and one whose loads did not go
-        out (the first, or after a flagged one) issues its own."""
+        Persistent, one program an SM looping over the work items with the next item's TMA loads
+        under this item's epilogue, it was slower on the H200 (1.39 -> 1.80 ms at b87a5da; 1.41 ->
+        ~1.66 with the epilogue's loads issued first, at 35f9352: kda.md row 41) and was removed."""
         BT: gl.constexpr = vn_desc.block_type.shape[0]
         BKS: gl.constexpr = h_desc.block_type.shape[0]
         NK: gl.constexpr = K // BKS
@@ -1892,98 +1877,38 @@ if _GLUON_ERROR is None:
                                                       instr_shape=[16, BKS // WG, 8])
         ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
         XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BKS, BT], gl.float32)
-        # each buffer with a leading dimension of 1: the persistent form takes its views per item
-        h_r = gl.allocate_shared_memory(gl.float32, [1, BKS, V], h_desc.layout)
-        dh_r = gl.allocate_shared_memory(gl.float32, [1, BKS, V], dh_desc.layout)
-        vn_r = gl.allocate_shared_memory(gl.float32, [1, BT, V], vn_desc.layout)
-        dvn_r = gl.allocate_shared_memory(gl.float32, [1, BT, V], dvn_desc.layout)
-        do_r = gl.allocate_shared_memory(gl.float32, [1, BT, V], vn_desc.layout)
-        xT_r = gl.allocate_shared_memory(gl.float32, [1, BKS, BT], XT_SL)  # (K_b e^-d)^T
-        yT_r = gl.allocate_shared_memory(gl.float32, [1, BKS, BT], XT_SL)  # (Q_b e^d)^T
-        m_r = gl.allocate_shared_memory(gl.float32, [1, BT, BT], XT_SL)  # M, read by generic loads only
+        h_s = gl.allocate_shared_memory(gl.float32, [BKS, V], h_desc.layout)
+        dh_s = gl.allocate_shared_memory(gl.float32, [BKS, V], dh_desc.layout)
+        vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+        dvn_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
+        do_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+        xT_s = gl.allocate_shared_memory(gl.float32, [BKS, BT], XT_SL)  # (K_b e^-d)^T
+        yT_s = gl.allocate_shared_memory(gl.float32, [BKS, BT], XT_SL)  # (Q_b e^d)^T
+        m_s = gl.allocate_shared_memory(gl.float32, [BT, BT], XT_SL)  # M, read by generic loads only
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
-        if not PERSISTENT:
-            c = gl.program_id(0) // NK
-            kb = gl.program_id(0) % NK  # a chunk's key blocks in adjacent programs: its rows' second read from L2
-            hh = gl.program_id(1)
-            h_s, dh_s, vn_s, dvn_s = h_r.index(0), dh_r.index(0), vn_r.index(0), dvn_r.index(0)
-            do_s, xT_s, yT_s, m_s = do_r.index(0), xT_r.index(0), yT_r.index(0), m_r.index(0)
-            if gl.load(flags_ptr + c * H + hh) == 0:
-                bos, eos = _chunk_bounds(chunks_ptr, c)
-                mbarrier.init(bar, count=1)
-                fence_async_shared()
-                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, do_desc, vn_s, dvn_s, h_s, dh_s, do_s, bar, bos,
-                                   hh, (c * H + hh) * K + kb * BKS, V, False)
-                vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
-                # lint: allow TP001 -- dO (16-bit) is widened to fp32 on its way to shared memory (tf32 WGMMA takes fp32 operands), which TMA cannot do; rows past the sequence loaded as 0
-                do = gl.load(do_ptr + ((bos + rr).to(gl.int64) * H + hh)[:, None] * V + vc[None, :],
-                             mask=(bos + rr < eos)[:, None], other=0.0).to(gl.float32)
-                do_s.store(do)
-                fence_async_shared()
-                gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
-                mbarrier.wait(bar, 0)
-                dqh, dkd, dwa, hdh, dd = _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale,
-                                                               0, D_L, ROWS_L)
-                G, q, k, GL, Gm = _dqkwg_epilogue_tiles(q_ptr, k_ptr, G_ptr, bos, eos, hh, kb, H, K, BKS, BT, D_L)
-                _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, G, q, k, GL, Gm, m_s, xT_s, yT_s, dq_ptr, dk_ptr, dw_ptr,
-                                 dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
-                mbarrier.invalidate(bar)
-        else:
+        c = gl.program_id(0) // NK
+        kb = gl.program_id(0) % NK  # a chunk's key blocks in adjacent programs: its rows' second read from L2
+        hh = gl.program_id(1)
+        if gl.load(flags_ptr + c * H + hh) == 0:
+            bos, eos = _chunk_bounds(chunks_ptr, c)
             mbarrier.init(bar, count=1)
             fence_async_shared()
-            pid = gl.program_id(0)
-            P = gl.num_programs(0)
-            phase = 0
-            pending = 0  # whether this item's loads are in flight (issued under the previous item's epilogue)
-            for t in range(pid, n_items, P):
-                kb = t % NK
-                ch = t // NK  # c * H + hh
-                c = ch // H
-                hh = ch % H
-                if gl.load(flags_ptr + ch) == 0:
-                    bos, eos = _chunk_bounds(chunks_ptr, c)
-                    # The buffers' views by an index that is 0 but not provably so: otherwise LLVM
-                    # hoists every per-thread shared-memory address (188 of them) out of the loop and
-                    # holds them across it (sm_90a, K = 128: 140 B of spills; 12 with them formed per item)
-                    z = (eos < bos).to(gl.int32)
-                    h_s, dh_s, vn_s, dvn_s = h_r.index(z), dh_r.index(z), vn_r.index(z), dvn_r.index(z)
-                    do_s, xT_s, yT_s, m_s = do_r.index(z), xT_r.index(z), yT_r.index(z), m_r.index(z)
-                    # dO's 16-bit tile lands in dO's fp32 slot (half of it), widened there at the item's start
-                    do16_s = do_s._reinterpret(do_desc.dtype, [BT, V], do_desc.layout)
-                    if pending == 0:  # the first item, or one after a flagged item: its own loads
-                        gl.thread_barrier()  # every warp is done with the previous item's slots
-                        _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, do_desc, vn_s, dvn_s, h_s, dh_s,
-                                           do16_s, bar, bos, hh, ch * K + kb * BKS, V, True)
-                    mbarrier.wait(bar, phase)
-                    phase ^= 1
-                    do = gl.where((bos + rr < eos)[:, None], do16_s.load(ROWS_L).to(gl.float32), 0.0)
-                    gl.thread_barrier()  # every warp has read the 16-bit tile before its slot takes the fp32 one
-                    do_s.store(do)
-                    fence_async_shared()
-                    gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
-                    dqh, dkd, dwa, hdh, dd = _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale,
-                                                                   z, D_L, ROWS_L)
-                    # the TMA slots are free (every warp's products retired, hdh read): the next
-                    # item's loads, if it is unflagged, under this item's epilogue
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    # this item's epilogue reads go out before the next item's TMA loads (queued
-                    # behind 144 KB of them, they would hold the epilogue up by about that long)
-                    G, q, k, GL, Gm = _dqkwg_epilogue_tiles(q_ptr, k_ptr, G_ptr, bos, eos, hh, kb, H, K, BKS, BT, D_L)
-                    pending = 0
-                    tn = t + P
-                    if tn < n_items:
-                        chn = tn // NK
-                        if gl.load(flags_ptr + chn) == 0:
-                            bos_n, _eos_n = _chunk_bounds(chunks_ptr, chn // H)
-                            _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, do_desc, vn_s, dvn_s, h_s, dh_s,
-                                               do16_s, bar, bos_n, chn % H, chn * K + (tn % NK) * BKS, V, True)
-                            pending = 1
-                    _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, G, q, k, GL, Gm, m_s, xT_s, yT_s, dq_ptr, dk_ptr, dw_ptr,
-                                     dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
-                else:
-                    pending = 0
+            _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_s, dvn_s, h_s, dh_s, bar, bos, hh,
+                               (c * H + hh) * K + kb * BKS, V)
+            rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
+            vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
+            # lint: allow TP001 -- dO (16-bit) is widened to fp32 on its way to shared memory (tf32 WGMMA takes fp32 operands), which TMA cannot do; rows past the sequence loaded as 0
+            do = gl.load(do_ptr + ((bos + rr).to(gl.int64) * H + hh)[:, None] * V + vc[None, :],
+                         mask=(bos + rr < eos)[:, None], other=0.0).to(gl.float32)
+            do_s.store(do)
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
+            mbarrier.wait(bar, 0)
+            dqh, dkd, dwa, hdh, dd = _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale, D_L,
+                                                           ROWS_L)
+            G, q, k, GL, Gm = _dqkwg_epilogue_tiles(q_ptr, k_ptr, G_ptr, bos, eos, hh, kb, H, K, BKS, BT, D_L)
+            _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, G, q, k, GL, Gm, m_s, xT_s, yT_s, dq_ptr, dk_ptr, dw_ptr,
+                             dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
             mbarrier.invalidate(bar)
 
 
@@ -1995,7 +1920,6 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
     fp32 (GATE_SUMS_16BIT's default; fp64 G compiles, a case of its own, but no GPU test has run it:
     Triton's kernel takes it), q and k both fp32 (l2-normalised) or both bf16 (raw), dO bf16, K == V
     of 64 or 128, every tensor contiguous on the GPU."""
-    kk._checked("DQKWG_FORM", DQKWG_FORM, ("persistent", "grid"))  # validated with the switch, before any fallback
     if kk._checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton" or span_flags is None or not fuse_9b:
         return "triton"
     K, V = q.shape[-1], do.shape[-1]
@@ -2028,14 +1952,7 @@ def chunk_dqkwg_kda_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input
                  _descriptor(dh.view(plan.NC * H * K, V), [DQKWG_BKS, V]),
                  _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(dvn.view(Ntok, H * V), [BT, V]))
         args = (q, k, G, do, dq, dk, dw, dG, plan.chunks, span_flags, H, float(scale), K, V)
-        n_items = plan.NC * H * (K // DQKWG_BKS)
-        if kk._checked("DQKWG_FORM", DQKWG_FORM, ("persistent", "grid")) == "persistent" and do.data_ptr() % 16 == 0:
-            # one program an SM (208 KB of shared memory), each looping over its work items
-            _kda_dqkwg_wgmma_kernel[(min(n_items, sm_count(q.device)),)](
-                *descs, *args, do_desc=_descriptor(do.view(Ntok, H * V), [BT, V]), n_items=n_items, PERSISTENT=True,
-                num_warps=8)
-        else:
-            _kda_dqkwg_wgmma_kernel[(plan.NC * (K // DQKWG_BKS), H)](*descs, *args, num_warps=8)
+        _kda_dqkwg_wgmma_kernel[(plan.NC * (K // DQKWG_BKS), H)](*descs, *args, num_warps=8)
     return kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale, plan, input_dtype, span_flags=span_flags,
                               fuse_9b=True, outputs=(dq, dk, dw, dG, dp), worklist=worklist)
 
@@ -2067,16 +1984,6 @@ def _dqkwg_compile_cases():
                                  expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32", "cp.async.bulk.tensor",
                                              "mbarrier.try_wait"],
                                  expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
-        # the persistent form (DQKWG_FORM "persistent", the default): dO by TMA too
-        pargs = dict(args, do_desc=descriptor_stand_in([Ntok, H * V], bf, [BT, V], _smem_layout((BT, V), bf)),
-                     n_items=NC * H * (K // DQKWG_BKS), PERSISTENT=True)
-        # 12-16 B of spills at K = 128 (4 at 64): loop-invariant values stored once before the item
-        # loop and reloaded per item (L1 hits); the grid form's epilogue alone takes 244 registers
-        cases.append(CompileCase(name=f"kda_dqkwg_persistent_{tag}_w8", kernel=_kda_dqkwg_wgmma_kernel, args=pargs,
-                                 num_warps=8,
-                                 expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32", "cp.async.bulk.tensor",
-                                             "mbarrier.try_wait"],
-                                 expect_max_spills=16, expect_max_shared=SMEM_PER_SM))
     return cases
 
 
