@@ -36,9 +36,10 @@ on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole gr
 "dA-tiles": stage 10's dA kernel with its dVn and dW tiles by pointer loads or by TMA (gluon_kernels.DA_TILES).
 "pairs-keys": stage 10's pairs kernel forming its gated keys from a row layout or the accumulator's (gluon_kernels.PAIRS_GATED_KEYS).
 "dv-local-gluon": stage 7's unflagged chunks on Triton's kernel or the Gluon one (gluon_kernels.BACKWARD_DV_LOCAL).
+"dqkwg-tiles": stage 9's Gluon kernel taking dO and its epilogue's tiles by pointer loads or by TMA (gluon_kernels.DQKWG_TILES).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,pairs-keys,dv-local-gluon (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,pairs-keys,dv-local-gluon,dqkwg-tiles (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -520,3 +521,11 @@ if "dv-local-gluon" in SECTIONS and dev == "cuda":
     from tileport.ops.kda import gluon_kernels as kg_dvl
 
     backward_switch_ab("dv-local-gluon", kg_dvl, "BACKWARD_DV_LOCAL", ("triton", "gluon"))
+
+# "dqkwg-tiles": stage 9's Gluon kernel taking dO and its epilogue's G, q, k tiles by pointer loads
+# ("loads") or all by TMA at the item's start into slots used only later (gluon_kernels.DQKWG_TILES
+# "tma"), kda.md row 46
+if "dqkwg-tiles" in SECTIONS and dev == "cuda":
+    from tileport.ops.kda import gluon_kernels as kg_dqt
+
+    backward_switch_ab("dqkwg-tiles", kg_dqt, "DQKWG_TILES", ("loads", "tma"))

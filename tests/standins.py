@@ -34,14 +34,21 @@ def operand(shape, dtype, is_cuda: bool = True, contiguous: bool = True, data_pt
 
 
 class LaunchSpy:
-    """Stands in for a Gluon kernel in its module: records each launch's grid and launches."""
+    """Stands in for a Gluon kernel in its module: records each launch's grid and keyword arguments
+    (`grids`, `kwargs`) and launches."""
 
     def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
+        self.kernel, self.grids, self.kwargs = kernel, [], []
 
     def __getitem__(self, grid):
         self.grids.append(grid)
-        return self.kernel[grid]
+        launch = self.kernel[grid]
+
+        def record(*args, **kwargs):
+            self.kwargs.append(kwargs)
+            return launch(*args, **kwargs)
+
+        return record
 
 
 def spy_on_kernels(monkeypatch, module, names, **switches) -> list:

@@ -13,7 +13,7 @@ import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
 from kda_stage_cases import KEYS, LAYOUTS, capture_stage, gluon_stage_calls, normwise, route_rows
-from standins import spy_on_kernels
+from standins import operand, spy_on_kernels
 from test_kda_gluon import ACCEPTED
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 
@@ -28,16 +28,18 @@ def gluon_stage9(monkeypatch):
     return spy_on_kernels(monkeypatch, gk, ["_kda_dqkwg_wgmma_kernel"], BACKWARD_DQKWG="gluon")[0]
 
 
+@pytest.mark.parametrize("tiles", ["loads", "tma"])
 @pytest.mark.parametrize("keys", list(KEYS))
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stage9_matches_triton_route_by_route(layout, K, keys, device, seed, gluon_stage9, monkeypatch):
+def test_stage9_matches_triton_route_by_route(layout, K, keys, tiles, device, seed, gluon_stage9, monkeypatch):
     """Every output of `chunk_dqkwg_kda_gluon` (dq, dk, dw, dG; dP's slice 0 on the flagged chunks, the
     only rows read after stage 9) against Triton's `chunk_dqkwg_kda` with fuse_9b on the same inputs,
     on the rows of unflagged chunks (the Gluon kernel's) and of flagged ones (Triton's kernel in both)
     apart, so that an error in either route cannot hide in the other's mass. Outputs are NaN-poisoned:
     a chunk no route writes fails. Under each of the keys stage 9 may read (kda_stage_cases.KEYS: raw
-    bf16, l2-normalised in fp32 or in bf16).
+    bf16, l2-normalised in fp32 or in bf16), with dO and the epilogue's G, q, k by pointer loads or by
+    TMA (DQKWG_TILES; the TMA form takes bf16 keys only: with fp32 ones the launch is the loads form's).
     Bound: 1e-5 normwise per output and route, the repo's bound for "the same products, summed in
     another order" (tests/test_kda_chunk_flags.py `_same`). Why it holds: both kernels multiply the
     same fp32 operands by tf32 WGMMA, truncating them alike (Triton's sm_90a PTX for this kernel has
@@ -53,6 +55,7 @@ def test_stage9_matches_triton_route_by_route(layout, K, keys, device, seed, glu
     from tileport.ops.kda import triton_kernels as kk
 
     l2, normalised_qk = KEYS[keys]
+    monkeypatch.setattr(gk, "DQKWG_TILES", tiles)
     args, kwargs = capture_stage("dqkwg", layout, K, l2, device, normalised_qk)
     flags, plan = kwargs["span_flags"], args[9]
     assert kwargs["fuse_9b"] and flags is not None
@@ -67,10 +70,12 @@ def test_stage9_matches_triton_route_by_route(layout, K, keys, device, seed, glu
     with poisoned():
         got = gk.chunk_dqkwg_kda_gluon(*args, **kwargs)
     assert gluon_stage9.grids == [(plan.NC * K // gk.DQKWG_BKS, flags.shape[1])], gluon_stage9.grids
+    tma_tiles = tiles == "tma" and keys != "l2norm-fp32"
+    assert gluon_stage9.kwargs[0].get("TMA_TILES", False) == tma_tiles, (tiles, keys, gluon_stage9.kwargs[0].keys())
     assert flagged_launches == [True], flagged_launches  # Triton's kernel, flagged chunks only, into our buffers
 
     unflagged, flagged = (m.to(args[0].device) for m in route_rows(plan, flags))
-    where = f"[{layout} K={K} {keys} seed={seed}]"
+    where = f"[{layout} K={K} {keys} {tiles} seed={seed}]"
     for name, a, b in zip(("dq", "dk", "dw", "dG"), got[:4], want[:4]):
         for route, rows in (("unflagged", unflagged), ("flagged", flagged)):
             err = normwise(a[rows], b[rows])
@@ -130,6 +135,30 @@ def test_switch_is_validated(monkeypatch):
         _rule(_rule_operands())
     with pytest.raises(ValueError, match="BACKWARD_DQKWG"):  # validated before any fallback is decided
         _rule(_rule_operands(span_flags=None))
+    monkeypatch.setattr(gk, "BACKWARD_DQKWG", "gluon")
+    monkeypatch.setattr(gk, "DQKWG_TILES", "smem")
+    with pytest.raises(ValueError, match="DQKWG_TILES 'smem'.*'tma', 'loads'"):
+        _rule(_rule_operands(span_flags=None))
+
+
+def test_tma_tiles_take_what_their_slots_hold():
+    """The TMA_TILES form (DQKWG_TILES "tma") borrows slots sized for bf16 q, k and dO and fp32 G, and
+    TMA needs 16-byte aligned storage: anything else keeps the pointer loads."""
+    from tileport.ops.kda import gluon_kernels as gk
+
+    bf, f32 = torch.bfloat16, torch.float32
+
+    def fits(q=bf, k=bf, G=f32, do=bf, misaligned=()):
+        shape = [256, 2, 128]
+        return gk._dqkwg_tma_fits(*(operand(shape, dt, data_ptr=8 if name in misaligned else 1024)
+                                    for name, dt in (("q", q), ("k", k), ("G", G), ("do", do))))
+
+    assert fits()
+    for why, case in {"fp32 keys": dict(q=f32, k=f32), "fp32 q": dict(q=f32), "fp64 G": dict(G=torch.float64),
+                      "fp16 dO": dict(do=torch.float16), "fp16 keys": dict(q=torch.float16, k=torch.float16)}.items():
+        assert not fits(**case), why
+    for name in ("q", "k", "G", "do"):
+        assert not fits(misaligned=(name,)), name
 
 
 def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):

@@ -1688,17 +1688,27 @@ def chunk_solve_wu_kda_gluon(k, v, beta, G, plan, store_T: bool = False, compact
 # gates, 22.34 -> 22.29 with steep ones (docs/perf/kda.md row 21).
 BACKWARD_DQKWG = "gluon"
 DQKWG_BKS = 64  # key channels per block: every tile of the stage-9 kernel is [64, 64] fp32
+# How `_kda_dqkwg_wgmma_kernel` gets dO and its epilogue's G, q and k tiles: "loads" (pointer loads:
+# dO's before the state tiles' wait, G, q, k's after the products) or "tma" (TMA_TILES: all by TMA
+# at the item's start, into slots the kernel only uses later, so nothing is read from global memory
+# after the products but G's two rows). "tma" takes bf16 q and k and fp32 G on 16-byte aligned
+# storage; "loads" otherwise. Read at each call (kda_ab "dqkwg-tiles"). "loads" until the H200 has
+# timed the other (kda.md row 46).
+DQKWG_TILES = "loads"
 
 if _GLUON_ERROR is None:
 
     @gluon.jit
     def _dqkwg_epilogue_tiles(q_ptr, k_ptr, G_ptr, bos, eos, hh, kb, H, K: gl.constexpr, BKS: gl.constexpr,
-                              BT: gl.constexpr, D_L: gl.constexpr):
+                              BT: gl.constexpr, D_L: gl.constexpr, g_s=None, q_s=None, k_s=None, tbar=None,
+                              TMA_TILES: gl.constexpr = False):
         """Stage 9's epilogue's reads for key block kb of the chunk from token bos: G, q and k
         [BT, BKS] in the accumulator layout D_L (fp32, masked past the sequence), and G's last valid
         row (G_L) and middle row (`_chunk_gate_offsets`' m; eos is the sequence's end). Issued
         right after the state products, before the dW store, so that they are in flight while the
-        accumulators are read."""
+        accumulators are read. TMA_TILES: G, q and k from the shared slots their TMA loads (on
+        tbar, issued at the item's start) filled, rows past the sequence set to 0 as the masked
+        loads give them; then a CTA barrier, as the slots are the pair operands' next."""
         ro = gl.arange(0, BT, layout=gl.SliceLayout(1, D_L))
         kcol = kb * BKS + gl.arange(0, BKS, layout=gl.SliceLayout(0, D_L))
         base = (bos.to(gl.int64) * H + hh) * K
@@ -1708,12 +1718,19 @@ if _GLUON_ERROR is None:
         mid = bos + (gl.minimum(eos - bos, BT) - 1) // 2
         GL = gl.load(G_ptr + (last.to(gl.int64) * H + hh) * K + kcol)
         Gm = gl.load(G_ptr + (mid.to(gl.int64) * H + hh) * K + kcol)
-        # lint: allow TP001 -- G, q and k meet the accumulators in their layout, masked past the sequence (TMA would give the next sequence's rows unmasked and cost another 48 KB of shared memory)
-        G = gl.load(G_ptr + base + offs, mask=mk, other=0.0)
-        # lint: allow TP001 -- as G
-        q = gl.load(q_ptr + base + offs, mask=mk, other=0.0).to(gl.float32)
-        # lint: allow TP001 -- as G
-        k = gl.load(k_ptr + base + offs, mask=mk, other=0.0).to(gl.float32)
+        if TMA_TILES:
+            mbarrier.wait(tbar, 0)
+            G = gl.where(mk, g_s.load(D_L), 0.0)
+            q = gl.where(mk, q_s.load(D_L).to(gl.float32), 0.0)
+            k = gl.where(mk, k_s.load(D_L).to(gl.float32), 0.0)
+            gl.thread_barrier()  # every warp has read the slots before the pair operands overwrite them
+        else:
+            # lint: allow TP001 -- G, q and k meet the accumulators in their layout, masked past the sequence (the TMA_TILES form takes them by TMA)
+            G = gl.load(G_ptr + base + offs, mask=mk, other=0.0)
+            # lint: allow TP001 -- as G
+            q = gl.load(q_ptr + base + offs, mask=mk, other=0.0).to(gl.float32)
+            # lint: allow TP001 -- as G
+            k = gl.load(k_ptr + base + offs, mask=mk, other=0.0).to(gl.float32)
         return G, q, k, GL, Gm
 
     @gluon.jit
@@ -1786,17 +1803,19 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_s, dvn_s, h_s, dh_s, bar, bos, hh, srow,
-                           V: gl.constexpr):
+                           V: gl.constexpr, do_desc=None, do16_s=None, DO_TMA: gl.constexpr = False):
         """`_kda_dqkwg_wgmma_kernel`'s TMA loads of one work item (chunk from token bos, head hh,
-        key block from row srow of h and dh in [NC H K, V]): Vn, dVn [64, V], h_b, dh_b [64, V],
-        armed on bar together."""
+        key block from row srow of h and dh in [NC H K, V]): Vn, dVn [64, V], h_b, dh_b [64, V] and,
+        with DO_TMA, dO [64, V] in 16 bits into do16_s, armed on bar together."""
         NBYTES: gl.constexpr = (vn_desc.block_type.nbytes + dvn_desc.block_type.nbytes + h_desc.block_type.nbytes
-                                + dh_desc.block_type.nbytes)
+                                + dh_desc.block_type.nbytes + (do_desc.block_type.nbytes if DO_TMA else 0))
         mbarrier.expect(bar, NBYTES)
         tma.async_copy_global_to_shared(vn_desc, [bos, hh * V], bar, vn_s)
         tma.async_copy_global_to_shared(dvn_desc, [bos, hh * V], bar, dvn_s)
         tma.async_copy_global_to_shared(h_desc, [srow, 0], bar, h_s)
         tma.async_copy_global_to_shared(dh_desc, [srow, 0], bar, dh_s)
+        if DO_TMA:
+            tma.async_copy_global_to_shared(do_desc, [bos, hh * V], bar, do16_s)
 
     @gluon.jit
     def _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale, D_L: gl.constexpr,
@@ -1831,7 +1850,8 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _kda_dqkwg_wgmma_kernel(h_desc, dh_desc, vn_desc, dvn_desc, q_ptr, k_ptr, G_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr,
-                                dG_ptr, chunks_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr):
+                                dG_ptr, chunks_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr,
+                                do_desc=None, g_desc=None, q_desc=None, k_desc=None, TMA_TILES: gl.constexpr = False):
         """Stage 9 with 9b's pair terms for one chunk and head whose flag (stage 3's, int8 [NC, H])
         is clear, for one block of BKS = 64 key channels: what Triton's `_kda_dqkwg_kernel` with
         PAIRS computes for such a chunk (fp32 dQ', dK', dW, dG' [Ntok, H, K]; its dP slices are
@@ -1863,6 +1883,14 @@ if _GLUON_ERROR is None:
         Rows past the sequence (a varlen tail: the next sequence's TMA rows, finite; zeros past
         the tensor) meet masks: dO's are loaded as 0, M's rows and columns and q, k, G are masked,
         x by select, and the stores by row.
+        TMA_TILES (DQKWG_TILES "tma"; bf16 q and k, fp32 G): dO comes by TMA too, in 16 bits into
+        M's slot (free until M is formed), widened into its fp32 tile after the wait; the
+        epilogue's G, q and k tiles come by TMA on a second mbarrier, issued with the others at
+        the item's start, into the pair operands' slots (free until the epilogue writes them):
+        G into (K_b e^-d)^T's, q and k into (Q_b e^d)^T's two halves. So every tile's load is in
+        flight during the wait for the state tiles, none after the products (ncu at e48d059: the
+        pointer loads' long_scoreboard, 2.43 cycles per issued instruction, led the stalls), with
+        no more shared memory.
         Persistent, one program an SM looping over the work items with the next item's TMA loads
         under this item's epilogue, it was slower on the H200 (1.39 -> 1.80 ms at b87a5da; 1.41 ->
         ~1.66 with the epilogue's loads issued first, at 35f9352: kda.md row 41) and was removed."""
@@ -1886,30 +1914,66 @@ if _GLUON_ERROR is None:
         yT_s = gl.allocate_shared_memory(gl.float32, [BKS, BT], XT_SL)  # (Q_b e^d)^T
         m_s = gl.allocate_shared_memory(gl.float32, [BT, BT], XT_SL)  # M, read by generic loads only
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if TMA_TILES:
+            tbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            # views of slots used only later: dO's 16 bits in M's, G in (K_b e^-d)^T's, q and k in
+            # (Q_b e^d)^T's halves (bf16 [64, 64] each)
+            do16_s = m_s._reinterpret(do_desc.dtype, [BT, V], do_desc.layout)
+            g_s = xT_s._reinterpret(g_desc.dtype, [BT, BKS], g_desc.layout)
+            qk_s = yT_s._reinterpret(q_desc.dtype, [2, BT, BKS], q_desc.layout)
+            q_s, k_s = qk_s.index(0), qk_s.index(1)
         c = gl.program_id(0) // NK
         kb = gl.program_id(0) % NK  # a chunk's key blocks in adjacent programs: its rows' second read from L2
         hh = gl.program_id(1)
         if gl.load(flags_ptr + c * H + hh) == 0:
             bos, eos = _chunk_bounds(chunks_ptr, c)
             mbarrier.init(bar, count=1)
+            if TMA_TILES:
+                mbarrier.init(tbar, count=1)
             fence_async_shared()
-            _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_s, dvn_s, h_s, dh_s, bar, bos, hh,
-                               (c * H + hh) * K + kb * BKS, V)
             rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
-            vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
-            # lint: allow TP001 -- dO (16-bit) is widened to fp32 on its way to shared memory (tf32 WGMMA takes fp32 operands), which TMA cannot do; rows past the sequence loaded as 0
-            do = gl.load(do_ptr + ((bos + rr).to(gl.int64) * H + hh)[:, None] * V + vc[None, :],
-                         mask=(bos + rr < eos)[:, None], other=0.0).to(gl.float32)
-            do_s.store(do)
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
-            mbarrier.wait(bar, 0)
+            if TMA_TILES:
+                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_s, dvn_s, h_s, dh_s, bar, bos, hh,
+                                   (c * H + hh) * K + kb * BKS, V, do_desc, do16_s, True)
+                col = hh * K + kb * BKS
+                mbarrier.expect(tbar, g_desc.block_type.nbytes + 2 * q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(g_desc, [bos, col], tbar, g_s)
+                tma.async_copy_global_to_shared(q_desc, [bos, col], tbar, q_s)
+                tma.async_copy_global_to_shared(k_desc, [bos, col], tbar, k_s)
+                mbarrier.wait(bar, 0)
+                do = gl.where((bos + rr < eos)[:, None], do16_s.load(ROWS_L).to(gl.float32), 0.0)
+                do_s.store(do)
+                fence_async_shared()
+                gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
+            else:
+                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_s, dvn_s, h_s, dh_s, bar, bos, hh,
+                                   (c * H + hh) * K + kb * BKS, V)
+                vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
+                # lint: allow TP001 -- dO (16-bit) is widened to fp32 on its way to shared memory (tf32 WGMMA takes fp32 operands); rows past the sequence loaded as 0 (the TMA_TILES form takes it by TMA into a 16-bit slot)
+                do = gl.load(do_ptr + ((bos + rr).to(gl.int64) * H + hh)[:, None] * V + vc[None, :],
+                             mask=(bos + rr < eos)[:, None], other=0.0).to(gl.float32)
+                do_s.store(do)
+                fence_async_shared()
+                gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
+                mbarrier.wait(bar, 0)
             dqh, dkd, dwa, hdh, dd = _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale, D_L,
                                                            ROWS_L)
-            G, q, k, GL, Gm = _dqkwg_epilogue_tiles(q_ptr, k_ptr, G_ptr, bos, eos, hh, kb, H, K, BKS, BT, D_L)
+            if TMA_TILES:
+                G, q, k, GL, Gm = _dqkwg_epilogue_tiles(q_ptr, k_ptr, G_ptr, bos, eos, hh, kb, H, K, BKS, BT, D_L,
+                                                        g_s, q_s, k_s, tbar, True)
+                mbarrier.invalidate(tbar)
+            else:
+                G, q, k, GL, Gm = _dqkwg_epilogue_tiles(q_ptr, k_ptr, G_ptr, bos, eos, hh, kb, H, K, BKS, BT, D_L)
             _kda_dqkwg_block(dqh, dkd, dwa, hdh, dd, G, q, k, GL, Gm, m_s, xT_s, yT_s, dq_ptr, dk_ptr, dw_ptr,
                              dG_ptr, bos, eos, hh, kb, H, scale, K, BKS)
             mbarrier.invalidate(bar)
+
+
+def _dqkwg_tma_fits(q, k, G, do) -> bool:
+    """Whether stage 9's kernel can take dO and its epilogue's tiles by TMA (TMA_TILES): bf16 q, k
+    and dO, fp32 G (the slots they borrow are sized for those), on 16-byte aligned storage."""
+    return (q.dtype == k.dtype == do.dtype == torch.bfloat16 and G.dtype == torch.float32
+            and all(x.data_ptr() % 16 == 0 for x in (q, k, G, do)))
 
 
 def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span_flags, fuse_9b: bool) -> str:
@@ -1920,6 +1984,7 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
     fp32 (GATE_SUMS_16BIT's default; fp64 G compiles, a case of its own, but no GPU test has run it:
     Triton's kernel takes it), q and k both fp32 (l2-normalised) or both bf16 (raw), dO bf16, K == V
     of 64 or 128, every tensor contiguous on the GPU."""
+    kk._checked("DQKWG_TILES", DQKWG_TILES, ("tma", "loads"))  # validated with the switch, before any fallback
     if kk._checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton" or span_flags is None or not fuse_9b:
         return "triton"
     K, V = q.shape[-1], do.shape[-1]
@@ -1952,7 +2017,13 @@ def chunk_dqkwg_kda_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input
                  _descriptor(dh.view(plan.NC * H * K, V), [DQKWG_BKS, V]),
                  _descriptor(vn.view(Ntok, H * V), [BT, V]), _descriptor(dvn.view(Ntok, H * V), [BT, V]))
         args = (q, k, G, do, dq, dk, dw, dG, plan.chunks, span_flags, H, float(scale), K, V)
-        _kda_dqkwg_wgmma_kernel[(plan.NC * (K // DQKWG_BKS), H)](*descs, *args, num_warps=8)
+        tiles = {}
+        if kk._checked("DQKWG_TILES", DQKWG_TILES, ("tma", "loads")) == "tma" and _dqkwg_tma_fits(q, k, G, do):
+            tiles = dict(do_desc=_descriptor(do.view(Ntok, H * V), [BT, V]),
+                         g_desc=_descriptor(G.view(Ntok, H * K), [BT, DQKWG_BKS]),
+                         q_desc=_descriptor(q.view(Ntok, H * K), [BT, DQKWG_BKS]),
+                         k_desc=_descriptor(k.view(Ntok, H * K), [BT, DQKWG_BKS]), TMA_TILES=True)
+        _kda_dqkwg_wgmma_kernel[(plan.NC * (K // DQKWG_BKS), H)](*descs, *args, **tiles, num_warps=8)
     return kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale, plan, input_dtype, span_flags=span_flags,
                               fuse_9b=True, outputs=(dq, dk, dw, dG, dp), worklist=worklist)
 
@@ -1984,6 +2055,19 @@ def _dqkwg_compile_cases():
                                  expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32", "cp.async.bulk.tensor",
                                              "mbarrier.try_wait"],
                                  expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+        if keys == bf and g_dtype == f32:
+            # the TMA_TILES form (DQKWG_TILES "tma"): dO, G, q and k by TMA into borrowed slots
+            def tile_desc(dtype, cols, block_cols):
+                return descriptor_stand_in([Ntok, H * cols], dtype, [BT, block_cols],
+                                           _smem_layout((BT, block_cols), dtype))
+
+            targs = dict(args, do_desc=tile_desc(bf, V, V), g_desc=tile_desc(f32, K, DQKWG_BKS),
+                         q_desc=tile_desc(bf, K, DQKWG_BKS), k_desc=tile_desc(bf, K, DQKWG_BKS), TMA_TILES=True)
+            cases.append(CompileCase(name=f"kda_dqkwg_tma_tiles_{tag}_w8", kernel=_kda_dqkwg_wgmma_kernel, args=targs,
+                                     num_warps=8,
+                                     expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                                                 "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                     expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     return cases
 
 
