@@ -39,7 +39,9 @@ def test_stage9_matches_triton_route_by_route(layout, K, keys, tiles, device, se
     apart, so that an error in either route cannot hide in the other's mass. Outputs are NaN-poisoned:
     a chunk no route writes fails. Under each of the keys stage 9 may read (kda_stage_cases.KEYS: raw
     bf16, l2-normalised in fp32 or in bf16), with dO and the epilogue's G, q, k by pointer loads or by
-    TMA (DQKWG_TILES; the TMA form takes bf16 keys only: with fp32 ones the launch is the loads form's).
+    TMA (DQKWG_TILES; the TMA form takes bf16 keys only: with fp32 ones the launch is the loads form's);
+    the TMA form's outputs are bitwise the loads form's on the unflagged rows (the same values read,
+    the same arithmetic).
     Bound: 1e-5 normwise per output and route, the repo's bound for "the same products, summed in
     another order" (tests/test_kda_chunk_flags.py `_same`). Why it holds: both kernels multiply the
     same fp32 operands by tf32 WGMMA, truncating them alike (Triton's sm_90a PTX for this kernel has
@@ -82,6 +84,13 @@ def test_stage9_matches_triton_route_by_route(layout, K, keys, tiles, device, se
             assert err < 1e-5, f"{name} on {route} chunks {where}: normwise difference {err:.2e} from Triton's"
     err = normwise(got[4][flagged], want[4][flagged])
     assert err < 1e-5, f"dP slice 0 on flagged chunks {where}: normwise difference {err:.2e} from Triton's"
+    if tma_tiles:
+        # the TMA form reads the same values and computes as the loads form does: bitwise theirs
+        monkeypatch.setattr(gk, "DQKWG_TILES", "loads")
+        loads = gk.chunk_dqkwg_kda_gluon(*args, **kwargs)
+        assert gluon_stage9.kwargs[-1].get("TMA_TILES", False) is False
+        for name, a, b in zip(("dq", "dk", "dw", "dG"), got[:4], loads[:4]):
+            assert torch.equal(a[unflagged], b[unflagged]), f"{name} on unflagged chunks {where}: TMA form != loads form"
 
 
 @pytest.mark.parametrize("case_id", ACCEPTED)

@@ -1915,6 +1915,13 @@ if _GLUON_ERROR is None:
         m_s = gl.allocate_shared_memory(gl.float32, [BT, BT], XT_SL)  # M, read by generic loads only
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         if TMA_TILES:
+            # the borrowed slots hold what the host rule (`_dqkwg_tma_fits`) lets through, no more
+            # (a larger view would reach into the next buffer without complaint)
+            gl.static_assert(do_desc.block_type.nbytes <= BT * BT * 4, "dO's tile fits M's slot")
+            gl.static_assert(g_desc.block_type.nbytes == BKS * BT * 4, "G's tile fills (K_b e^-d)^T's slot")
+            gl.static_assert(q_desc.dtype == k_desc.dtype, "q and k share one view of (Q_b e^d)^T's slot")
+            gl.static_assert(q_desc.block_type.nbytes + k_desc.block_type.nbytes == BKS * BT * 4,
+                             "q's and k's tiles fill (Q_b e^d)^T's slot")
             tbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             # views of slots used only later: dO's 16 bits in M's, G in (K_b e^-d)^T's, q and k in
             # (Q_b e^d)^T's halves (bf16 [64, 64] each)
@@ -1936,7 +1943,7 @@ if _GLUON_ERROR is None:
                 _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_s, dvn_s, h_s, dh_s, bar, bos, hh,
                                    (c * H + hh) * K + kb * BKS, V, do_desc, do16_s, True)
                 col = hh * K + kb * BKS
-                mbarrier.expect(tbar, g_desc.block_type.nbytes + 2 * q_desc.block_type.nbytes)
+                mbarrier.expect(tbar, g_desc.block_type.nbytes + q_desc.block_type.nbytes + k_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(g_desc, [bos, col], tbar, g_s)
                 tma.async_copy_global_to_shared(q_desc, [bos, col], tbar, q_s)
                 tma.async_copy_global_to_shared(k_desc, [bos, col], tbar, k_s)
