@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import torch
 
-from tileport.devices import sm_count
 from tileport.memory import new_empty
 from tileport.ops.gdn.gluon_kernels import (SMEM_PER_SM, _GLUON_ERROR, _descriptor, _smem_layout,
                                             chunk_dstates_gluon, chunk_states_recompute_gluon,
