@@ -80,8 +80,10 @@ def test_other_dqkwg_key_block(case_id, device, seed, monkeypatch):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dv_local_whole_chunks_from_raw_keys(layout, device, seed, monkeypatch):
-    """DV_LOCAL_RAW_QK: stage 7's whole-chunk launch reads the raw bf16 q and k and normalises each
-    row itself in fp32 (the default); against the same launch on `l2norm_fwd`'s fp32 copies, dVl of
+    """DV_LOCAL_RAW_QK: with the backward's normalised q and k in fp32 (BACKWARD_NORMALISED_QK "fp32";
+    with bf16 ones stage 7 reads those, and the switch has nothing to do), stage 7's whole-chunk
+    launch reads the raw bf16 q and k and normalises each row itself in fp32 (the switch's default);
+    against the same launch on `l2norm_fwd`'s fp32 copies, dVl of
     the unflagged chunks within 1e-4 normwise, the flagged chunks' rows (normalised copies either
     way) bitwise equal. The same formula, but the row sums may run in another order on the GPU, and
     a last-bit difference in a normalised value can flip the bf16 rounding of a product operand
@@ -97,6 +99,7 @@ def test_dv_local_whole_chunks_from_raw_keys(layout, device, seed, monkeypatch):
     real = kk.chunk_dv_local_kda
     monkeypatch.setattr(kk, "chunk_dv_local_kda", lambda *a, **kw: captured.append((a, kw)) or real(*a, **kw))
     monkeypatch.setattr(kk, "DV_LOCAL_RAW_QK", True)
+    monkeypatch.setattr(kk, "BACKWARD_NORMALISED_QK", "fp32")
     kk.kda_backward_triton(torch.randn_like(v), None, q, k, v, g, beta, K ** -0.5, h0, True, cu_t)
     (args, kwargs), = captured
     assert kwargs["raw_qk"] is not None, "the switch hands stage 7 the raw q and k"
