@@ -79,6 +79,35 @@ def test_eager_backward_takes_the_forward_tiles(l2, device, seed, monkeypatch):
         assert rel <= (1e-4 if not l2 else 5e-3), (name, rel)
 
 
+@pytest.mark.parametrize("backend", ["triton", "gluon"])
+@pytest.mark.parametrize("normalised_qk", ["input", "fp32"])
+def test_backward_takes_the_forward_normalised_keys(normalised_qk, backend, device, seed, monkeypatch):
+    """With l2norm the forward keeps the normalised keys it used (KeptTiles.kn, in the inputs' dtype:
+    `l2norm_fwd`'s, or on the gluon backend stage 3's); a backward whose own normalised keys would
+    be in that dtype (BACKWARD_NORMALISED_QK "input") takes them and normalises q alone, with
+    gradients bitwise those of normalising k again; with fp32 ones ("fp32") it normalises both."""
+    parity._backend_or_skip(backend, device)
+    from tileport.ops.kda import gluon_kernels as kg
+
+    forward, backward = ((kk.kda_forward_triton, kk.kda_backward_triton) if backend == "triton"
+                         else (kg.kda_forward_gluon, kg.kda_backward_gluon))
+    monkeypatch.setattr(kk, "BACKWARD_NORMALISED_QK", normalised_qk)
+    q, k, v, g, beta = _inputs(device, True)
+    o, ht, kept = forward(q, k, v, g, beta, 64 ** -0.5, None, False, True, None, keep_for_backward=True)
+    assert kept.kn is not None and kept.kn.dtype == k.dtype and kept.kn.shape == (130, 2, 64)
+    norms = []
+    real = kk.l2norm_fwd
+    monkeypatch.setattr(kk, "l2norm_fwd", lambda x, *a: norms.append(x.data_ptr()) or real(x, *a))
+    do = torch.randn_like(o)
+    args = (do, None, q, k, v, g, beta, 64 ** -0.5, None, True, None)
+    got = backward(*args, kept=kept)
+    taken = normalised_qk == "input"
+    assert len(norms) == (1 if taken else 2), norms  # q's alone where the kept keys are taken
+    want = backward(*args, kept=kept._replace(kn=None))
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], got, want):
+        assert torch.equal(a, b), name
+
+
 def test_kept_tiles_are_saved_tensors(device, seed):
     """What the forward kept lives in the autograd graph's saved tensors, not as a ctx attribute:
     freed by the backward (a second backward through the graph is refused, as for any op)."""
@@ -90,8 +119,9 @@ def test_kept_tiles_are_saved_tensors(device, seed):
     while node is not None and "KDA" not in type(node).__name__:
         node = node.next_functions[0][0]
     assert node is not None and node.kept_backend == "triton" and node.kept is None
-    # q, k, v, g, beta, then G, T, the flags, and h and Vn (None: Triton's forward stores no states)
-    assert len(node.saved_tensors) == 5 + 5 and node.saved_tensors[-2:] == (None, None)
+    # q, k, v, g, beta, then G, T, the flags, h and Vn (None: Triton's forward stores no states) and
+    # the normalised keys (None: no l2norm here)
+    assert len(node.saved_tensors) == 5 + 6 and node.saved_tensors[-3:] == (None, None, None)
     o.float().sum().backward()
     with pytest.raises(RuntimeError):
         node.saved_tensors  # noqa: B018 -- freed after the backward
