@@ -39,7 +39,7 @@ on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole gr
 "dqkwg-tiles": stage 9's Gluon kernel taking dO and its epilogue's tiles by pointer loads or by TMA (gluon_kernels.DQKWG_TILES).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,pairs-keys,dv-local-gluon,dqkwg-tiles (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,pairs-keys,dv-local-gluon,dqkwg-tiles,kept-states-16bit (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -529,3 +529,13 @@ if "dqkwg-tiles" in SECTIONS and dev == "cuda":
     from tileport.ops.kda import gluon_kernels as kg_dqt
 
     backward_switch_ab("dqkwg-tiles", kg_dqt, "DQKWG_TILES", ("loads", "tma"))
+
+# "kept-states-16bit": the forward's kept h and Vn in fp32 or in the inputs' bf16
+# (triton_kernels.KEPT_STATES_DTYPE "input": half the bytes written by the fused forward and read by
+# stage 9, which widens them; the gradients' distance from fp32 states beside the time), kda.md row 48
+if "kept-states-16bit" in SECTIONS and dev == "cuda":
+    def states_dtype(value, kept):
+        want = torch.float32 if value == "fp32" else torch.bfloat16
+        assert kept.h.dtype == kept.vn.dtype == want, (value, kept.h.dtype, kept.vn.dtype)
+
+    backward_switch_ab("kept-states-16bit", kk, "KEPT_STATES_DTYPE", ("fp32", "input"), check=states_dtype)

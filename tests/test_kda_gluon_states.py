@@ -229,19 +229,21 @@ def test_forms_leave_the_forward_unchanged(forms, layout, K, device, seed, monke
     assert torch.equal(ht2, ht1), f"final state [{layout} K={K}]: {normwise(ht2, ht1):.2e} between {switch}'s forms"
 
 
-@pytest.mark.parametrize("form", ["fused", "fused-t", "fused-t-u-from-t"])
+@pytest.mark.parametrize("form", ["fused", "fused-t", "fused-t-u-from-t", "fused-t-states16"])
 @pytest.mark.parametrize("case_id", [cid for cid, c in parity.CASES.items()
                                      if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)])
 def test_gate_cases_with_the_fused_kernel(case_id, form, device, seed, fused, monkeypatch):
     """The gate's accepted cases (forward and backward against the float64 reference, the gate's
     bounds) on the gluon backend with the fused forward in each form, which each forward launches
-    once; "fused-t-u-from-t": the backward from the kept states never forms U (BACKWARD_U_FROM_T)."""
+    once; "fused-t-u-from-t": the backward from the kept states never forms U (BACKWARD_U_FROM_T);
+    "fused-t-states16": the kept h and Vn in bf16 (KEPT_STATES_DTYPE "input")."""
     parity._backend_or_skip("gluon", device)
     from tileport.ops.kda import gluon_kernels as gk
     from tileport.ops.kda import triton_kernels as kk
 
-    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", form.removesuffix("-u-from-t"))
+    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", form.removesuffix("-u-from-t").removesuffix("-states16"))
     monkeypatch.setattr(kk, "BACKWARD_U_FROM_T", form.endswith("-u-from-t"))
+    monkeypatch.setattr(kk, "KEPT_STATES_DTYPE", "input" if form.endswith("-states16") else "fp32")
     parity._run_and_check("gluon", case_id, device, seed)
     assert len(fused.grids) == 1, fused.grids
 
@@ -347,8 +349,9 @@ def test_fused_stage_takes_one_set_of_vn_operands():
     from tileport.ops.kda import triton_kernels as kk
 
     plan = kk.make_plan(1, 64, None, t.device)
-    for bad in ((h.double(), vn), (h, vn[:32]), (h.transpose(2, 3), vn), (h, vn.bfloat16())):
-        with pytest.raises(ValueError, match="states_out must be contiguous fp32"):
+    for bad in ((h.double(), vn), (h, vn[:32]), (h.transpose(2, 3), vn), (h, vn.bfloat16()), (h.bfloat16(), vn),
+                (h.half(), vn.half())):
+        with pytest.raises(ValueError, match="states_out must be contiguous h .* both fp32 or both bf16"):
             gk.chunk_states_output_kda_gluon(t, t, t.float(), None, plan, False, 1.0, flags, T=T, v=t, beta=beta,
                                              states_out=bad)
 
@@ -548,16 +551,17 @@ def test_stage_3_without_w_and_u_needs_the_kept_t_form():
 # --------------------------------------------------------------------------------------------
 # The states a training forward keeps for its backward (triton_kernels.KEEP_FORWARD_STATES)
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("keep_states", [True, False])
-def test_keeping_forward_hands_the_fused_stage_its_state_buffers(keep_states, device, seed, monkeypatch):
-    """A keeping fused-t forward hands the fused stage fp32 h [NC, H, K, V] and Vn [Ntok, H, V]
-    buffers to store every chunk's into (KEEP_FORWARD_STATES) and keeps those very buffers; with the
-    switch off it hands none and keeps none. The fused stage is a stand-in (the Triton stages run
-    where the backend does)."""
+@pytest.mark.parametrize("keep_states,kept_dtype", [(True, "fp32"), (True, "input"), (False, "fp32")])
+def test_keeping_forward_hands_the_fused_stage_its_state_buffers(keep_states, kept_dtype, device, seed, monkeypatch):
+    """A keeping fused-t forward hands the fused stage h [NC, H, K, V] and Vn [Ntok, H, V] buffers,
+    fp32 or in the inputs' dtype (KEPT_STATES_DTYPE), to store every chunk's into
+    (KEEP_FORWARD_STATES) and keeps those very buffers; with the switch off it hands none and keeps
+    none. The fused stage is a stand-in (the Triton stages run where the backend does)."""
     parity._backend_or_skip("triton", device)
     from tileport.ops.kda import triton_kernels as kk
 
     monkeypatch.setattr(kk, "KEEP_FORWARD_STATES", keep_states)
+    monkeypatch.setattr(kk, "KEPT_STATES_DTYPE", kept_dtype)
     inputs = _inputs("varlen-empty-len1", 64, False, device)
     handed = []
 
@@ -575,7 +579,8 @@ def test_keeping_forward_hands_the_fused_stage_its_state_buffers(keep_states, de
     h, vn = states_out
     Ntok, H, K = kk._flatten(inputs[0]).shape
     assert h.shape == (plan.NC, H, K, K) and vn.shape == (Ntok, H, K)
-    assert h.dtype == vn.dtype == torch.float32 and h.is_contiguous() and vn.is_contiguous()
+    want = torch.float32 if kept_dtype == "fp32" else inputs[0].dtype
+    assert h.dtype == vn.dtype == want and h.is_contiguous() and vn.is_contiguous()
     assert kept.h is h and kept.vn is vn, "the backward gets the buffers the fused stage wrote"
     assert kept.T.dtype == torch.float32, "a keeping forward keeps fp32 T"
 
@@ -706,3 +711,32 @@ def test_kept_states_leave_the_forward_and_are_the_recomputes(layout, K, h0, dev
             continue
         assert torch.isfinite(a).all(), name
         assert normwise(a, b) <= 5e-3, f"{name} [{layout} K={K}]: {normwise(a, b):.2e} from the recompute's backward"
+
+
+@pytest.mark.parametrize("layout,K", [(lay, K) for lay in LAYOUTS for K in (64, 128)])
+def test_kept_states_in_16_bits_are_the_fp32_ones_rounded(layout, K, device, seed, monkeypatch):
+    """KEPT_STATES_DTYPE "input": the fused kernel stores every chunk's h and Vn in bf16, bitwise the
+    fp32 ones it stores otherwise rounded to nearest even, and o and the final state unchanged; the
+    backward takes them (stage 9's Gluon kernel widening them, STATES_16BIT). Its gradients' distance
+    from the float64 reference is the gate's business (test_gate_cases_with_the_fused_kernel's
+    "fused-t-states16")."""
+    parity._backend_or_skip("gluon", device)
+    from tileport.ops.kda import gluon_kernels as gk
+    from tileport.ops.kda import triton_kernels as kk
+
+    q, k, v, g, beta, h0_t, cu = _inputs(layout, K, True, device)
+    fargs = (q, k, v, g, beta, K ** -0.5, h0_t, True, True, cu)
+    outs = []
+    for kept_dtype in ("fp32", "input"):
+        monkeypatch.setattr(kk, "KEPT_STATES_DTYPE", kept_dtype)
+        with poisoned():
+            outs.append(gk.kda_forward_gluon(*fargs, keep_for_backward=True))
+    (o32, ht32, kept32), (o16, ht16, kept16) = outs
+    assert kept16.h.dtype == kept16.vn.dtype == torch.bfloat16
+    assert torch.equal(o16, o32) and torch.equal(ht16, ht32), f"o or the final state moved [{layout} K={K}]"
+    assert torch.equal(kept16.h, kept32.h.to(torch.bfloat16)), f"h [{layout} K={K}]"
+    assert torch.equal(kept16.vn, kept32.vn.to(torch.bfloat16)), f"Vn [{layout} K={K}]"
+    do = torch.randn_like(o32)
+    bargs = (do, None, q, k, v, g, beta, K ** -0.5, h0_t, True, cu)
+    got = gk.kda_backward_gluon(*bargs, kept=kept16)
+    assert all(torch.isfinite(x).all() for x in got if x is not None)

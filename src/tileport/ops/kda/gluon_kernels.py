@@ -404,7 +404,7 @@ if _GLUON_ERROR is None:
             wh = warpgroup_mma(w_s.index(buf % W_SLOTS), h_s, gl.zeros([BT, BV], gl.float32, V_L), is_async=True)
             if STORE_STATES:
                 # lint: allow TP001 -- the backward's h, from the accumulator registers it is in (under W h)
-                gl.store(h_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + in_state, h)
+                gl.store(h_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + in_state, h.to(h_ptr.dtype.element_ty))
             if not VN_FROM_T:
                 kf = k_s.index(buf).load(ROWS_L).to(gl.float32)
                 # the scaled keys K exp(G_L - G) (rows past the sequence: 0), under W h
@@ -431,7 +431,7 @@ if _GLUON_ERROR is None:
             if STORE_STATES:
                 offs = ((t0 + ro).to(gl.int64) * H + hh)[:, None] * V + (jv * BV + vcol)[None, :]
                 # lint: allow TP001 -- the backward's Vn in fp32; a tail chunk's rows past the sequence are the next one's
-                gl.store(vn_ptr + offs, vn, mask=ro_ok[:, None])
+                gl.store(vn_ptr + offs, vn.to(vn_ptr.dtype.element_ty), mask=ro_ok[:, None])
             if unflagged:
                 # the output's operands, `_kda_chunk_output`'s exactly
                 if VN_FROM_T:  # k read again (its tile is intact): not held in registers across the chain
@@ -539,9 +539,9 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
     compact form: "fused") or T [Ntok, H, 64] (fp32, or bf16 as the kernel rounds it), v and beta
     ("fused-t": Vn formed from T in the kernel; l2norm_q only there). worklist: the flags'
     `flagged_worklist`, where the forward formed it with stage 3 (else formed here for the flagged
-    chunks' output). states_out: (h [NC, H, K, V], Vn [Ntok, H, V]) fp32 buffers that every
-    chunk's h entering it and Vn are written into ("fused-t" only; STORE_STATES), for a backward
-    that takes them instead of recomputing stage 5."""
+    chunks' output). states_out: (h [NC, H, K, V], Vn [Ntok, H, V]) buffers, fp32 or bf16
+    (triton_kernels.KEPT_STATES_DTYPE), that every chunk's h entering it and Vn are written into
+    ("fused-t" only; STORE_STATES), for a backward that takes them instead of recomputing stage 5."""
     from_t = T is not None
     given = [x is not None for x in (w, u, T, v, beta)]
     if given not in ([True, True, False, False, False], [False, False, True, True, True]):
@@ -562,10 +562,10 @@ def chunk_states_output_kda_gluon(q, k, G, h0, plan, output_final_state: bool, s
     ht = new_empty((plan.N, H, K, V), torch.float32, q.device) if output_final_state else None
     if states_out is not None:
         h, vn = states_out
-        if (h.shape, vn.shape) != ((plan.NC, H, K, V), (Ntok, H, V)) or h.dtype != torch.float32 \
-                or vn.dtype != torch.float32 or not (h.is_contiguous() and vn.is_contiguous()):
-            raise ValueError(f"states_out must be contiguous fp32 h [{plan.NC}, {H}, {K}, {V}] and Vn [{Ntok}, {H}, {V}], "
-                             f"got {h.dtype} {tuple(h.shape)} and {vn.dtype} {tuple(vn.shape)}")
+        if (h.shape, vn.shape) != ((plan.NC, H, K, V), (Ntok, H, V)) or h.dtype not in (torch.float32, torch.bfloat16) \
+                or vn.dtype != h.dtype or not (h.is_contiguous() and vn.is_contiguous()):
+            raise ValueError(f"states_out must be contiguous h [{plan.NC}, {H}, {K}, {V}] and Vn [{Ntok}, {H}, {V}], both "
+                             f"fp32 or both bf16, got {h.dtype} {tuple(h.shape)} and {vn.dtype} {tuple(vn.shape)}")
     else:  # written for the flagged chunks only (Triton's block kernel reads no other)
         h = new_empty((plan.NC, H, K, V), torch.bfloat16, q.device)
         vn = new_empty((Ntok, H, V), torch.bfloat16, q.device)
@@ -1817,6 +1817,18 @@ if _GLUON_ERROR is None:
             tma.async_copy_global_to_shared(do_desc, [bos, hh * V], bar, do16_s)
 
     @gluon.jit
+    def _widen_states(h16_s, vn16_s, h_s, vn_s, L: gl.constexpr):
+        """STATES_16BIT: h_b's and Vn's 16-bit tiles (TMA'd into the first half of their fp32 slots)
+        widened to fp32 in those slots: every warp reads its part of both, a CTA barrier (the fp32
+        tiles overwrite the 16-bit ones), then writes it back in fp32. The caller fences and barriers
+        before the WGMMAs read them."""
+        h = h16_s.load(L).to(gl.float32)
+        vn = vn16_s.load(L).to(gl.float32)
+        gl.thread_barrier()
+        h_s.store(h)
+        vn_s.store(vn)
+
+    @gluon.jit
     def _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale, D_L: gl.constexpr,
                               ROWS_L: gl.constexpr):
         """The item's four state products (tf32 WGMMAs over V, issued together) and, under them,
@@ -1850,7 +1862,8 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _kda_dqkwg_wgmma_kernel(h_desc, dh_desc, vn_desc, dvn_desc, q_ptr, k_ptr, G_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr,
                                 dG_ptr, chunks_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr,
-                                do_desc=None, g_desc=None, q_desc=None, k_desc=None, TMA_TILES: gl.constexpr = False):
+                                do_desc=None, g_desc=None, q_desc=None, k_desc=None, TMA_TILES: gl.constexpr = False,
+                                STATES_16BIT: gl.constexpr = False):
         """Stage 9 with 9b's pair terms for one chunk and head whose flag (stage 3's, int8 [NC, H])
         is clear, for one block of BKS = 64 key channels: what Triton's `_kda_dqkwg_kernel` with
         PAIRS computes for such a chunk (fp32 dQ', dK', dW, dG' [Ntok, H, K]; its dP slices are
@@ -1890,6 +1903,10 @@ if _GLUON_ERROR is None:
         flight during the wait for the state tiles, none after the products (ncu at e48d059: the
         pointer loads' long_scoreboard, 2.43 cycles per issued instruction, led the stalls), with
         no more shared memory.
+        STATES_16BIT (the forward's kept h and Vn in bf16, triton_kernels.KEPT_STATES_DTYPE "input"):
+        h_b and Vn come by TMA in 16 bits into the first half of their fp32 slots and are widened
+        there after the wait (every warp reads its part, a CTA barrier, then the fp32 stores): the
+        same fp32 operands as an fp32 h and Vn holding those bf16 values, for half their bytes.
         Persistent, one program an SM looping over the work items with the next item's TMA loads
         under this item's epilogue, it was slower on the H200 (1.39 -> 1.80 ms at b87a5da; 1.41 ->
         ~1.66 with the epilogue's loads issued first, at 35f9352: kda.md row 41) and was removed."""
@@ -1904,11 +1921,21 @@ if _GLUON_ERROR is None:
                                                       instr_shape=[16, BKS // WG, 8])
         ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
         XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BKS, BT], gl.float32)
-        h_s = gl.allocate_shared_memory(gl.float32, [BKS, V], h_desc.layout)
+        # h's and Vn's fp32 slots in dh's layout (fp32 [64, V] all four; h_desc's and vn_desc's are
+        # 16-bit ones with STATES_16BIT)
+        h_s = gl.allocate_shared_memory(gl.float32, [BKS, V], dh_desc.layout)
         dh_s = gl.allocate_shared_memory(gl.float32, [BKS, V], dh_desc.layout)
-        vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+        vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
         dvn_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
-        do_s = gl.allocate_shared_memory(gl.float32, [BT, V], vn_desc.layout)
+        if STATES_16BIT:
+            gl.static_assert(h_desc.block_type.nbytes * 2 == BKS * V * 4, "16-bit h_b fills half its fp32 slot")
+            gl.static_assert(vn_desc.block_type.nbytes * 2 == BT * V * 4, "16-bit Vn fills half its fp32 slot")
+            h_dst = h_s._reinterpret(h_desc.dtype, [BKS, V], h_desc.layout)
+            vn_dst = vn_s._reinterpret(vn_desc.dtype, [BT, V], vn_desc.layout)
+        else:
+            h_dst = h_s
+            vn_dst = vn_s
+        do_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
         xT_s = gl.allocate_shared_memory(gl.float32, [BKS, BT], XT_SL)  # (K_b e^-d)^T
         yT_s = gl.allocate_shared_memory(gl.float32, [BKS, BT], XT_SL)  # (Q_b e^d)^T
         m_s = gl.allocate_shared_memory(gl.float32, [BT, BT], XT_SL)  # M, read by generic loads only
@@ -1939,7 +1966,7 @@ if _GLUON_ERROR is None:
             fence_async_shared()
             rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
             if TMA_TILES:
-                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_s, dvn_s, h_s, dh_s, bar, bos, hh,
+                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_dst, dvn_s, h_dst, dh_s, bar, bos, hh,
                                    (c * H + hh) * K + kb * BKS, V, do_desc, do16_s, True)
                 col = hh * K + kb * BKS
                 mbarrier.expect(tbar, g_desc.block_type.nbytes + q_desc.block_type.nbytes + k_desc.block_type.nbytes)
@@ -1949,10 +1976,12 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(bar, 0)
                 do = gl.where((bos + rr < eos)[:, None], do16_s.load(ROWS_L).to(gl.float32), 0.0)
                 do_s.store(do)
+                if STATES_16BIT:
+                    _widen_states(h_dst, vn_dst, h_s, vn_s, ROWS_L)
                 fence_async_shared()
                 gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
             else:
-                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_s, dvn_s, h_s, dh_s, bar, bos, hh,
+                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_dst, dvn_s, h_dst, dh_s, bar, bos, hh,
                                    (c * H + hh) * K + kb * BKS, V)
                 vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
                 # lint: allow TP001 -- dO (16-bit) is widened to fp32 on its way to shared memory (tf32 WGMMA takes fp32 operands); rows past the sequence loaded as 0 (the TMA_TILES form takes it by TMA into a 16-bit slot)
@@ -1962,6 +1991,10 @@ if _GLUON_ERROR is None:
                 fence_async_shared()
                 gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
                 mbarrier.wait(bar, 0)
+                if STATES_16BIT:
+                    _widen_states(h_dst, vn_dst, h_s, vn_s, ROWS_L)
+                    fence_async_shared()
+                    gl.thread_barrier()  # every warp's part of h_b and Vn, before the WGMMAs read them
             dqh, dkd, dwa, hdh, dd = _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale, D_L,
                                                            ROWS_L)
             if TMA_TILES:
@@ -1986,18 +2019,19 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
     """"gluon" or "triton": which kernel takes stage 9's unflagged chunks (BACKWARD_DQKWG, validated
     here). The Gluon kernel takes the whole-chunk route with 9b fused (span_flags and fuse_9b) where
     Triton's stage 9 multiplies in tf32 (`_products` for its input dtype: KDA's stage 9 reads
-    BACKWARD_PRODUCTS, not a per-stage entry) on fp32 h, dh, Vn, dVn, with per-channel gates G in
+    BACKWARD_PRODUCTS, not a per-stage entry) on fp32 dh and dVn and on h and Vn both fp32 or both bf16
+    (the forward's kept states, KEPT_STATES_DTYPE; widened in the kernel), with per-channel gates G in
     fp32 (GATE_SUMS_16BIT's default; fp64 G compiles, a case of its own, but no GPU test has run it:
-    Triton's kernel takes it), q and k both fp32 (l2-normalised) or both bf16 (raw), dO bf16, K == V
-    of 64 or 128, every tensor contiguous on the GPU."""
+    Triton's kernel takes it), q and k both fp32 (l2-normalised) or both bf16 (raw or normalised), dO
+    bf16, K == V of 64 or 128, every tensor contiguous on the GPU."""
     kk._checked("DQKWG_TILES", DQKWG_TILES, ("tma", "loads"))  # validated with the switch, before any fallback
     if kk._checked("BACKWARD_DQKWG", BACKWARD_DQKWG, _KERNEL_CHOICES) == "triton" or span_flags is None or not fuse_9b:
         return "triton"
     K, V = q.shape[-1], do.shape[-1]
     shapes = K == V and K in HEAD_DIMS and K % DQKWG_BKS == 0 and k.shape == q.shape == G.shape
     dtypes = (q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and do.dtype == torch.bfloat16
-              and G.dtype == torch.float32 and span_flags.dtype == torch.int8
-              and all(x.dtype == torch.float32 for x in (h, dh, vn, dvn)))
+              and G.dtype == torch.float32 and span_flags.dtype == torch.int8 and dh.dtype == dvn.dtype == torch.float32
+              and h.dtype == vn.dtype and h.dtype in (torch.float32, torch.bfloat16))
     tensors = (q, k, G, h, dh, vn, dvn, do, span_flags)
     placed = all(x.is_cuda and x.is_contiguous() for x in tensors)
     tf32 = kk._products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
@@ -2029,7 +2063,8 @@ def chunk_dqkwg_kda_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input
                          g_desc=_descriptor(G.view(Ntok, H * K), [BT, DQKWG_BKS]),
                          q_desc=_descriptor(q.view(Ntok, H * K), [BT, DQKWG_BKS]),
                          k_desc=_descriptor(k.view(Ntok, H * K), [BT, DQKWG_BKS]), TMA_TILES=True)
-        _kda_dqkwg_wgmma_kernel[(plan.NC * (K // DQKWG_BKS), H)](*descs, *args, **tiles, num_warps=8)
+        _kda_dqkwg_wgmma_kernel[(plan.NC * (K // DQKWG_BKS), H)](*descs, *args, **tiles,
+                                                                 STATES_16BIT=h.dtype != torch.float32, num_warps=8)
     return kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale, plan, input_dtype, span_flags=span_flags,
                               fuse_9b=True, outputs=(dq, dk, dw, dG, dp), worklist=worklist)
 
@@ -2074,6 +2109,15 @@ def _dqkwg_compile_cases():
                                      expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
                                                  "cp.async.bulk.tensor", "mbarrier.try_wait"],
                                      expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+            # the forward's kept h and Vn in bf16 (STATES_16BIT), with the loads' and the TMA tiles' forms
+            sargs = dict(h_desc=descriptor_stand_in([NC * H * K, V], bf, [DQKWG_BKS, V], _smem_layout((DQKWG_BKS, V), bf)),
+                         vn_desc=tile_desc(bf, V, V), STATES_16BIT=True)
+            for form, form_args in (("loads", args), ("tma_tiles", targs)):
+                cases.append(CompileCase(name=f"kda_dqkwg_{form}_states16_{tag}_w8", kernel=_kda_dqkwg_wgmma_kernel,
+                                         args=dict(form_args, **sargs), num_warps=8,
+                                         expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                                                     "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                         expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     return cases
 
 
@@ -2152,18 +2196,20 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
     cases = []
     # from_t: T's dtype (fp32 where a backward keeps it, bf16 where only this kernel reads it), or None
     # q_regs: Q_NORM "registers" (with q normalised in the kernel: gates "ahead" and from_t)
-    # keep: STORE_STATES (a training forward: fp32 T, h and Vn stored for the backward)
+    # keep: STORE_STATES (a training forward: fp32 T, h and Vn stored for the backward, in "fp32" or
+    # "bf16": triton_kernels.KEPT_STATES_DTYPE), or False
     for K, BV, warps, states, gates, from_t, q_regs, keep in (
             (128, 128, 8, True, "top", None, False, False), (128, 128, 8, False, "top", None, False, False),
             (64, 64, 8, True, "top", None, False, False), (128, 128, 8, True, "ahead", None, False, False),
             (128, 128, 8, True, "ahead", f32, False, False), (128, 128, 8, False, "top", f32, False, False),
             (64, 64, 8, True, "ahead", f32, False, False), (128, 128, 8, False, "ahead", bf, False, False),
             (64, 64, 8, True, "ahead", bf, False, False), (128, 128, 8, False, "ahead", bf, True, False),
-            (128, 128, 8, True, "ahead", bf, True, False), (128, 128, 8, False, "ahead", f32, False, True),
-            (128, 128, 8, True, "ahead", f32, False, True), (64, 64, 8, True, "ahead", f32, False, True),
-            (128, 128, 8, False, "top", f32, False, True)):
+            (128, 128, 8, True, "ahead", bf, True, False), (128, 128, 8, False, "ahead", f32, False, "fp32"),
+            (128, 128, 8, True, "ahead", f32, False, "fp32"), (64, 64, 8, True, "ahead", f32, False, "fp32"),
+            (128, 128, 8, False, "top", f32, False, "fp32"), (128, 128, 8, True, "ahead", f32, False, "bf16"),
+            (64, 64, 8, True, "ahead", f32, False, "bf16")):
         V = K
-        hv = f32 if keep else bf
+        hv = f32 if keep == "fp32" else bf
         args = dict(q_desc=desc(K, [BT, K]), k_desc=desc(K, [BT, K]), w_desc=desc(K, [BT, K]), u_desc=desc(V, [BT, BV]),
                     o_desc=desc(V, [BT, BV]), G_ptr=TensorStandIn([Ntok, H, K], f32),
                     h0_ptr=TensorStandIn([N, H, K, V], f32), ht_ptr=TensorStandIn([N, H, K, V], f32),
@@ -2174,11 +2220,11 @@ def _states_output_compile_cases(Ntok: int, H: int, NC: int) -> list:
         if from_t is not None:
             args.update(t_desc=descriptor_stand_in([Ntok, H * BT], from_t, [BT, BT], _smem_layout((BT, BT), from_t)),
                         beta_ptr=TensorStandIn([Ntok, H], bf), VN_FROM_T=True, qn_ptr=TensorStandIn([Ntok, H, K], bf),
-                        eps=1e-6, L2NORM_Q=gates == "ahead", Q_IN_REGISTERS=q_regs, STORE_STATES=keep)
+                        eps=1e-6, L2NORM_Q=gates == "ahead", Q_IN_REGISTERS=q_regs, STORE_STATES=bool(keep))
         tag = f"K{K}_BV{BV}_w{warps}{'_states' if states else ''}_{gates}"
         tag += "" if from_t is None else "_from_t" if from_t == f32 else "_from_t16"
         tag += ("_l2q_regs" if q_regs else "_l2q") if from_t is not None and gates == "ahead" else ""
-        tag += "_keep" if keep else ""
+        tag += {False: "", "fp32": "_keep", "bf16": "_keep16"}[keep]
         # 4 B of spills at K = 128 with an initial and a final state and q normalised in the kernel
         # (sm_90a; 0 without either, and in every other case): one register, at 255 a thread; 24 B
         # with the states stored too (the training forward's kernel with both states)

@@ -130,6 +130,14 @@ KEEP_FORWARD_TILES = True
 # the forward's own (bf16 operands, as its o was formed), not the recompute's tf32 ones. Read at
 # each call.
 KEEP_FORWARD_STATES = True
+# The dtype of the kept h and Vn for 16-bit inputs: "fp32" or "input" (the inputs' dtype: the
+# values the forward's own WGMMAs took, h and Vn being rounded to bf16 as its operands; half the
+# bytes, 402 MB less written at S1 and read again by stage 9, whose Gluon kernel widens them).
+# The backward's gradients then move: CPU interpreter, the gate's bf16 cases, dg up to 3.0e-3 and
+# dq, dk up to 4.0e-3 normwise from the float64 reference against 1e-3-3.6e-3 with fp32 states
+# (docs/perf/kda.md, thirtieth session), inside the gate's bounds. "fp32" until the H200 has timed
+# it (kda_ab "kept-states-16bit", kda.md row 48).
+KEPT_STATES_DTYPE = "fp32"
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
@@ -449,7 +457,9 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
         solve_kwargs["t_dtype"] = vf.dtype  # T read by the fused kernel alone, which rounds it to v's dtype
     fused = form in ("fused", "fused-t")
     # every chunk's h and Vn, stored by the fused kernel for the backward (KEEP_FORWARD_STATES)
-    states_kept = ((new_empty((plan.NC, H, K, V), _F32, q.device), new_empty((vf.shape[0], H, V), _F32, q.device))
+    kept_dtype = vf.dtype if _checked("KEPT_STATES_DTYPE", KEPT_STATES_DTYPE, ("fp32", "input")) == "input" else _F32
+    states_kept = ((new_empty((plan.NC, H, K, V), kept_dtype, q.device), new_empty((vf.shape[0], H, V), kept_dtype,
+                                                                                   q.device))
                    if keep and from_t and KEEP_FORWARD_STATES else None)
     # the fused forms' flagged launches (stage 3's and the output's) share one worklist, formed by stage 3
     worklist = new_empty((1 + plan.NC * H,), torch.int32, q.device) if fused and flags is not None else None
@@ -481,8 +491,9 @@ class KeptTiles(NamedTuple):
     flags int8 [NC, H] (which chunks stage 3 left to its 16-row blocks). Saved for the backward
     with ctx.save_for_backward (`tileport.delta_rule_ops`): freed after it, and seen by saved-tensor
     hooks (activation checkpointing, offloading) as the op's inputs are. h [NC, H, K, V] and Vn
-    [Ntok, H, V] (fp32): every chunk's state entering it and its Vn, where the forward's fused
-    kernel stored them (KEEP_FORWARD_STATES), else None (the backward recomputes them). kn [Ntok,
+    [Ntok, H, V] (fp32, or the inputs' dtype: KEPT_STATES_DTYPE): every chunk's state entering it
+    and its Vn, where the forward's fused kernel stored them (KEEP_FORWARD_STATES), else None (the
+    backward recomputes them). kn [Ntok,
     H, K] in the inputs' dtype: the l2-normalised keys the forward used (stage 3's or
     `l2norm_fwd`'s, the same to the bit), where it normalised them (use_qk_l2norm_in_kernel), else
     None; the backward takes them where its own normalised keys would be in that dtype
