@@ -39,7 +39,7 @@ on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole gr
 "dqkwg-tiles": stage 9's Gluon kernel taking dO and its epilogue's tiles by pointer loads or by TMA (gluon_kernels.DQKWG_TILES).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,pairs-keys,dv-local-gluon,dqkwg-tiles,kept-states-16bit (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,pairs-keys,dv-local-gluon,dqkwg-tiles,kept-states-16bit,dstates-16bit (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -539,3 +539,14 @@ if "kept-states-16bit" in SECTIONS and dev == "cuda":
         assert kept.h.dtype == kept.vn.dtype == want, (value, kept.h.dtype, kept.vn.dtype)
 
     backward_switch_ab("kept-states-16bit", kk, "KEPT_STATES_DTYPE", ("fp32", "input"), check=states_dtype)
+
+# "dstates-16bit": stage 8's dh and dVn in fp32 or bf16 (triton_kernels.BACKWARD_DSTATES_DTYPE "bf16":
+# half the bytes stage 8 writes and stages 9 and 10 read, widened where read), with the kept h and Vn
+# in fp32 and then in bf16 (row 48 beside it: all four states in 16 bits, as FLA keeps them), kda.md row 49
+if "dstates-16bit" in SECTIONS and dev == "cuda":
+    default_kept = kk.KEPT_STATES_DTYPE
+    for kept_dtype in ("fp32", "input"):
+        kk.KEPT_STATES_DTYPE = kept_dtype
+        backward_switch_ab(f"dstates-16bit, KEPT_STATES_DTYPE={kept_dtype}", kk, "BACKWARD_DSTATES_DTYPE",
+                           ("fp32", "bf16"))
+    kk.KEPT_STATES_DTYPE = default_kept

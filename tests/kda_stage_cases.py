@@ -23,8 +23,8 @@ KEYS = {"raw-keys": (False, "input"), "l2norm-fp32": (True, "fp32"), "l2norm-bf1
 
 
 def capture_stage(stage: str, layout: str, K: int, l2: bool, device: str, normalised_qk: str | None = None):
-    """(args, kwargs) of stage 9 ("dqkwg", `chunk_dqkwg_kda`'s), 10 ("wy_bwd", `chunk_wy_bwd_kda`'s) or
-    7 ("dv_local", `chunk_dv_local_kda`'s) in a real backward (`kda_backward_triton`, through its stage parameter): bf16 inputs, K = V,
+    """(args, kwargs) of stage 9 ("dqkwg", `chunk_dqkwg_kda`'s), 10 ("wy_bwd", `chunk_wy_bwd_kda`'s),
+    7 ("dv_local", `chunk_dv_local_kda`'s) or 8 ("dstates", `chunk_dstates`') in a real backward (`kda_backward_triton`, through its stage parameter): bf16 inputs, K = V,
     H = 2, an initial state; some chunks flagged and some not. Stage 10's in-place inputs (stage 9's
     partials dK', dG', args 9 and 10) are captured as they came in. normalised_qk: the backward's
     BACKWARD_NORMALISED_QK for this capture (None: as it is)."""
@@ -42,7 +42,8 @@ def capture_stage(stage: str, layout: str, K: int, l2: bool, device: str, normal
     q, k, v, g, beta, h0, cu_t = parity.make_inputs(B, T, 2, K, K, torch.bfloat16, cu, True, l2, "normal", "rand",
                                                     device)
     g[0, lo:hi, 0] = -20.0 - 10.0 * torch.rand(hi - lo, K, device=device)
-    real = {"dqkwg": kk.chunk_dqkwg_kda, "wy_bwd": kk.chunk_wy_bwd_kda, "dv_local": kk.chunk_dv_local_kda}[stage]
+    real = {"dqkwg": kk.chunk_dqkwg_kda, "wy_bwd": kk.chunk_wy_bwd_kda, "dv_local": kk.chunk_dv_local_kda,
+            "dstates": kk.chunk_dstates}[stage]
     captured = []
 
     def spy(*args, **kwargs):
@@ -107,3 +108,17 @@ def gluon_stage_calls(monkeypatch, switch: str, stage: str) -> list:
     for ours, theirs in zip(gk.kda_backward_gluon(*args), kk.kda_backward_triton(*args)):
         assert torch.equal(ours, theirs)
     return calls
+
+
+def rounded_as_kernels_round(x16: torch.Tensor, x32: torch.Tensor) -> bool:
+    """Whether x16 (bf16) is fp32 x32 rounded as the kernels round it where they store bf16: to
+    nearest even, bit for bit, on the GPU; on the CPU the interpreter's emulation
+    (`gdn.triton_kernels._op`, Veltkamp splitting in fp32) rounds to nearest but for some ties and
+    for fp32 subnormals, so there within half a bf16 ulp (at most 2^-8 relative) plus the subnormal
+    step 2^-126 (a truncating store, up to a whole ulp off, fails this on any draw of a few
+    thousand values)."""
+    if x16.dtype != torch.bfloat16:
+        return False
+    if x32.is_cuda:
+        return torch.equal(x16, x32.to(torch.bfloat16))
+    return bool(((x16.float() - x32).abs() <= x32.abs() * 2.0 ** -8 + 2.0 ** -126).all())

@@ -54,6 +54,9 @@ FORMS = {
     # with fp32 normalised q and k, stage 7's whole chunks from l2norm_fwd's fp32 copies rather than
     # the raw q and k normalised where loaded (DV_LOCAL_RAW_QK; before the twenty-seventh session)
     "dv-local-fp32-qk": dict(BACKWARD_NORMALISED_QK="fp32", DV_LOCAL_RAW_QK=False),
+    # stage 8's dh and dVn stored in bf16 for 16-bit inputs, widened by stages 9 and 10 where read
+    # (BACKWARD_DSTATES_DTYPE "bf16", off: docs/perf/kda.md row 49)
+    "bwd-dstates-bf16": dict(BACKWARD_DSTATES_DTYPE="bf16"),
 }
 
 

@@ -28,7 +28,12 @@ def gluon_stage9(monkeypatch):
     return spy_on_kernels(monkeypatch, gk, ["_kda_dqkwg_wgmma_kernel"], BACKWARD_DQKWG="gluon")[0]
 
 
-@pytest.mark.parametrize("states", ["fp32", "bf16"])
+# which state tiles stage 9 is given in bf16: none, h and Vn (the forward's kept states in
+# KEPT_STATES_DTYPE "input"), dh and dVn (stage 8's in BACKWARD_DSTATES_DTYPE "bf16"), all four
+STATES_16BIT = {"fp32": (), "h-vn-bf16": (3, 5), "dh-dvn-bf16": (4, 6), "all-bf16": (3, 4, 5, 6)}
+
+
+@pytest.mark.parametrize("states", list(STATES_16BIT))
 @pytest.mark.parametrize("tiles", ["loads", "tma"])
 @pytest.mark.parametrize("keys", list(KEYS))
 @pytest.mark.parametrize("K", [64, 128])
@@ -42,8 +47,9 @@ def test_stage9_matches_triton_route_by_route(layout, K, keys, tiles, states, de
     bf16, l2-normalised in fp32 or in bf16), with dO and the epilogue's G, q, k by pointer loads or by
     TMA (DQKWG_TILES; the TMA form takes bf16 keys only: with fp32 ones the launch is the loads form's);
     the TMA form's outputs are bitwise the loads form's on the unflagged rows (the same values read,
-    the same arithmetic). With states "bf16" h and Vn are given in bf16 (the forward's kept states
-    in KEPT_STATES_DTYPE "input"), which both kernels widen to the same fp32 values (STATES_16BIT).
+    the same arithmetic). With states other than "fp32" some state tiles are given in bf16
+    (STATES_16BIT above), which both kernels widen to the same fp32 values (the kernel's STATES_16BIT
+    and DSTATES_16BIT).
     Bound: 1e-5 normwise per output and route, the repo's bound for "the same products, summed in
     another order" (tests/test_kda_chunk_flags.py `_same`). Why it holds: both kernels multiply the
     same fp32 operands by tf32 WGMMA, truncating them alike (Triton's sm_90a PTX for this kernel has
@@ -61,8 +67,7 @@ def test_stage9_matches_triton_route_by_route(layout, K, keys, tiles, states, de
     l2, normalised_qk = KEYS[keys]
     monkeypatch.setattr(gk, "DQKWG_TILES", tiles)
     args, kwargs = capture_stage("dqkwg", layout, K, l2, device, normalised_qk)
-    if states == "bf16":  # h (argument 3) and Vn (5) as the forward keeps them in 16 bits
-        args = args[:3] + (args[3].to(torch.bfloat16),) + args[4:5] + (args[5].to(torch.bfloat16),) + args[6:]
+    args = tuple(x.to(torch.bfloat16) if i in STATES_16BIT[states] else x for i, x in enumerate(args))
     flags, plan = kwargs["span_flags"], args[9]
     assert kwargs["fuse_9b"] and flags is not None
     assert (flags == 0).any() and (flags != 0).any(), f"the draw should flag some chunks and not others: {flags}"
@@ -78,7 +83,9 @@ def test_stage9_matches_triton_route_by_route(layout, K, keys, tiles, states, de
     assert gluon_stage9.grids == [(plan.NC * K // gk.DQKWG_BKS, flags.shape[1])], gluon_stage9.grids
     tma_tiles = tiles == "tma" and keys != "l2norm-fp32"
     assert gluon_stage9.kwargs[0].get("TMA_TILES", False) == tma_tiles, (tiles, keys, gluon_stage9.kwargs[0].keys())
-    assert gluon_stage9.kwargs[0]["STATES_16BIT"] == (states == "bf16"), gluon_stage9.kwargs[0].keys()
+    launch = gluon_stage9.kwargs[0]
+    assert launch["STATES_16BIT"] == (3 in STATES_16BIT[states]), launch.keys()
+    assert launch["DSTATES_16BIT"] == (4 in STATES_16BIT[states]), launch.keys()
     assert flagged_launches == [True], flagged_launches  # Triton's kernel, flagged chunks only, into our buffers
 
     unflagged, flagged = (m.to(args[0].device) for m in route_rows(plan, flags))
@@ -109,24 +116,27 @@ def test_forward_backward(case_id, device, seed, gluon_stage9):
     assert len(gluon_stage9.grids) == 1, gluon_stage9.grids
 
 
+@pytest.mark.parametrize("states", [s for s in STATES_16BIT if s != "fp32"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_triton_stage9_widens_16bit_states(layout, device, seed):
+def test_triton_stage9_widens_16bit_states(layout, states, device, seed):
     """Triton's stage 9 (the flagged chunks' kernel beside the Gluon one, and the whole stage where
-    the rule refuses) given the forward's kept h and Vn in bf16 (KEPT_STATES_DTYPE "input") computes
-    bitwise what it computes from fp32 h and Vn holding the same values: it widens them on load. Runs
-    on the CPU (interpreter) and the GPU."""
+    the rule refuses) given state tiles in bf16 (STATES_16BIT: the forward's kept h and Vn, stage 8's
+    dh and dVn, or all four) computes bitwise what it computes from fp32 tiles holding the same
+    values: it widens them on load. Runs on the CPU (interpreter) and the GPU."""
     parity._backend_or_skip("triton", device)
     from tileport.ops.kda import triton_kernels as kk
 
     args, kwargs = capture_stage("dqkwg", layout, 64, True, device)
-    h16, vn16 = args[3].to(torch.bfloat16), args[5].to(torch.bfloat16)
-    assert not torch.equal(h16.float(), args[3]), "the draw's states should not be bf16 values already"
+    given = tuple(x.to(torch.bfloat16) if i in STATES_16BIT[states] else x for i, x in enumerate(args))
+    for i in STATES_16BIT[states]:
+        assert not torch.equal(given[i].float(), args[i]), f"argument {i}: the draw's values are bf16 ones already"
+    widened = tuple(x.float() if i in STATES_16BIT[states] else x for i, x in enumerate(given))
     outs = []
-    for h, vn in ((h16, vn16), (h16.float(), vn16.float())):
+    for a in (given, widened):
         with poisoned():
-            outs.append(kk.chunk_dqkwg_kda(*args[:3], h, args[4], vn, *args[6:], **kwargs))
+            outs.append(kk.chunk_dqkwg_kda(*a, **kwargs))
     for name, a, b in zip(("dq", "dk", "dw", "dG", "dP"), *outs):
-        assert torch.equal(a, b), f"{name} [{layout}]: bf16 states != the same values in fp32"
+        assert torch.equal(a, b), f"{name} [{layout} {states}]: bf16 states != the same values in fp32"
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,6 +218,10 @@ def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
             assert _rule(_rule_operands(K, K, keys)) == "gluon", (K, keys)
     # the forward's kept h and Vn in bf16 (KEPT_STATES_DTYPE "input"): the kernel widens them
     assert _rule(_rule_operands(h=_Operand([4, 2, 128, 128], bf), vn=_Operand([256, 2, 128], bf))) == "gluon"
+    # stage 8's dh and dVn in bf16 (BACKWARD_DSTATES_DTYPE "bf16"), alone and with h and Vn: widened too
+    assert _rule(_rule_operands(dh=_Operand([4, 2, 128, 128], bf), dvn=_Operand([256, 2, 128], bf))) == "gluon"
+    assert _rule(_rule_operands(h=_Operand([4, 2, 128, 128], bf), vn=_Operand([256, 2, 128], bf),
+                                dh=_Operand([4, 2, 128, 128], bf), dvn=_Operand([256, 2, 128], bf))) == "gluon"
     refused = {
         "no flags": _rule_operands(span_flags=None),
         "K != V": _rule_operands(128, 64),
@@ -217,8 +231,10 @@ def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
         "fp16 keys": _rule_operands(keys=torch.float16),
         "bf16 h alone": _rule_operands(h=_Operand([4, 2, 128, 128], bf)),
         "bf16 Vn alone": _rule_operands(vn=_Operand([256, 2, 128], bf)),
-        "bf16 dh": _rule_operands(dh=_Operand([4, 2, 128, 128], bf)),
-        "bf16 dVn": _rule_operands(dvn=_Operand([256, 2, 128], bf)),
+        "bf16 dh alone": _rule_operands(dh=_Operand([4, 2, 128, 128], bf)),
+        "bf16 dVn alone": _rule_operands(dvn=_Operand([256, 2, 128], bf)),
+        "fp16 dh and dVn": _rule_operands(dh=_Operand([4, 2, 128, 128], torch.float16),
+                                          dvn=_Operand([256, 2, 128], torch.float16)),
         "fp16 states": _rule_operands(h=_Operand([4, 2, 128, 128], torch.float16),
                                       vn=_Operand([256, 2, 128], torch.float16)),
         "fp32 dO": _rule_operands(do=_Operand([256, 2, 128], f32)),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import test_kda_parity as parity  # a module import: pytest would collect imported test functions
 import torch
-from kda_stage_cases import LAYOUTS, normwise, route_rows
+from kda_stage_cases import LAYOUTS, normwise, rounded_as_kernels_round, route_rows
 from standins import operand, spy_on_kernels
 from test_kda_parity import _one_thread  # noqa: F401 (autouse fixture)
 
@@ -229,21 +229,35 @@ def test_forms_leave_the_forward_unchanged(forms, layout, K, device, seed, monke
     assert torch.equal(ht2, ht1), f"final state [{layout} K={K}]: {normwise(ht2, ht1):.2e} between {switch}'s forms"
 
 
-@pytest.mark.parametrize("form", ["fused", "fused-t", "fused-t-u-from-t", "fused-t-states16"])
+# the fused forward's forms with the backward switches each runs beside (the rest at their defaults):
+# "fused-t-u-from-t" the backward from the kept states never forming U (BACKWARD_U_FROM_T);
+# "fused-t-states16" the kept h and Vn in bf16 (KEPT_STATES_DTYPE "input"); "fused-t-dstates16"
+# stage 8's dh and dVn in bf16 (BACKWARD_DSTATES_DTYPE "bf16"); "fused-t-allstates16" both
+GATE_FORMS = {
+    "fused": ("fused", dict(BACKWARD_U_FROM_T=False)),
+    "fused-t": ("fused-t", dict(BACKWARD_U_FROM_T=False)),
+    "fused-t-u-from-t": ("fused-t", dict(BACKWARD_U_FROM_T=True)),
+    "fused-t-states16": ("fused-t", dict(BACKWARD_U_FROM_T=False, KEPT_STATES_DTYPE="input")),
+    "fused-t-dstates16": ("fused-t", dict(BACKWARD_DSTATES_DTYPE="bf16")),
+    "fused-t-allstates16": ("fused-t", dict(KEPT_STATES_DTYPE="input", BACKWARD_DSTATES_DTYPE="bf16")),
+}
+
+
+@pytest.mark.parametrize("form", list(GATE_FORMS))
 @pytest.mark.parametrize("case_id", [cid for cid, c in parity.CASES.items()
                                      if c[5] == "bf16" and c[3] == c[4] and c[3] in (64, 128)])
 def test_gate_cases_with_the_fused_kernel(case_id, form, device, seed, fused, monkeypatch):
     """The gate's accepted cases (forward and backward against the float64 reference, the gate's
-    bounds) on the gluon backend with the fused forward in each form, which each forward launches
-    once; "fused-t-u-from-t": the backward from the kept states never forms U (BACKWARD_U_FROM_T);
-    "fused-t-states16": the kept h and Vn in bf16 (KEPT_STATES_DTYPE "input")."""
+    bounds) on the gluon backend with the fused forward in each form (GATE_FORMS), which each
+    forward launches once."""
     parity._backend_or_skip("gluon", device)
     from tileport.ops.kda import gluon_kernels as gk
     from tileport.ops.kda import triton_kernels as kk
 
-    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", form.removesuffix("-u-from-t").removesuffix("-states16"))
-    monkeypatch.setattr(kk, "BACKWARD_U_FROM_T", form.endswith("-u-from-t"))
-    monkeypatch.setattr(kk, "KEPT_STATES_DTYPE", "input" if form.endswith("-states16") else "fp32")
+    recurrence, switches = GATE_FORMS[form]
+    monkeypatch.setattr(gk, "FORWARD_RECURRENCE", recurrence)
+    for name, value in switches.items():
+        monkeypatch.setattr(kk, name, value)
     parity._run_and_check("gluon", case_id, device, seed)
     assert len(fused.grids) == 1, fused.grids
 
@@ -356,19 +370,6 @@ def test_fused_stage_takes_one_set_of_vn_operands():
                                              states_out=bad)
 
 
-def _rounded_as_stage_3(T16: torch.Tensor, T32: torch.Tensor) -> bool:
-    """Whether T16 (bf16) is fp32 T32 rounded as stage 3's kernels round it: to nearest even, bit
-    for bit, on the GPU; on the CPU the interpreter's emulation (`gdn.triton_kernels._op`,
-    Veltkamp splitting in fp32) rounds to nearest but for some ties and for fp32 subnormals, so
-    there within half a bf16 ulp (at most 2^-8 relative) plus the subnormal step 2^-126 (a
-    truncating store, up to a whole ulp off, fails this on any draw of a few thousand values)."""
-    if T16.dtype != torch.bfloat16:
-        return False
-    if T32.is_cuda:
-        return torch.equal(T16, T32.to(torch.bfloat16))
-    return bool(((T16.float() - T32).abs() <= T32.abs() * 2.0 ** -8 + 2.0 ** -126).all())
-
-
 @pytest.mark.parametrize("form,keys,t_dtype", [("split", "stage-1", "input"), ("fused", "stage-1", "input"),
                                                ("fused-t", "stage-1", "input"), ("fused-t", "stage-3", "input"),
                                                ("fused-t", "stage-3", "fp32")])
@@ -442,7 +443,7 @@ def test_forward_follows_the_rule_before_stage_3(form, keys, t_dtype, device, se
     if t_dtype == "fp32":
         assert torch.equal(got["T"], T_with_wu), f"T alone vs T with W and U: {normwise(got['T'], T_with_wu):.2e}"
     else:
-        assert _rounded_as_stage_3(got["T"], T_with_wu), f"T alone ({got['T'].dtype}) vs T with W and U rounded"
+        assert rounded_as_kernels_round(got["T"], T_with_wu), f"T alone ({got['T'].dtype}) vs T with W and U rounded"
     assert torch.equal(got["v"], kk._flatten(inputs[2])) and torch.equal(got["beta"], kk._flatten(inputs[4]))
 
 
@@ -501,7 +502,7 @@ def test_stage_3_stores_t_in_16_bits_as_its_reader_rounds_it(layout, K, device, 
         outs.append((Tm, G, flags))
     (T32, G32, f32), (T16, G16, f16) = outs
     assert (f32 == 0).any() and (f32 != 0).any(), "the draw should flag some chunks and not others"
-    assert _rounded_as_stage_3(T16, T32), f"T [{layout} K={K}]: not fp32 T rounded to bf16"
+    assert rounded_as_kernels_round(T16, T32), f"T [{layout} K={K}]: not fp32 T rounded to bf16"
     assert torch.equal(G16, G32) and torch.equal(f16, f32), f"G or the flags changed with T's dtype [{layout} K={K}]"
 
 

@@ -181,6 +181,41 @@ def test_stage10_without_u_route_by_route(layout, K, l2, device, seed, monkeypat
                            "U's")
 
 
+@pytest.mark.parametrize("u_formed", [False, True], ids=["u-free", "u-formed"])
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stage10_widens_bf16_dvn(layout, K, u_formed, device, seed, monkeypatch):
+    """Stage 8's dVn in bf16 (triton_kernels.BACKWARD_DSTATES_DTYPE "bf16"): stage 10 given it
+    computes bitwise what it computes from an fp32 dVn holding the same values (every kernel widens
+    it where it reads it), route by route: on the GPU the Gluon split form (the dA kernel in both
+    of its tile forms, DA_TILES) with Triton's flagged launch, which spies see run; on the CPU
+    Triton's kernel for every chunk. U never formed (the default) or formed."""
+    from tileport.dispatch import interpreter_enabled
+    from tileport.ops.kda import gluon_kernels as kg
+    from tileport.ops.kda import triton_kernels as kk
+
+    if device == "cpu" and not interpreter_enabled():
+        pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    args, kwargs = capture_stage("wy_bwd", layout, K, True, device)
+    flags, plan = kwargs["span_flags"], args[11]
+    if not u_formed:
+        args = args[:6] + (None,) + args[7:]
+    dvn16 = args[8].to(torch.bfloat16)
+    assert not torch.equal(dvn16.float(), args[8]), "the draw's dVn holds bf16 values already"
+    given, widened = args[:8] + (dvn16,) + args[9:], args[:8] + (dvn16.float(),) + args[9:]
+    tile_forms = ("loads", "tma") if device == "cuda" else ("loads",)
+    spies = _wy_on(monkeypatch, "split") if device == "cuda" else []
+    fn = kg.chunk_wy_bwd_kda_gluon if device == "cuda" else kk.chunk_wy_bwd_kda
+    for n, tiles in enumerate(tile_forms, 1):
+        monkeypatch.setattr(kg, "DA_TILES", tiles)
+        ours = _run_stage10(fn, given, kwargs)
+        theirs = _run_stage10(fn, widened, kwargs)
+        assert all(spy.grids == [(plan.NC, flags.shape[1])] * 2 * n for spy in spies), [spy.grids for spy in spies]
+        for name in NAMES:
+            assert torch.equal(ours[name].nan_to_num(7.0), theirs[name].nan_to_num(7.0)), \
+                f"{name} [{layout} K={K} u_formed={u_formed} {tiles}]: bf16 dVn != the same values in fp32"
+
+
 def test_flagged_route_leaves_the_other_chunks(device, seed):
     """Triton's stage 10 with only_flagged (the launch beside the Gluon kernel) writes the flagged
     chunks' dv and what 10b's launch reads exactly as the one launch over every chunk does, and
@@ -208,7 +243,7 @@ def test_flagged_route_leaves_the_other_chunks(device, seed):
 
 def test_rule(monkeypatch):
     """The Gluon kernel takes stage 10 with the switch on, tf32 products, fp32 operands (k and v any
-    dtype), contiguous operands, per-channel fp32 G, K == V of 64 or 128, int8 flags given and 10b
+    dtype; dVn fp32 or bf16), contiguous operands, per-channel fp32 G, K == V of 64 or 128, int8 flags given and 10b
     fused, on the GPU; each condition refused alone."""
     from tileport.ops.kda import gluon_kernels as kg
 
@@ -225,6 +260,12 @@ def test_rule(monkeypatch):
     assert kg.wy_bwd_kernel_for(ops, G, torch.bfloat16, None, outs) == "triton"
     assert kg.wy_bwd_kernel_for(ops, G, torch.bfloat16, flags, None) == "triton"
     assert kg.wy_bwd_kernel_for(ops[:2] + (k16,) + ops[3:], G, torch.bfloat16, flags, outs) == "triton"
+    # stage 8's dVn in bf16 (BACKWARD_DSTATES_DTYPE "bf16"): widened by the kernel; no other operand may be
+    assert kg.wy_bwd_kernel_for(ops[:6] + (k16,) + ops[7:], G, torch.bfloat16, flags, outs) == "gluon"
+    for i in (3, 5, 7, 8):  # W, dW, dK', dG' in bf16
+        assert kg.wy_bwd_kernel_for(ops[:i] + (k16,) + ops[i + 1:], G, torch.bfloat16, flags, outs) == "triton", i
+    f16 = OnGPU(torch.float16, 3, (64, 2, 128))
+    assert kg.wy_bwd_kernel_for(ops[:6] + (f16,) + ops[7:], G, torch.bfloat16, flags, outs) == "triton"
     assert kg.wy_bwd_kernel_for(ops, OnGPU(torch.float64, 3, (64, 2, 128)), torch.bfloat16, flags, outs) == "triton"
     assert kg.wy_bwd_kernel_for(ops, G, torch.float32, flags, outs) == "triton"  # fp32 inputs: exact products
     assert kg.wy_bwd_kernel_for(ops, OnGPU(torch.float32, 3, (64, 2, 128), is_cuda=False), torch.bfloat16, flags,
@@ -240,6 +281,7 @@ def test_rule(monkeypatch):
     no_u = ops[:4] + (None,) + ops[5:]
     monkeypatch.setattr(kg, "WY_FORM", "split")
     assert kg.wy_bwd_kernel_for(no_u, G, torch.bfloat16, flags, outs) == "gluon"
+    assert kg.wy_bwd_kernel_for(no_u[:6] + (k16,) + no_u[7:], G, torch.bfloat16, flags, outs) == "gluon"  # bf16 dVn
     assert kg.wy_bwd_kernel_for(no_u[:2] + (k16,) + no_u[3:], G, torch.bfloat16, flags, outs) == "triton"
     monkeypatch.setattr(kg, "WY_FORM", "one-kernel")
     assert kg.wy_bwd_kernel_for(no_u, G, torch.bfloat16, flags, outs) == "triton"

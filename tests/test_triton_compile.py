@@ -298,6 +298,11 @@ def _backward_cases():
         q_ptr=tok(K, f32), k_ptr=tok(K, f32), w_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32),
         dht_ptr=T([N, H, K, V], f32), dh_ptr=T([NC, H, K, V], f32), dvn_ptr=tok(V, f32), dh0_ptr=T([N, H, K, V], f32),
         scale=0.1, V=V, BK=BK, BV=d["BV"], HAS_DHT=True, STORE_DH0=True, **seq, **common)
+    # KDA's BACKWARD_DSTATES_DTYPE "bf16": dh and dVn stored rounded to bf16
+    yield "dstates (bf16 dh and dVn)", tk._dstates_kernel.fn, d, dict(
+        q_ptr=tok(K, f32), k_ptr=tok(K, f32), w_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), do_ptr=tok(V), dvl_ptr=tok(V, f32),
+        dht_ptr=T([N, H, K, V], f32), dh_ptr=T([NC, H, K, V], bf), dvn_ptr=tok(V, bf), dh0_ptr=T([N, H, K, V], f32),
+        scale=0.1, V=V, BK=BK, BV=d["BV"], HAS_DHT=True, STORE_DH0=True, **seq, **common)
     for ds_here in (True, False):  # DQKWG_FORM "one" and "split"'s second kernel
         yield f"dqkwg{'' if ds_here else ' (split: state part)'}", tk._dqkwg_kernel, dict(tk._LAUNCH["dqkwg"], num_stages=1), dict(
             q_ptr=tok(K, f32), k_ptr=tok(K, f32), G_ptr=T([Ntok, H], f64), h_ptr=T([NC, H, K, V], f32),
@@ -419,13 +424,23 @@ def _kda_backward_cases():
             dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
             CB=min(BK, 64), PAIRS=True, flags_ptr=fl, dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K),
             CHUNKS=route, **extra, **prec)
-    # U never formed (BACKWARD_U_FROM_T): the flagged chunks' launch over the worklist, u_ptr None
-    yield "kda wy_bwd fused 10b worklist u-free", kk._kda_wy_bwd_kernel, dict(
-        k_ptr=tok(K), v_ptr=tok(V, bf), beta_ptr=T([Ntok, H], bf), G_ptr=G32, Ai_ptr=tok(64), w_ptr=tok(K),
-        u_ptr=None, dw_ptr=tok(K), dvn_ptr=tok(V), dkp_ptr=tok(K), dGp_ptr=tok(K), da_ptr=tok(64),
-        dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
-        CB=min(BK, 64), PAIRS=True, flags_ptr=fl, dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K),
-        CHUNKS="worklist", work_ptr=work, U_FREE=True, **prec)
+    # 16-bit states (KEPT_STATES_DTYPE "input", BACKWARD_DSTATES_DTYPE "bf16"): h, dh, Vn and dVn in
+    # bf16, widened on load; the flagged chunks' launches over the worklist beside the Gluon kernels
+    st16 = dict(h_ptr=T([NC, H, K, V], bf), dh_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V, bf), dvn_ptr=tok(V, bf))
+    yield "kda dqkwg fused 9b worklist 16-bit states", kk._kda_dqkwg_kernel, dict(
+        q_ptr=tok(K), k_ptr=tok(K), G_ptr=G32, do_ptr=tok(V, bf), dq_ptr=tok(K), dk_ptr=tok(K), dw_ptr=tok(K),
+        dG_ptr=tok(K), dp_ptr=tok(64), chunks_ptr=ch, H=H, scale=0.1, K=K, V=V, BKS=tk._key_split(K)[0], BV=BV,
+        NV=NV, BT=64, PAIRS=True, flags_ptr=fl, dp_stride=Ntok * H * 64, CHUNKS="worklist", work_ptr=work, **st16,
+        **prec)
+    # U never formed (BACKWARD_U_FROM_T): the flagged chunks' launch over the worklist, u_ptr None (and with
+    # stage 8's dVn in bf16)
+    for dvn_dtype in (f32, bf):
+        yield f"kda wy_bwd fused 10b worklist u-free{' bf16 dVn' if dvn_dtype == bf else ''}", kk._kda_wy_bwd_kernel, dict(
+            k_ptr=tok(K), v_ptr=tok(V, bf), beta_ptr=T([Ntok, H], bf), G_ptr=G32, Ai_ptr=tok(64), w_ptr=tok(K),
+            u_ptr=None, dw_ptr=tok(K), dvn_ptr=tok(V, dvn_dtype), dkp_ptr=tok(K), dGp_ptr=tok(K), da_ptr=tok(64),
+            dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
+            CB=min(BK, 64), PAIRS=True, flags_ptr=fl, dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K),
+            CHUNKS="worklist", work_ptr=work, U_FREE=True, **prec)
 
 KDA_BACKWARD_CASES = list(_kda_backward_cases())
 

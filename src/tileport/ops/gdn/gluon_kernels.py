@@ -580,7 +580,7 @@ if _GLUON_ERROR is None:
             if PER_CHANNEL:
                 GLx = gl.load(G_ptr + (last.to(gl.int64) * H + hh) * K + kc)  # G_L along the rows' channels
             # lint: allow TP001 -- the state for stage 9, [NC, H, K, V], from its accumulator layout: a [K, BV] block of a row-major [K, V] state
-            gl.store(s_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + sblk, S)
+            gl.store(s_ptr + ((c0 + i).to(gl.int64) * H + hh) * (K * V) + sblk, S.to(s_ptr.dtype.element_ty))
             sT_s.store(gl.permute(S, (1, 0)))
             if PER_CHANNEL:
                 if BACKWARD:  # A = K * exp(G_L - G), in place once the tile is in (0 past the sequence)
@@ -654,7 +654,7 @@ if _GLUON_ERROR is None:
             # the next sequence's, and a non-finite value there would survive a product with 0
             y1 = gl.where(o_ok[:, None], y1, 0.0)
             # lint: allow TP001 -- a varlen chunk's tail rows belong to the next sequence: the masked store writes only this chunk's rows
-            gl.store(out_ptr + offs, out, mask=o_ok[:, None])
+            gl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=o_ok[:, None])
             # lint: allow TP005 -- y1T_s's readers (the previous chunk's update) were waited for (wait 0) by every warpgroup before the barrier that ended that chunk; the wait just above is A S's, which reads a_s and sT_s only
             y1T_s.store(gl.permute(y1, (1, 0)))
             fence_async_shared()
@@ -853,9 +853,11 @@ if _GLUON_ERROR is None:
     def _store_transposed(dst_s, ptr, rows, cols, r_ok, D: gl.constexpr):
         """A [64, n] row tile (row offsets `rows` [64, 1] of a [.., D] tensor, columns `cols`,
         masked by `r_ok` past the sequence) into shared memory transposed: tokens contiguous, as
-        tf32 WGMMA reads an operand that contracts over the chunk's tokens (TMA cannot write it)."""
+        tf32 WGMMA reads an operand that contracts over the chunk's tokens (TMA cannot write it); a
+        16-bit tile (KDA's dVn in bf16, BACKWARD_DSTATES_DTYPE) widened to the slot's dtype."""
         # lint: allow TP001 -- the tile goes to shared memory transposed, which TMA cannot write; rows past the sequence masked
-        dst_s.store(gl.permute(gl.load(ptr + rows * D + cols[None, :], mask=r_ok, other=0.0), (1, 0)))
+        tile = gl.load(ptr + rows * D + cols[None, :], mask=r_ok, other=0.0).to(dst_s.dtype)
+        dst_s.store(gl.permute(tile, (1, 0)))
 
     @gluon.jit
     def _dv_rows(dup, beta, dv_ptr, v_ptr, offs, o_ok):
@@ -1571,19 +1573,22 @@ def chunk_states_recompute_gluon(k, w, u, G, h0, plan, output_final_state: bool,
 
 
 def chunk_dstates_gluon(q, k, w, G, do, dvl, dht, scale: float, plan, want_dh0: bool,
-                        input_dtype: torch.dtype | None = None):
+                        input_dtype: torch.dtype | None = None, states_dtype: torch.dtype = torch.float32):
     """8 on the Gluon kernel where `recurrence_kernel_for` says so, else Triton's: (dh [NC, H, K, V],
-    dVn [Ntok, H, V], d initial_state [N, H, K, V] or None), fp32; the same contract as
+    dVn [Ntok, H, V], d initial_state [N, H, K, V] or None), fp32, dh and dVn in states_dtype (fp32
+    or bf16: the kernel stores its fp32 values rounded); the same contract as
     `triton_kernels.chunk_dstates`."""
     from tileport.ops.gdn import triton_kernels as tk
 
     input_dtype = input_dtype or q.dtype
+    tk.check_states_dtype(states_dtype)
     if recurrence_kernel_for("dstates", (q, k, w), G, input_dtype) == "triton":
-        return tk.chunk_dstates(q, k, w, G, do, dvl, dht, scale, plan, want_dh0, input_dtype=input_dtype)
+        return tk.chunk_dstates(q, k, w, G, do, dvl, dht, scale, plan, want_dh0, input_dtype=input_dtype,
+                                states_dtype=states_dtype)
     Ntok, H, K = q.shape
     V = do.shape[-1]
-    dh = new_empty((plan.NC, H, K, V), torch.float32, q.device)
-    dvn = new_empty((Ntok, H, V), torch.float32, q.device)
+    dh = new_empty((plan.NC, H, K, V), states_dtype, q.device)
+    dvn = new_empty((Ntok, H, V), states_dtype, q.device)
     dh0 = new_empty((plan.N, H, K, V), torch.float32, q.device) if want_dh0 else None
     _launch_tf32_recurrence(k, w, q, do, dvl, G, dht, dh, dvn, dh0, plan, scale, backward=True)
     return dh, dvn, dh0
@@ -1987,4 +1992,13 @@ def compile_cases():
                                              expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32"],
                                              # sm_90a at K = 128: 12 B (the widened K halves beside the gates)
                                              expect_max_spills=12 if K == 128 else 0, expect_max_shared=SMEM_PER_SM))
+                    # and dh, dVn stored in bf16 (KDA's BACKWARD_DSTATES_DTYPE "bf16")
+                    b16args = dict(bargs, s_ptr=TensorStandIn([NC, H, K, V], bf), out_ptr=TensorStandIn([Ntok, H, V], bf))
+                    cases.append(CompileCase(name=f"{op}_bf16_keys_bf16_out_K{K}_V{V}_BV{BV}_w{warps}",
+                                             kernel=_tf32_recurrence_kernel, args=b16args, num_warps=warps,
+                                             expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                                                         "cvt.rn.bf16"],
+                                             # sm_90a at K = 128: 20 B (8 more than the fp32 stores': the
+                                             # conversions' registers)
+                                             expect_max_spills=20 if K == 128 else 0, expect_max_shared=SMEM_PER_SM))
     return cases

@@ -1145,7 +1145,9 @@ def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr
     dh = _state_or_zeros(dht_ptr, n, hh, H, sblk, smask, K, V, BK, BV, HAS_DHT)
     for ii in range(0, nc):
         i = nc - 1 - ii
-        tl.store(dh_ptr + ((c0 + i).to(tl.int64) * H + hh) * (K * V) + sblk, dh, mask=smask)
+        # rounded to nearest where dh_ptr holds bf16 (`_rounded_for`: the interpreter's own cast truncates)
+        tl.store(dh_ptr + ((c0 + i).to(tl.int64) * H + hh) * (K * V) + sblk,
+                 _rounded_for(dh, dh_ptr, DA).to(dh_ptr.dtype.element_ty), mask=smask)
         tok = bos + i * BT + r
         valid = tok < eos
         row = tok.to(tl.int64) * H + hh
@@ -1168,7 +1170,8 @@ def _dstates_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr
             hdecay = tl.exp(GL.to(tl.float32))
         dvl = tl.load(dvl_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
         dvn = dvl + _mm(kd, dh, PREC, DT, DA)
-        tl.store(dvn_ptr + row[:, None] * V + vc[None, :], dvn, mask=mv)
+        tl.store(dvn_ptr + row[:, None] * V + vc[None, :], _rounded_for(dvn, dvn_ptr, DA).to(dvn_ptr.dtype.element_ty),
+                 mask=mv)
         w = tl.load(w_ptr + row[:, None] * K + kc[None, :], mask=mk, other=0.0).to(tl.float32)
         do = tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
         dh = (dh * hdecay
@@ -1819,14 +1822,17 @@ def chunk_dv_local(q, k, G, do, scale: float, plan: ChunkPlan, input_dtype: torc
 
 
 def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_dh0: bool,
-                  input_dtype: torch.dtype | None = None):
+                  input_dtype: torch.dtype | None = None, states_dtype: torch.dtype = torch.float32):
     """8: dh [NC, H, K, V] (gradient of the state leaving each chunk), dVn [Ntok, H, V],
-    d initial_state [N, H, K, V] or None; fp32. G [Ntok, H, K] (KDA) selects the per-channel form."""
+    d initial_state [N, H, K, V] or None; fp32. G [Ntok, H, K] (KDA) selects the per-channel form.
+    states_dtype: dh's and dVn's (fp32, or bf16 where a caller takes them so, KDA's
+    BACKWARD_DSTATES_DTYPE: stored rounded; the recurrence carries fp32 either way)."""
     Ntok, H, K = q.shape
     V = do.shape[-1]
     BK = _blocks(K, V)[0]
-    dh = new_empty((plan.NC, H, K, V), _F32, q.device)
-    dvn = new_empty((Ntok, H, V), _F32, q.device)
+    check_states_dtype(states_dtype)
+    dh = new_empty((plan.NC, H, K, V), states_dtype, q.device)
+    dvn = new_empty((Ntok, H, V), states_dtype, q.device)
     dh0 = new_empty((plan.N, H, K, V), _F32, q.device) if want_dh0 else None
     if plan.N:
         DT, DA, PREC = _products(input_dtype or q.dtype, True, "dstates")
@@ -1836,6 +1842,12 @@ def chunk_dstates(q, k, w, G, do, dvl, dht, scale: float, plan: ChunkPlan, want_
             HAS_DHT=dht is not None,
             STORE_DH0=want_dh0, DT=DT, DA=DA, PREC=PREC, PER_CHANNEL=G.dim() == 3)
     return dh, dvn, dh0
+
+
+def check_states_dtype(states_dtype) -> None:
+    """Stage 8's dh and dVn are stored in fp32 or bf16 (`chunk_dstates`' states_dtype)."""
+    if states_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"states_dtype must be torch.float32 or torch.bfloat16, got {states_dtype}")
 
 
 def _key_split(K: int) -> tuple[int, int]:

@@ -1222,7 +1222,9 @@ if _GLUON_ERROR is None:
         the block's start (the pointer form: ncu at e48d059, long_scoreboard 5.90 cycles per issued
         instruction). Rows past a varlen chunk (TMA gives the next sequence's) are zeroed on the way
         out of the staging, as the pointer form's masked loads. 32 KB more shared memory (112 KB at
-        any K): still two programs an SM."""
+        any K): still two programs an SM.
+        dVn in bf16 (stage 8's, triton_kernels.BACKWARD_DSTATES_DTYPE "bf16") is widened on its way to
+        its transposed slot in either form (its staging slot then bf16, 8 KB)."""
         BT: gl.constexpr = u_desc.block_type.shape[0]
         CB: gl.constexpr = u_desc.block_type.shape[1]
         gl.static_assert(K == V and K % CB == 0, "the blocks of K and V pair up")
@@ -1246,7 +1248,7 @@ if _GLUON_ERROR is None:
             tT_s = gl.allocate_shared_memory(gl.float32, [BT, BT], XT_SL)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         if TMA_TILES:
-            dvn_st = gl.allocate_shared_memory(gl.float32, [BT, CB], dvn_desc.layout)
+            dvn_st = gl.allocate_shared_memory(dvn_desc.dtype, [BT, CB], dvn_desc.layout)  # bf16 or fp32 dVn
             dw_st = gl.allocate_shared_memory(gl.float32, [BT, CB], dw_desc.layout)
             tbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         if gl.load(flags_ptr + c * H + hh) == 0:
@@ -1279,7 +1281,7 @@ if _GLUON_ERROR is None:
                     beta = gl.load(beta_ptr + orows, mask=o_ok, other=0.0).to(gl.float32)
                 if TMA_TILES:
                     mbarrier.wait(tbar, b % 2)
-                    dvnT_s.store(gl.permute(gl.where(r_ok, dvn_st.load(ROWS_L), 0.0), (1, 0)))
+                    dvnT_s.store(gl.permute(gl.where(r_ok, dvn_st.load(ROWS_L).to(gl.float32), 0.0), (1, 0)))
                     dwT_s.store(gl.permute(gl.where(r_ok, dw_st.load(ROWS_L), 0.0), (1, 0)))
                 else:
                     _store_transposed(dvnT_s, dvn_ptr, rows, b * CB + cc, r_ok, V)
@@ -1529,7 +1531,8 @@ def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
     """"gluon" or "triton": which kernel takes stage 10's unflagged chunks on these operands
     (k, v, then T, W, U, dW, dVn and stage 9's partials; BACKWARD_WY): the Gluon kernel where the
     products are tf32 (`kk._products`), every operand after k and v fp32 (k and v, like beta, are
-    loaded into registers in any float dtype), every operand and G contiguous (the kernel's row
+    loaded into registers in any float dtype) but dVn, fp32 or bf16 (stage 8's in bf16:
+    BACKWARD_DSTATES_DTYPE; widened on its way to shared memory), every operand and G contiguous (the kernel's row
     offsets assume it), G per channel in fp32, K == V of HEAD_DIMS, stage 3's int8 flags given and
     10b fused here (outputs_10b), on the GPU. U None (never formed: BACKWARD_U_FROM_T): the split
     form's U_FREE kernel only (WY_FORM "split")."""
@@ -1539,11 +1542,13 @@ def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
         return "triton"
     if operands[4] is None and kk._checked("WY_FORM", WY_FORM, ("one-kernel", "split")) != "split":
         return "triton"
+    dvn = operands[6]
     operands = tuple(x for x in operands if x is not None)
     k, v = operands[0], operands[1]
     K, V = k.shape[-1], v.shape[-1]
     tf32 = kk._products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"
-    fp32 = all(x.dtype == torch.float32 for x in operands[2:]) and G.dtype == torch.float32 and G.dim() == 3
+    fp32 = (all(x.dtype == torch.float32 for x in operands[2:] if x is not dvn) and G.dtype == torch.float32
+            and G.dim() == 3 and dvn.dtype in (torch.float32, torch.bfloat16))
     contiguous = all(x.is_contiguous() for x in operands) and G.is_contiguous()
     return "gluon" if tf32 and fp32 and contiguous and K == V and K in HEAD_DIMS else "triton"
 
@@ -1817,16 +1822,26 @@ if _GLUON_ERROR is None:
             tma.async_copy_global_to_shared(do_desc, [bos, hh * V], bar, do16_s)
 
     @gluon.jit
-    def _widen_states(h16_s, vn16_s, h_s, vn_s, L: gl.constexpr):
-        """STATES_16BIT: h_b's and Vn's 16-bit tiles (TMA'd into the first half of their fp32 slots)
-        widened to fp32 in those slots: every warp reads its part of both, a CTA barrier (the fp32
-        tiles overwrite the 16-bit ones), then writes it back in fp32. The caller fences and barriers
-        before the WGMMAs read them."""
-        h = h16_s.load(L).to(gl.float32)
-        vn = vn16_s.load(L).to(gl.float32)
+    def _state_slot_view(slot_s, desc, SIXTEEN: gl.constexpr):
+        """Where stage 9's TMA puts a state tile: its fp32 slot, or (SIXTEEN: a 16-bit tile) the
+        first half of that slot viewed in the descriptor's dtype and layout."""
+        if SIXTEEN:
+            gl.static_assert(desc.block_type.nbytes * 2 == slot_s.numel * 4, "a 16-bit tile fills half its fp32 slot")
+            return slot_s._reinterpret(desc.dtype, slot_s.shape, desc.layout)
+        else:
+            return slot_s
+
+    @gluon.jit
+    def _widen_pair(a16_s, b16_s, a_s, b_s, L: gl.constexpr):
+        """STATES_16BIT, DSTATES_16BIT: two 16-bit state tiles (TMA'd into the first half of their
+        fp32 slots) widened to fp32 in those slots: every warp reads its part of both, a CTA barrier
+        (the fp32 tiles overwrite the 16-bit ones), then writes it back in fp32. The caller fences
+        and barriers before the WGMMAs read them."""
+        a = a16_s.load(L).to(gl.float32)
+        b = b16_s.load(L).to(gl.float32)
         gl.thread_barrier()
-        h_s.store(h)
-        vn_s.store(vn)
+        a_s.store(a)
+        b_s.store(b)
 
     @gluon.jit
     def _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale, D_L: gl.constexpr,
@@ -1863,7 +1878,7 @@ if _GLUON_ERROR is None:
     def _kda_dqkwg_wgmma_kernel(h_desc, dh_desc, vn_desc, dvn_desc, q_ptr, k_ptr, G_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr,
                                 dG_ptr, chunks_ptr, flags_ptr, H, scale, K: gl.constexpr, V: gl.constexpr,
                                 do_desc=None, g_desc=None, q_desc=None, k_desc=None, TMA_TILES: gl.constexpr = False,
-                                STATES_16BIT: gl.constexpr = False):
+                                STATES_16BIT: gl.constexpr = False, DSTATES_16BIT: gl.constexpr = False):
         """Stage 9 with 9b's pair terms for one chunk and head whose flag (stage 3's, int8 [NC, H])
         is clear, for one block of BKS = 64 key channels: what Triton's `_kda_dqkwg_kernel` with
         PAIRS computes for such a chunk (fp32 dQ', dK', dW, dG' [Ntok, H, K]; its dP slices are
@@ -1907,6 +1922,8 @@ if _GLUON_ERROR is None:
         h_b and Vn come by TMA in 16 bits into the first half of their fp32 slots and are widened
         there after the wait (every warp reads its part, a CTA barrier, then the fp32 stores): the
         same fp32 operands as an fp32 h and Vn holding those bf16 values, for half their bytes.
+        DSTATES_16BIT (stage 8's dh and dVn in bf16, triton_kernels.BACKWARD_DSTATES_DTYPE "bf16"):
+        dh_b and dVn likewise, widened after h_b and Vn (two tiles at a time: 64 registers a thread).
         Persistent, one program an SM looping over the work items with the next item's TMA loads
         under this item's epilogue, it was slower on the H200 (1.39 -> 1.80 ms at b87a5da; 1.41 ->
         ~1.66 with the epilogue's loads issued first, at 35f9352: kda.md row 41) and was removed."""
@@ -1921,21 +1938,19 @@ if _GLUON_ERROR is None:
                                                       instr_shape=[16, BKS // WG, 8])
         ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
         XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BKS, BT], gl.float32)
-        # h's and Vn's fp32 slots in dh's layout (fp32 [64, V] all four; h_desc's and vn_desc's are
-        # 16-bit ones with STATES_16BIT)
-        h_s = gl.allocate_shared_memory(gl.float32, [BKS, V], dh_desc.layout)
-        dh_s = gl.allocate_shared_memory(gl.float32, [BKS, V], dh_desc.layout)
-        vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
-        dvn_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
-        if STATES_16BIT:
-            gl.static_assert(h_desc.block_type.nbytes * 2 == BKS * V * 4, "16-bit h_b fills half its fp32 slot")
-            gl.static_assert(vn_desc.block_type.nbytes * 2 == BT * V * 4, "16-bit Vn fills half its fp32 slot")
-            h_dst = h_s._reinterpret(h_desc.dtype, [BKS, V], h_desc.layout)
-            vn_dst = vn_s._reinterpret(vn_desc.dtype, [BT, V], vn_desc.layout)
-        else:
-            h_dst = h_s
-            vn_dst = vn_s
-        do_s = gl.allocate_shared_memory(gl.float32, [BT, V], dvn_desc.layout)
+        # the four state tiles' fp32 slots (fp32 [64, V]: the layout the host gives an fp32 one's
+        # descriptor); a 16-bit tile (STATES_16BIT, DSTATES_16BIT) lands in the first half of its slot
+        ST_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, V], gl.float32)
+        gl.static_assert(BKS == BT, "h_b's and Vn's tiles share one slot shape")
+        h_s = gl.allocate_shared_memory(gl.float32, [BKS, V], ST_SL)
+        dh_s = gl.allocate_shared_memory(gl.float32, [BKS, V], ST_SL)
+        vn_s = gl.allocate_shared_memory(gl.float32, [BT, V], ST_SL)
+        dvn_s = gl.allocate_shared_memory(gl.float32, [BT, V], ST_SL)
+        h_dst = _state_slot_view(h_s, h_desc, STATES_16BIT)
+        vn_dst = _state_slot_view(vn_s, vn_desc, STATES_16BIT)
+        dh_dst = _state_slot_view(dh_s, dh_desc, DSTATES_16BIT)
+        dvn_dst = _state_slot_view(dvn_s, dvn_desc, DSTATES_16BIT)
+        do_s = gl.allocate_shared_memory(gl.float32, [BT, V], ST_SL)
         xT_s = gl.allocate_shared_memory(gl.float32, [BKS, BT], XT_SL)  # (K_b e^-d)^T
         yT_s = gl.allocate_shared_memory(gl.float32, [BKS, BT], XT_SL)  # (Q_b e^d)^T
         m_s = gl.allocate_shared_memory(gl.float32, [BT, BT], XT_SL)  # M, read by generic loads only
@@ -1966,7 +1981,7 @@ if _GLUON_ERROR is None:
             fence_async_shared()
             rr = gl.arange(0, BT, layout=gl.SliceLayout(1, ROWS_L))
             if TMA_TILES:
-                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_dst, dvn_s, h_dst, dh_s, bar, bos, hh,
+                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_dst, dvn_dst, h_dst, dh_dst, bar, bos, hh,
                                    (c * H + hh) * K + kb * BKS, V, do_desc, do16_s, True)
                 col = hh * K + kb * BKS
                 mbarrier.expect(tbar, g_desc.block_type.nbytes + q_desc.block_type.nbytes + k_desc.block_type.nbytes)
@@ -1977,11 +1992,13 @@ if _GLUON_ERROR is None:
                 do = gl.where((bos + rr < eos)[:, None], do16_s.load(ROWS_L).to(gl.float32), 0.0)
                 do_s.store(do)
                 if STATES_16BIT:
-                    _widen_states(h_dst, vn_dst, h_s, vn_s, ROWS_L)
+                    _widen_pair(h_dst, vn_dst, h_s, vn_s, ROWS_L)
+                if DSTATES_16BIT:
+                    _widen_pair(dh_dst, dvn_dst, dh_s, dvn_s, ROWS_L)
                 fence_async_shared()
-                gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
+                gl.thread_barrier()  # every warp's part of dO (and the widened states), before the WGMMAs read it
             else:
-                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_dst, dvn_s, h_dst, dh_s, bar, bos, hh,
+                _dqkwg_tiles_issue(vn_desc, dvn_desc, h_desc, dh_desc, vn_dst, dvn_dst, h_dst, dh_dst, bar, bos, hh,
                                    (c * H + hh) * K + kb * BKS, V)
                 vc = gl.arange(0, V, layout=gl.SliceLayout(0, ROWS_L))
                 # lint: allow TP001 -- dO (16-bit) is widened to fp32 on its way to shared memory (tf32 WGMMA takes fp32 operands); rows past the sequence loaded as 0 (the TMA_TILES form takes it by TMA into a 16-bit slot)
@@ -1992,9 +2009,12 @@ if _GLUON_ERROR is None:
                 gl.thread_barrier()  # every warp's part of dO, before the WGMMAs read it
                 mbarrier.wait(bar, 0)
                 if STATES_16BIT:
-                    _widen_states(h_dst, vn_dst, h_s, vn_s, ROWS_L)
+                    _widen_pair(h_dst, vn_dst, h_s, vn_s, ROWS_L)
+                if DSTATES_16BIT:
+                    _widen_pair(dh_dst, dvn_dst, dh_s, dvn_s, ROWS_L)
+                if STATES_16BIT or DSTATES_16BIT:
                     fence_async_shared()
-                    gl.thread_barrier()  # every warp's part of h_b and Vn, before the WGMMAs read them
+                    gl.thread_barrier()  # every warp's part of the widened states, before the WGMMAs read them
             dqh, dkd, dwa, hdh, dd = _dqkwg_state_products(do_s, vn_s, dvn_s, h_s, dh_s, m_s, bos, eos, scale, D_L,
                                                            ROWS_L)
             if TMA_TILES:
@@ -2019,8 +2039,9 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
     """"gluon" or "triton": which kernel takes stage 9's unflagged chunks (BACKWARD_DQKWG, validated
     here). The Gluon kernel takes the whole-chunk route with 9b fused (span_flags and fuse_9b) where
     Triton's stage 9 multiplies in tf32 (`_products` for its input dtype: KDA's stage 9 reads
-    BACKWARD_PRODUCTS, not a per-stage entry) on fp32 dh and dVn and on h and Vn both fp32 or both bf16
-    (the forward's kept states, KEPT_STATES_DTYPE; widened in the kernel), with per-channel gates G in
+    BACKWARD_PRODUCTS, not a per-stage entry) on h and Vn both fp32 or both bf16 (the forward's kept
+    states, KEPT_STATES_DTYPE) and dh and dVn both fp32 or both bf16 (stage 8's, BACKWARD_DSTATES_DTYPE;
+    16-bit tiles widened in the kernel), with per-channel gates G in
     fp32 (GATE_SUMS_16BIT's default; fp64 G compiles, a case of its own, but no GPU test has run it:
     Triton's kernel takes it), q and k both fp32 (l2-normalised) or both bf16 (raw or normalised), dO
     bf16, K == V of 64 or 128, every tensor contiguous on the GPU."""
@@ -2030,8 +2051,8 @@ def dqkwg_kernel_for(q, k, G, h, dh, vn, dvn, do, input_dtype: torch.dtype, span
     K, V = q.shape[-1], do.shape[-1]
     shapes = K == V and K in HEAD_DIMS and K % DQKWG_BKS == 0 and k.shape == q.shape == G.shape
     dtypes = (q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and do.dtype == torch.bfloat16
-              and G.dtype == torch.float32 and span_flags.dtype == torch.int8 and dh.dtype == dvn.dtype == torch.float32
-              and h.dtype == vn.dtype and h.dtype in (torch.float32, torch.bfloat16))
+              and G.dtype == torch.float32 and span_flags.dtype == torch.int8
+              and all(a.dtype == b.dtype and a.dtype in (torch.float32, torch.bfloat16) for a, b in ((h, vn), (dh, dvn))))
     tensors = (q, k, G, h, dh, vn, dvn, do, span_flags)
     placed = all(x.is_cuda and x.is_contiguous() for x in tensors)
     tf32 = kk._products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
@@ -2064,7 +2085,8 @@ def chunk_dqkwg_kda_gluon(q, k, G, h, dh, vn, dvn, do, scale: float, plan, input
                          q_desc=_descriptor(q.view(Ntok, H * K), [BT, DQKWG_BKS]),
                          k_desc=_descriptor(k.view(Ntok, H * K), [BT, DQKWG_BKS]), TMA_TILES=True)
         _kda_dqkwg_wgmma_kernel[(plan.NC * (K // DQKWG_BKS), H)](*descs, *args, **tiles,
-                                                                 STATES_16BIT=h.dtype != torch.float32, num_warps=8)
+                                                                 STATES_16BIT=h.dtype != torch.float32,
+                                                                 DSTATES_16BIT=dh.dtype != torch.float32, num_warps=8)
     return kk.chunk_dqkwg_kda(q, k, G, h, dh, vn, dvn, do, scale, plan, input_dtype, span_flags=span_flags,
                               fuse_9b=True, outputs=(dq, dk, dw, dG, dp), worklist=worklist)
 
@@ -2109,15 +2131,18 @@ def _dqkwg_compile_cases():
                                      expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
                                                  "cp.async.bulk.tensor", "mbarrier.try_wait"],
                                      expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
-            # the forward's kept h and Vn in bf16 (STATES_16BIT), with the loads' and the TMA tiles' forms
-            sargs = dict(h_desc=descriptor_stand_in([NC * H * K, V], bf, [DQKWG_BKS, V], _smem_layout((DQKWG_BKS, V), bf)),
-                         vn_desc=tile_desc(bf, V, V), STATES_16BIT=True)
+            # 16-bit states, with the loads' and the TMA tiles' forms: the forward's kept h and Vn in
+            # bf16 (STATES_16BIT), stage 8's dh and dVn (DSTATES_16BIT), all four
+            state16 = descriptor_stand_in([NC * H * K, V], bf, [DQKWG_BKS, V], _smem_layout((DQKWG_BKS, V), bf))
+            h16 = dict(h_desc=state16, vn_desc=tile_desc(bf, V, V), STATES_16BIT=True)
+            dh16 = dict(dh_desc=state16, dvn_desc=tile_desc(bf, V, V), DSTATES_16BIT=True)
             for form, form_args in (("loads", args), ("tma_tiles", targs)):
-                cases.append(CompileCase(name=f"kda_dqkwg_{form}_states16_{tag}_w8", kernel=_kda_dqkwg_wgmma_kernel,
-                                         args=dict(form_args, **sargs), num_warps=8,
-                                         expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
-                                                     "cp.async.bulk.tensor", "mbarrier.try_wait"],
-                                         expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
+                for which, sargs in (("states16", h16), ("dstates16", dh16), ("allstates16", dict(h16, **dh16))):
+                    cases.append(CompileCase(name=f"kda_dqkwg_{form}_{which}_{tag}_w8", kernel=_kda_dqkwg_wgmma_kernel,
+                                             args=dict(form_args, **sargs), num_warps=8,
+                                             expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                                                         "cp.async.bulk.tensor", "mbarrier.try_wait"],
+                                             expect_max_spills=0, expect_max_shared=SMEM_PER_SM))
     return cases
 
 
@@ -2311,6 +2336,14 @@ def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
         for part in ("dA", "dA_ufree"):
             split_args[f"{part}_tma"] = (_kda_wy_dA_kernel, dict(split_args[part][1], dvn_desc=desc(), dw_desc=desc(),
                                                                  TMA_TILES=True))
+        if k_dtype == f32:
+            # stage 8's dVn in bf16 (BACKWARD_DSTATES_DTYPE "bf16"), loaded or by TMA, U_FREE
+            dvn16 = descriptor_stand_in([Ntok, H * V], bf, [BT, CB], _smem_layout((BT, CB), bf))
+            split_args["dA_ufree_dvn16"] = (_kda_wy_dA_kernel, dict(split_args["dA_ufree"][1],
+                                                                    dvn_ptr=t(Ntok, H, V, dtype=bf)))
+            split_args["dA_ufree_tma_dvn16"] = (_kda_wy_dA_kernel, dict(split_args["dA_ufree_tma"][1],
+                                                                        dvn_ptr=t(Ntok, H, V, dtype=bf),
+                                                                        dvn_desc=dvn16))
 
         def tile_desc(dtype=f32):
             return descriptor_stand_in([Ntok, H * K], dtype, [BT, _PAIRS_CHANNELS],

@@ -138,6 +138,14 @@ KEEP_FORWARD_STATES = True
 # (docs/perf/kda.md, thirtieth session), inside the gate's bounds. "fp32" until the H200 has timed
 # it (kda_ab "kept-states-16bit", kda.md row 48).
 KEPT_STATES_DTYPE = "fp32"
+# The dtype of stage 8's dh [NC, H, K, V] and dVn [Ntok, H, V] for 16-bit inputs: "fp32" or "bf16"
+# (as FLA keeps dh and dv2: stored rounded, the recurrence carrying fp32; stage 9 and 10 widen them
+# where they read them). Half the bytes: 402 MB less written by stage 8 at S1, ~400 MB less read by
+# stage 9 (dVn twice: once per key block) and 134 MB less by stage 10's dA kernel. CPU interpreter
+# (scripts/kda_states_precision.py, the gate's 16-bit cases, with h and Vn in 16 bits as well): the
+# worst gradient error 0.43 of the gate's bound against 0.36 with fp32 states (docs/perf/kda.md,
+# row 49). "fp32" until the H200 has timed it (kda_ab "dstates-16bit").
+BACKWARD_DSTATES_DTYPE = "fp32"
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
@@ -909,9 +917,9 @@ def _kda_dqkwg_program(c, hh, kb, ONLY_FLAGGED: tl.constexpr, q_ptr, k_ptr, G_pt
         mv = valid[:, None] & (vc < V)[None, :]
         smask = (kc < K)[:, None] & (vc < V)[None, :]
         h = tl.load(h_ptr + sbase + kc[:, None] * V + vc[None, :], mask=smask, other=0.0).to(tl.float32)
-        dh = tl.load(dh_ptr + sbase + kc[:, None] * V + vc[None, :], mask=smask, other=0.0)
+        dh = tl.load(dh_ptr + sbase + kc[:, None] * V + vc[None, :], mask=smask, other=0.0).to(tl.float32)
         vn = tl.load(vn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
-        dvn = tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+        dvn = tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
         do = tl.load(do_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
         dqh += _mm(do, tl.trans(h), PREC, DT, DA)
         dkd += _mm(vn, tl.trans(dh), PREC, DT, DA)
@@ -1157,7 +1165,7 @@ def _kda_wy_bwd_program(c, hh, ONLY_FLAGGED: tl.constexpr, k_ptr, v_ptr, beta_pt
     for j in tl.static_range(NV):
         vc = j * BV + tl.arange(0, BV)
         mv = valid[:, None] & (vc < V)[None, :]
-        dvn = tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0)
+        dvn = tl.load(dvn_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
         dxu = _mm(Tt, dvn, PREC, DT, DA)
         tl.store(dv_ptr + row[:, None] * V + vc[None, :], (dxu * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv)
         v = tl.load(v_ptr + row[:, None] * V + vc[None, :], mask=mv, other=0.0).to(tl.float32)
@@ -1594,7 +1602,10 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
     # stage 7's whole chunks from the raw q and k where their fp32 normalisation is what it would read
     raw_qk = (qf, kf) if _checked("DV_LOCAL_RAW_QK", DV_LOCAL_RAW_QK, (False, True)) and l2 and qn.dtype == _F32 else None
     dvl = dv_local(qn, kn, G, dof, scale, plan, dt, span_flags=flags, worklist=work, raw_qk=raw_qk)
-    dh, dvn, dh0 = dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt)
+    dstates16 = (_checked("BACKWARD_DSTATES_DTYPE", BACKWARD_DSTATES_DTYPE, ("fp32", "bf16")) == "bf16"
+                 and dt in (torch.bfloat16, torch.float16))
+    dh, dvn, dh0 = dstates(qn, kn, w, G, dof, dvl, dht, scale, plan, h0 is not None, input_dtype=dt,
+                           states_dtype=torch.bfloat16 if dstates16 else _F32)
     dq, dkp, dw, dGp, dp = dqkwg(qn, kn, G, h, dh, vn, dvn, dof, scale, plan, dt, span_flags=flags,
                                  fuse_9b="9b" in fused_stages, worklist=work)
     chunk_dp_apply_kda(dp, qn, kn, G, dq, dkp, dGp, plan, dt, span_flags=flags, whole="9b" not in fused_stages,
