@@ -531,21 +531,21 @@ if "dqkwg-tiles" in SECTIONS and dev == "cuda":
     backward_switch_ab("dqkwg-tiles", kg_dqt, "DQKWG_TILES", ("loads", "tma"))
 
 # "kept-states-16bit": the forward's kept h and Vn in fp32 or in the inputs' bf16
-# (triton_kernels.KEPT_STATES_DTYPE "input": half the bytes written by the fused forward and read by
+# (triton_kernels.KEPT_STATES_DTYPE "bf16": half the bytes written by the fused forward and read by
 # stage 9, which widens them; the gradients' distance from fp32 states beside the time), kda.md row 48
 if "kept-states-16bit" in SECTIONS and dev == "cuda":
     def states_dtype(value, kept):
         want = torch.float32 if value == "fp32" else torch.bfloat16
         assert kept.h.dtype == kept.vn.dtype == want, (value, kept.h.dtype, kept.vn.dtype)
 
-    backward_switch_ab("kept-states-16bit", kk, "KEPT_STATES_DTYPE", ("fp32", "input"), check=states_dtype)
+    backward_switch_ab("kept-states-16bit", kk, "KEPT_STATES_DTYPE", ("fp32", "bf16"), check=states_dtype)
 
 # "dstates-16bit": stage 8's dh and dVn in fp32 or bf16 (triton_kernels.BACKWARD_DSTATES_DTYPE "bf16":
 # half the bytes stage 8 writes and stages 9 and 10 read, widened where read), with the kept h and Vn
 # in fp32 and then in bf16 (row 48 beside it: all four states in 16 bits, as FLA keeps them), kda.md row 49
 if "dstates-16bit" in SECTIONS and dev == "cuda":
     default_kept = kk.KEPT_STATES_DTYPE
-    for kept_dtype in ("fp32", "input"):
+    for kept_dtype in ("fp32", "bf16"):
         kk.KEPT_STATES_DTYPE = kept_dtype
         backward_switch_ab(f"dstates-16bit, KEPT_STATES_DTYPE={kept_dtype}", kk, "BACKWARD_DSTATES_DTYPE",
                            ("fp32", "bf16"))

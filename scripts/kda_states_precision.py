@@ -1,7 +1,7 @@
 """How far KDA's gradients move from the float64 reference when the backward's per-chunk states are
 held in 16 bits, before any kernel is written for it (docs/perf/kda.md, "The backward's states in
 bf16, precision first"). The Triton backward runs with its stage 5 (h, Vn) outputs rounded to the
-inputs' dtype and back to fp32, as the forward's kept states in 16 bits (KEPT_STATES_DTYPE "input",
+inputs' dtype and back to fp32, as the forward's kept states in 16 bits (KEPT_STATES_DTYPE "bf16",
 which the Triton forward does not keep: emulated here), and with stage 8's dh and dVn stored in bf16
 (BACKWARD_DSTATES_DTYPE "bf16", the switch itself); the forward and every other stage unchanged:
 

@@ -17,7 +17,7 @@ stage 3 leaves unflagged, stage 10 in its split form's two kernels (`_kda_wy_dA_
         off; by default it runs U_FREE, the one-kernel pass always with U formed; dqkwg-tma: stage
         9's kernel taking dO and its epilogue's tiles by TMA, gluon_kernels.DQKWG_TILES "tma", off
         by default; states16: the forward's kept h and Vn in bf16, stage 9's kernel widening them,
-        triton_kernels.KEPT_STATES_DTYPE "input", off by default; dstates16: stage 8's dh and dVn in
+        triton_kernels.KEPT_STATES_DTYPE "bf16", off by default; dstates16: stage 8's dh and dVn in
         bf16, stages 9 and 10 widening them, triton_kernels.BACKWARD_DSTATES_DTYPE "bf16", off by
         default. Stage 7 runs on
         `_kda_dv_local_wgmma_kernel` and stage 8 on the bf16 keys' form of `_tf32_recurrence_kernel`,
@@ -52,7 +52,7 @@ u_formed_split = "u-formed" in sys.argv[1:]
 if "dqkwg-tma" in sys.argv[1:]:
     kda_gluon.DQKWG_TILES = "tma"
 if "states16" in sys.argv[1:]:
-    kda_triton.KEPT_STATES_DTYPE = "input"
+    kda_triton.KEPT_STATES_DTYPE = "bf16"
 if "dstates16" in sys.argv[1:]:
     kda_triton.BACKWARD_DSTATES_DTYPE = "bf16"
 # stage 10 in its split form (the default) and in one kernel (WY_FORM)

@@ -29,7 +29,7 @@ def gluon_stage9(monkeypatch):
 
 
 # which state tiles stage 9 is given in bf16: none, h and Vn (the forward's kept states in
-# KEPT_STATES_DTYPE "input"), dh and dVn (stage 8's in BACKWARD_DSTATES_DTYPE "bf16"), all four
+# KEPT_STATES_DTYPE "bf16"), dh and dVn (stage 8's in BACKWARD_DSTATES_DTYPE "bf16"), all four
 STATES_16BIT = {"fp32": (), "h-vn-bf16": (3, 5), "dh-dvn-bf16": (4, 6), "all-bf16": (3, 4, 5, 6)}
 
 
@@ -216,7 +216,7 @@ def test_rule_takes_what_the_kernel_was_compiled_for(monkeypatch):
     for K in (64, 128):
         for keys in (f32, bf):
             assert _rule(_rule_operands(K, K, keys)) == "gluon", (K, keys)
-    # the forward's kept h and Vn in bf16 (KEPT_STATES_DTYPE "input"): the kernel widens them
+    # the forward's kept h and Vn in bf16 (KEPT_STATES_DTYPE "bf16"): the kernel widens them
     assert _rule(_rule_operands(h=_Operand([4, 2, 128, 128], bf), vn=_Operand([256, 2, 128], bf))) == "gluon"
     # stage 8's dh and dVn in bf16 (BACKWARD_DSTATES_DTYPE "bf16"), alone and with h and Vn: widened too
     assert _rule(_rule_operands(dh=_Operand([4, 2, 128, 128], bf), dvn=_Operand([256, 2, 128], bf))) == "gluon"

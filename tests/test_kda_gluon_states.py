@@ -231,15 +231,15 @@ def test_forms_leave_the_forward_unchanged(forms, layout, K, device, seed, monke
 
 # the fused forward's forms with the backward switches each runs beside (the rest at their defaults):
 # "fused-t-u-from-t" the backward from the kept states never forming U (BACKWARD_U_FROM_T);
-# "fused-t-states16" the kept h and Vn in bf16 (KEPT_STATES_DTYPE "input"); "fused-t-dstates16"
+# "fused-t-states16" the kept h and Vn in bf16 (KEPT_STATES_DTYPE "bf16"); "fused-t-dstates16"
 # stage 8's dh and dVn in bf16 (BACKWARD_DSTATES_DTYPE "bf16"); "fused-t-allstates16" both
 GATE_FORMS = {
     "fused": ("fused", dict(BACKWARD_U_FROM_T=False)),
     "fused-t": ("fused-t", dict(BACKWARD_U_FROM_T=False)),
     "fused-t-u-from-t": ("fused-t", dict(BACKWARD_U_FROM_T=True)),
-    "fused-t-states16": ("fused-t", dict(BACKWARD_U_FROM_T=False, KEPT_STATES_DTYPE="input")),
+    "fused-t-states16": ("fused-t", dict(BACKWARD_U_FROM_T=False, KEPT_STATES_DTYPE="bf16")),
     "fused-t-dstates16": ("fused-t", dict(BACKWARD_DSTATES_DTYPE="bf16")),
-    "fused-t-allstates16": ("fused-t", dict(KEPT_STATES_DTYPE="input", BACKWARD_DSTATES_DTYPE="bf16")),
+    "fused-t-allstates16": ("fused-t", dict(KEPT_STATES_DTYPE="bf16", BACKWARD_DSTATES_DTYPE="bf16")),
 }
 
 
@@ -552,10 +552,10 @@ def test_stage_3_without_w_and_u_needs_the_kept_t_form():
 # --------------------------------------------------------------------------------------------
 # The states a training forward keeps for its backward (triton_kernels.KEEP_FORWARD_STATES)
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("keep_states,kept_dtype", [(True, "fp32"), (True, "input"), (False, "fp32")])
+@pytest.mark.parametrize("keep_states,kept_dtype", [(True, "fp32"), (True, "bf16"), (False, "fp32")])
 def test_keeping_forward_hands_the_fused_stage_its_state_buffers(keep_states, kept_dtype, device, seed, monkeypatch):
     """A keeping fused-t forward hands the fused stage h [NC, H, K, V] and Vn [Ntok, H, V] buffers,
-    fp32 or in the inputs' dtype (KEPT_STATES_DTYPE), to store every chunk's into
+    fp32 or bf16 (KEPT_STATES_DTYPE), to store every chunk's into
     (KEEP_FORWARD_STATES) and keeps those very buffers; with the switch off it hands none and keeps
     none. The fused stage is a stand-in (the Triton stages run where the backend does)."""
     parity._backend_or_skip("triton", device)
@@ -580,7 +580,7 @@ def test_keeping_forward_hands_the_fused_stage_its_state_buffers(keep_states, ke
     h, vn = states_out
     Ntok, H, K = kk._flatten(inputs[0]).shape
     assert h.shape == (plan.NC, H, K, K) and vn.shape == (Ntok, H, K)
-    want = torch.float32 if kept_dtype == "fp32" else inputs[0].dtype
+    want = torch.float32 if kept_dtype == "fp32" else torch.bfloat16
     assert h.dtype == vn.dtype == want and h.is_contiguous() and vn.is_contiguous()
     assert kept.h is h and kept.vn is vn, "the backward gets the buffers the fused stage wrote"
     assert kept.T.dtype == torch.float32, "a keeping forward keeps fp32 T"
@@ -716,7 +716,7 @@ def test_kept_states_leave_the_forward_and_are_the_recomputes(layout, K, h0, dev
 
 @pytest.mark.parametrize("layout,K", [(lay, K) for lay in LAYOUTS for K in (64, 128)])
 def test_kept_states_in_16_bits_are_the_fp32_ones_rounded(layout, K, device, seed, monkeypatch):
-    """KEPT_STATES_DTYPE "input": the fused kernel stores every chunk's h and Vn in bf16, bitwise the
+    """KEPT_STATES_DTYPE "bf16": the fused kernel stores every chunk's h and Vn in bf16, bitwise the
     fp32 ones it stores otherwise rounded to nearest even, and o and the final state unchanged; the
     backward takes them (stage 9's Gluon kernel widening them, STATES_16BIT). Its gradients' distance
     from the float64 reference is the gate's business (test_gate_cases_with_the_fused_kernel's
@@ -728,7 +728,7 @@ def test_kept_states_in_16_bits_are_the_fp32_ones_rounded(layout, K, device, see
     q, k, v, g, beta, h0_t, cu = _inputs(layout, K, True, device)
     fargs = (q, k, v, g, beta, K ** -0.5, h0_t, True, True, cu)
     outs = []
-    for kept_dtype in ("fp32", "input"):
+    for kept_dtype in ("fp32", "bf16"):
         monkeypatch.setattr(kk, "KEPT_STATES_DTYPE", kept_dtype)
         with poisoned():
             outs.append(gk.kda_forward_gluon(*fargs, keep_for_backward=True))

@@ -424,7 +424,7 @@ def _kda_backward_cases():
             dbp_ptr=T([Ntok, H], f32), dv_ptr=tok(V, bf), chunks_ptr=ch, H=H, K=K, V=V, BK=BK, BV=BV, NV=NV, BT=64,
             CB=min(BK, 64), PAIRS=True, flags_ptr=fl, dk_ptr=tok(K), dbeta_ptr=T([Ntok, H], bf), dg_ptr=tok(K),
             CHUNKS=route, **extra, **prec)
-    # 16-bit states (KEPT_STATES_DTYPE "input", BACKWARD_DSTATES_DTYPE "bf16"): h, dh, Vn and dVn in
+    # 16-bit states (KEPT_STATES_DTYPE "bf16", BACKWARD_DSTATES_DTYPE "bf16"): h, dh, Vn and dVn in
     # bf16, widened on load; the flagged chunks' launches over the worklist beside the Gluon kernels
     st16 = dict(h_ptr=T([NC, H, K, V], bf), dh_ptr=T([NC, H, K, V], bf), vn_ptr=tok(V, bf), dvn_ptr=tok(V, bf))
     yield "kda dqkwg fused 9b worklist 16-bit states", kk._kda_dqkwg_kernel, dict(

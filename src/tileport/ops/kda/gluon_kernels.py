@@ -1918,7 +1918,7 @@ if _GLUON_ERROR is None:
         flight during the wait for the state tiles, none after the products (ncu at e48d059: the
         pointer loads' long_scoreboard, 2.43 cycles per issued instruction, led the stalls), with
         no more shared memory.
-        STATES_16BIT (the forward's kept h and Vn in bf16, triton_kernels.KEPT_STATES_DTYPE "input"):
+        STATES_16BIT (the forward's kept h and Vn in bf16, triton_kernels.KEPT_STATES_DTYPE "bf16"):
         h_b and Vn come by TMA in 16 bits into the first half of their fp32 slots and are widened
         there after the wait (every warp reads its part, a CTA barrier, then the fp32 stores): the
         same fp32 operands as an fp32 h and Vn holding those bf16 values, for half their bytes.

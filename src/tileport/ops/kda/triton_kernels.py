@@ -130,9 +130,10 @@ KEEP_FORWARD_TILES = True
 # the forward's own (bf16 operands, as its o was formed), not the recompute's tf32 ones. Read at
 # each call.
 KEEP_FORWARD_STATES = True
-# The dtype of the kept h and Vn for 16-bit inputs: "fp32" or "input" (the inputs' dtype: the
-# values the forward's own WGMMAs took, h and Vn being rounded to bf16 as its operands; half the
-# bytes, 402 MB less written at S1 and read again by stage 9, whose Gluon kernel widens them).
+# The dtype of the kept h and Vn for 16-bit inputs: "fp32" or "bf16" (for bf16 inputs the values
+# the forward's own WGMMAs took, h and Vn being rounded to bf16 as its operands; bf16 and not fp16
+# for fp16 inputs, whose range exp(G) factors can underflow: kda.md, "W in bf16, precision"; half
+# the bytes, 402 MB less written at S1 and read again by stage 9, whose Gluon kernel widens them).
 # The backward's gradients then move: CPU interpreter, the gate's bf16 cases, dg up to 3.0e-3 and
 # dq, dk up to 4.0e-3 normwise from the float64 reference against 1e-3-3.6e-3 with fp32 states
 # (docs/perf/kda.md, thirtieth session), inside the gate's bounds. "fp32" until the H200 has timed
@@ -465,7 +466,8 @@ def kda_forward_triton(q, k, v, g, beta, scale, initial_state, output_final_stat
         solve_kwargs["t_dtype"] = vf.dtype  # T read by the fused kernel alone, which rounds it to v's dtype
     fused = form in ("fused", "fused-t")
     # every chunk's h and Vn, stored by the fused kernel for the backward (KEEP_FORWARD_STATES)
-    kept_dtype = vf.dtype if _checked("KEPT_STATES_DTYPE", KEPT_STATES_DTYPE, ("fp32", "input")) == "input" else _F32
+    kept_dtype = (torch.bfloat16 if _checked("KEPT_STATES_DTYPE", KEPT_STATES_DTYPE, ("fp32", "bf16")) == "bf16"
+                  and vf.dtype in (torch.bfloat16, torch.float16) else _F32)
     states_kept = ((new_empty((plan.NC, H, K, V), kept_dtype, q.device), new_empty((vf.shape[0], H, V), kept_dtype,
                                                                                    q.device))
                    if keep and from_t and KEEP_FORWARD_STATES else None)
@@ -499,7 +501,7 @@ class KeptTiles(NamedTuple):
     flags int8 [NC, H] (which chunks stage 3 left to its 16-row blocks). Saved for the backward
     with ctx.save_for_backward (`tileport.delta_rule_ops`): freed after it, and seen by saved-tensor
     hooks (activation checkpointing, offloading) as the op's inputs are. h [NC, H, K, V] and Vn
-    [Ntok, H, V] (fp32, or the inputs' dtype: KEPT_STATES_DTYPE): every chunk's state entering it
+    [Ntok, H, V] (fp32, or bf16 for 16-bit inputs: KEPT_STATES_DTYPE): every chunk's state entering it
     and its Vn, where the forward's fused kernel stored them (KEEP_FORWARD_STATES), else None (the
     backward recomputes them). kn [Ntok,
     H, K] in the inputs' dtype: the l2-normalised keys the forward used (stage 3's or
