@@ -39,7 +39,7 @@ on the flags' worklist (triton_kernels.BACKWARD_FLAGGED_WORKLIST) or on whole gr
 "dqkwg-tiles": stage 9's Gluon kernel taking dO and its epilogue's tiles by pointer loads or by TMA (gluon_kernels.DQKWG_TILES).
 
     python3 scripts/kda_ab.py        (on the GPU; under TRITON_INTERPRET=1 a tiny untimed dry run)
-    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,pairs-keys,dv-local-gluon,dqkwg-tiles,kept-states-16bit,dstates-16bit (default: the first three)
+    KDA_AB_SECTIONS=forward,profile,backward,profile-backward,gluon,fused,gluon-backward,dv-local,kept,wy,dqkwg,wy-split,solve,recurrence,vn-from-t,keys-in-stage-3,inference,kept-states,flagged-worklist,normalised-qk,u-from-t,dv-local-raw-qk,pairs-tiles,dA-tiles,pairs-keys,dv-local-gluon,dqkwg-tiles,kept-states-16bit,dstates-16bit,w-16bit (default: the first three)
     KDA_AB_ONLY="chunk 4w BV64,chunk whole" (only these and exact)
 """
 
@@ -550,3 +550,13 @@ if "dstates-16bit" in SECTIONS and dev == "cuda":
         backward_switch_ab(f"dstates-16bit, KEPT_STATES_DTYPE={kept_dtype}", kk, "BACKWARD_DSTATES_DTYPE",
                            ("fp32", "bf16"))
     kk.KEPT_STATES_DTYPE = default_kept
+
+# "w-16bit": the backward's W (formed from the kept T) in fp32 or bf16 (triton_kernels.BACKWARD_W_DTYPE
+# "bf16": 134 MB less written by wu_from_t and read by stage 8 and the dA kernel each, widened where
+# read), then with every 16-bit switch of rows 48-50 on together, kda.md row 50
+if "w-16bit" in SECTIONS and dev == "cuda":
+    backward_switch_ab("w-16bit", kk, "BACKWARD_W_DTYPE", ("fp32", "bf16"))
+    default_16 = (kk.KEPT_STATES_DTYPE, kk.BACKWARD_DSTATES_DTYPE)
+    kk.KEPT_STATES_DTYPE, kk.BACKWARD_DSTATES_DTYPE = "bf16", "bf16"
+    backward_switch_ab("w-16bit, 16-bit states", kk, "BACKWARD_W_DTYPE", ("fp32", "bf16"))
+    kk.KEPT_STATES_DTYPE, kk.BACKWARD_DSTATES_DTYPE = default_16

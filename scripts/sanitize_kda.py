@@ -11,7 +11,7 @@ stage 3 leaves unflagged, stage 10 in its split form's two kernels (`_kda_wy_dA_
 `_kda_wy_pairs_kernel`, WY_FORM "split", the default) on the first pass and in one kernel
 (`_kda_wy_bwd_wgmma_kernel`) on the second.
 
-    python3 scripts/sanitize_kda.py [quick] [first] [q-registers] [u-formed] [dqkwg-tma] [states16] [dstates16]
+    python3 scripts/sanitize_kda.py [quick] [first] [q-registers] [u-formed] [dqkwg-tma] [states16] [dstates16] [w16]
         (first: the first pass only, the defaults; q-registers: gluon_kernels.Q_NORM "registers";
         u-formed: the split form's `_kda_wy_dA_kernel` reading a formed U, triton_kernels.BACKWARD_U_FROM_T
         off; by default it runs U_FREE, the one-kernel pass always with U formed; dqkwg-tma: stage
@@ -19,7 +19,8 @@ stage 3 leaves unflagged, stage 10 in its split form's two kernels (`_kda_wy_dA_
         by default; states16: the forward's kept h and Vn in bf16, stage 9's kernel widening them,
         triton_kernels.KEPT_STATES_DTYPE "bf16", off by default; dstates16: stage 8's dh and dVn in
         bf16, stages 9 and 10 widening them, triton_kernels.BACKWARD_DSTATES_DTYPE "bf16", off by
-        default. Stage 7 runs on
+        default; w16: the backward's W in bf16, stage 8 and the dA kernel widening it,
+        triton_kernels.BACKWARD_W_DTYPE "bf16", off by default. Stage 7 runs on
         `_kda_dv_local_wgmma_kernel` and stage 8 on the bf16 keys' form of `_tf32_recurrence_kernel`,
         the defaults since the thirtieth session.)
 
@@ -55,6 +56,8 @@ if "states16" in sys.argv[1:]:
     kda_triton.KEPT_STATES_DTYPE = "bf16"
 if "dstates16" in sys.argv[1:]:
     kda_triton.BACKWARD_DSTATES_DTYPE = "bf16"
+if "w16" in sys.argv[1:]:
+    kda_triton.BACKWARD_W_DTYPE = "bf16"
 # stage 10 in its split form (the default) and in one kernel (WY_FORM)
 passes = ((128, 8, "split", "fused-t", "triton"), (64, 4, "one-kernel", "split", "gluon"))
 for bv, warps, wy_form, recurrence, solve in passes[:1] if "first" in sys.argv[1:] else passes:

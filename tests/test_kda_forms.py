@@ -57,6 +57,9 @@ FORMS = {
     # stage 8's dh and dVn stored in bf16 for 16-bit inputs, widened by stages 9 and 10 where read
     # (BACKWARD_DSTATES_DTYPE "bf16", off: docs/perf/kda.md row 49)
     "bwd-dstates-bf16": dict(BACKWARD_DSTATES_DTYPE="bf16"),
+    # the backward's W (from the kept T) stored in bf16 for 16-bit inputs, widened by stages 8 and 10
+    # (BACKWARD_W_DTYPE "bf16", off: docs/perf/kda.md row 50)
+    "bwd-w-bf16": dict(BACKWARD_W_DTYPE="bf16"),
 }
 
 

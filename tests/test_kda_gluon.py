@@ -136,7 +136,8 @@ def test_per_channel_gates_take_the_gluon_recurrences(monkeypatch):
 def test_stage8_takes_bf16_keys_where_asked(monkeypatch):
     """Stage 8 (dstates) on bf16 q and k with fp32 W (BACKWARD_NORMALISED_QK "input"): the Gluon
     kernel's A_LOADS form where DSTATES_16BIT_KEYS is on, Triton's otherwise; never stage 5, per-head
-    gates, one 16-bit key alone, or a 16-bit W."""
+    gates, one 16-bit key alone, or an fp16 W (a bf16 W is taken since BACKWARD_W_DTYPE: the kernel
+    widens it)."""
     from tileport.ops.gdn import gluon_kernels as gdn_gluon
 
     x, g, b = OnGPU(torch.float32, 3), OnGPU(torch.float32, 3), OnGPU(torch.bfloat16, 3)
@@ -145,8 +146,10 @@ def test_stage8_takes_bf16_keys_where_asked(monkeypatch):
     assert gdn_gluon.recurrence_kernel_for("dstates", (b, b, x), g, torch.bfloat16) == "triton"
     monkeypatch.setattr(gdn_gluon, "DSTATES_16BIT_KEYS", True)
     assert gdn_gluon.recurrence_kernel_for("dstates", (b, b, x), g, torch.bfloat16) == "gluon"
+    assert gdn_gluon.recurrence_kernel_for("dstates", (b, b, b), g, torch.bfloat16) == "gluon"  # bf16 W too
     for why, operands, gates in (("stage 5", None, g), ("per-head gates", (b, b, x), OnGPU(torch.float32, 2)),
-                                 ("q alone", (b, x, x), g), ("k alone", (x, b, x), g), ("bf16 W", (b, b, b), g)):
+                                 ("q alone", (b, x, x), g), ("k alone", (x, b, x), g),
+                                 ("fp16 W", (b, b, OnGPU(torch.float16, 3)), g)):
         stage = "states" if operands is None else "dstates"
         assert gdn_gluon.recurrence_kernel_for(stage, operands or (b, b, x), gates, torch.bfloat16) == "triton", why
     monkeypatch.setattr(gdn_gluon, "DSTATES_16BIT_KEYS", "yes")

@@ -232,7 +232,8 @@ def test_forms_leave_the_forward_unchanged(forms, layout, K, device, seed, monke
 # the fused forward's forms with the backward switches each runs beside (the rest at their defaults):
 # "fused-t-u-from-t" the backward from the kept states never forming U (BACKWARD_U_FROM_T);
 # "fused-t-states16" the kept h and Vn in bf16 (KEPT_STATES_DTYPE "bf16"); "fused-t-dstates16"
-# stage 8's dh and dVn in bf16 (BACKWARD_DSTATES_DTYPE "bf16"); "fused-t-allstates16" both
+# stage 8's dh and dVn in bf16 (BACKWARD_DSTATES_DTYPE "bf16"); "fused-t-allstates16" both;
+# "fused-t-w16" the backward's W in bf16 (BACKWARD_W_DTYPE "bf16"); "fused-t-all16" all three
 GATE_FORMS = {
     "fused": ("fused", dict(BACKWARD_U_FROM_T=False)),
     "fused-t": ("fused-t", dict(BACKWARD_U_FROM_T=False)),
@@ -240,6 +241,9 @@ GATE_FORMS = {
     "fused-t-states16": ("fused-t", dict(BACKWARD_U_FROM_T=False, KEPT_STATES_DTYPE="bf16")),
     "fused-t-dstates16": ("fused-t", dict(BACKWARD_DSTATES_DTYPE="bf16")),
     "fused-t-allstates16": ("fused-t", dict(KEPT_STATES_DTYPE="bf16", BACKWARD_DSTATES_DTYPE="bf16")),
+    "fused-t-w16": ("fused-t", dict(BACKWARD_W_DTYPE="bf16")),
+    "fused-t-all16": ("fused-t", dict(KEPT_STATES_DTYPE="bf16", BACKWARD_DSTATES_DTYPE="bf16",
+                                      BACKWARD_W_DTYPE="bf16")),
 }
 
 

@@ -181,15 +181,21 @@ def test_stage10_without_u_route_by_route(layout, K, l2, device, seed, monkeypat
                            "U's")
 
 
+# stage 10's arguments that may come in bf16: W (5, BACKWARD_W_DTYPE) and dVn (8, BACKWARD_DSTATES_DTYPE)
+WIDENED = {"dvn": (8,), "w": (5,), "w-dvn": (5, 8)}
+
+
+@pytest.mark.parametrize("which", list(WIDENED))
 @pytest.mark.parametrize("u_formed", [False, True], ids=["u-free", "u-formed"])
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stage10_widens_bf16_dvn(layout, K, u_formed, device, seed, monkeypatch):
-    """Stage 8's dVn in bf16 (triton_kernels.BACKWARD_DSTATES_DTYPE "bf16"): stage 10 given it
-    computes bitwise what it computes from an fp32 dVn holding the same values (every kernel widens
-    it where it reads it), route by route: on the GPU the Gluon split form (the dA kernel in both
-    of its tile forms, DA_TILES) with Triton's flagged launch, which spies see run; on the CPU
-    Triton's kernel for every chunk. U never formed (the default) or formed."""
+def test_stage10_widens_bf16_dvn(layout, K, u_formed, which, device, seed, monkeypatch):
+    """Stage 8's dVn in bf16 (triton_kernels.BACKWARD_DSTATES_DTYPE "bf16") and the backward's W in
+    bf16 (BACKWARD_W_DTYPE "bf16"), alone and together: stage 10 given them computes bitwise what it
+    computes from fp32 tensors holding the same values (every kernel widens them where it reads them),
+    route by route: on the GPU the Gluon split form (the dA kernel in both of its tile forms,
+    DA_TILES) with Triton's flagged launch, which spies see run; on the CPU Triton's kernel for every
+    chunk. U never formed (the default) or formed."""
     from tileport.dispatch import interpreter_enabled
     from tileport.ops.kda import gluon_kernels as kg
     from tileport.ops.kda import triton_kernels as kk
@@ -200,9 +206,10 @@ def test_stage10_widens_bf16_dvn(layout, K, u_formed, device, seed, monkeypatch)
     flags, plan = kwargs["span_flags"], args[11]
     if not u_formed:
         args = args[:6] + (None,) + args[7:]
-    dvn16 = args[8].to(torch.bfloat16)
-    assert not torch.equal(dvn16.float(), args[8]), "the draw's dVn holds bf16 values already"
-    given, widened = args[:8] + (dvn16,) + args[9:], args[:8] + (dvn16.float(),) + args[9:]
+    given = tuple(x.to(torch.bfloat16) if i in WIDENED[which] else x for i, x in enumerate(args))
+    for i in WIDENED[which]:
+        assert not torch.equal(given[i].float(), args[i]), f"argument {i}: the draw's values are bf16 ones already"
+    widened = tuple(x.float() if i in WIDENED[which] else x for i, x in enumerate(given))
     tile_forms = ("loads", "tma") if device == "cuda" else ("loads",)
     spies = _wy_on(monkeypatch, "split") if device == "cuda" else []
     fn = kg.chunk_wy_bwd_kda_gluon if device == "cuda" else kk.chunk_wy_bwd_kda
@@ -213,7 +220,7 @@ def test_stage10_widens_bf16_dvn(layout, K, u_formed, device, seed, monkeypatch)
         assert all(spy.grids == [(plan.NC, flags.shape[1])] * 2 * n for spy in spies), [spy.grids for spy in spies]
         for name in NAMES:
             assert torch.equal(ours[name].nan_to_num(7.0), theirs[name].nan_to_num(7.0)), \
-                f"{name} [{layout} K={K} u_formed={u_formed} {tiles}]: bf16 dVn != the same values in fp32"
+                f"{name} [{layout} K={K} u_formed={u_formed} {tiles} {which}]: bf16 != the same values in fp32"
 
 
 def test_flagged_route_leaves_the_other_chunks(device, seed):
@@ -260,11 +267,19 @@ def test_rule(monkeypatch):
     assert kg.wy_bwd_kernel_for(ops, G, torch.bfloat16, None, outs) == "triton"
     assert kg.wy_bwd_kernel_for(ops, G, torch.bfloat16, flags, None) == "triton"
     assert kg.wy_bwd_kernel_for(ops[:2] + (k16,) + ops[3:], G, torch.bfloat16, flags, outs) == "triton"
-    # stage 8's dVn in bf16 (BACKWARD_DSTATES_DTYPE "bf16"): widened by the kernel; no other operand may be
-    assert kg.wy_bwd_kernel_for(ops[:6] + (k16,) + ops[7:], G, torch.bfloat16, flags, outs) == "gluon"
-    for i in (3, 5, 7, 8):  # W, dW, dK', dG' in bf16
-        assert kg.wy_bwd_kernel_for(ops[:i] + (k16,) + ops[i + 1:], G, torch.bfloat16, flags, outs) == "triton", i
     f16 = OnGPU(torch.float16, 3, (64, 2, 128))
+    # stage 8's dVn in bf16 (BACKWARD_DSTATES_DTYPE "bf16"): widened by the kernel
+    assert kg.wy_bwd_kernel_for(ops[:6] + (k16,) + ops[7:], G, torch.bfloat16, flags, outs) == "gluon"
+    for i in (2, 5, 7, 8):  # T, dW, dK', dG' in bf16
+        assert kg.wy_bwd_kernel_for(ops[:i] + (k16,) + ops[i + 1:], G, torch.bfloat16, flags, outs) == "triton", i
+    # the backward's W in bf16 (BACKWARD_W_DTYPE "bf16"): the split form's dA kernel widens it, the one
+    # kernel does not take it
+    w16 = ops[:3] + (k16,) + ops[4:]
+    assert kg.wy_bwd_kernel_for(w16, G, torch.bfloat16, flags, outs) == "gluon"
+    assert kg.wy_bwd_kernel_for(ops[:3] + (f16,) + ops[4:], G, torch.bfloat16, flags, outs) == "triton"
+    monkeypatch.setattr(kg, "WY_FORM", "one-kernel")
+    assert kg.wy_bwd_kernel_for(w16, G, torch.bfloat16, flags, outs) == "triton"
+    monkeypatch.setattr(kg, "WY_FORM", "split")
     assert kg.wy_bwd_kernel_for(ops[:6] + (f16,) + ops[7:], G, torch.bfloat16, flags, outs) == "triton"
     assert kg.wy_bwd_kernel_for(ops, OnGPU(torch.float64, 3, (64, 2, 128)), torch.bfloat16, flags, outs) == "triton"
     assert kg.wy_bwd_kernel_for(ops, G, torch.float32, flags, outs) == "triton"  # fp32 inputs: exact products

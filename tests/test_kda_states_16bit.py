@@ -63,3 +63,67 @@ def test_backward_switch_is_checked(device, monkeypatch):
                                                   "rand", device)
     with pytest.raises(ValueError, match="BACKWARD_DSTATES_DTYPE"):
         kk.kda_backward_triton(torch.randn_like(v), None, q, k, v, g, beta, 0.25, None, False, cu)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "gluon"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stage8_widens_bf16_w(layout, kernel, device, seed):
+    """The backward's W in bf16 (BACKWARD_W_DTYPE "bf16"): stage 8 (Triton's `chunk_dstates`; on
+    the GPU also the Gluon recurrence) given it computes bitwise what it computes from an fp32 W
+    holding the same values (it widens W where it loads it)."""
+    from tileport.ops.gdn import gluon_kernels as gdn_gluon
+    from tileport.ops.gdn import triton_kernels as gdn_triton
+
+    parity._backend_or_skip(kernel, device)
+    fn = gdn_triton.chunk_dstates if kernel == "triton" else gdn_gluon.chunk_dstates_gluon
+    args, kwargs = capture_stage("dstates", layout, 64, True, device)
+    w16 = args[2].to(torch.bfloat16)
+    assert not torch.equal(w16.float(), args[2]), "the draw's W holds bf16 values already"
+    outs = []
+    for w in (w16, w16.float()):
+        with poisoned():
+            outs.append(fn(*args[:2], w, *args[3:], **kwargs))
+    for name, a, b in zip(("dh", "dVn", "d initial_state"), *outs):
+        assert torch.equal(a, b), f"{name} [{kernel} {layout}]: bf16 W != the same values in fp32"
+
+
+def test_gluon_stage8_rule_takes_bf16_w(monkeypatch):
+    """GDN's rule for its Gluon recurrences takes KDA's W in bf16 for stage 8 (per-channel gates),
+    with fp32 or bf16 keys, and nowhere else: not for stage 5's recompute, not with per-head gates
+    (GDN's own), not in fp16."""
+    from standins import OnGPU
+
+    from tileport.ops.gdn import gluon_kernels as gdn_gluon
+
+    f32, bf, f16 = OnGPU(torch.float32, 3), OnGPU(torch.bfloat16, 3), OnGPU(torch.float16, 3)
+    g = OnGPU(torch.float32, 3)
+    monkeypatch.setattr(gdn_gluon, "BACKWARD_STATES", "gluon")
+    monkeypatch.setattr(gdn_gluon, "DSTATES_16BIT_KEYS", True)
+    assert gdn_gluon.recurrence_kernel_for("dstates", (f32, f32, bf), g, torch.bfloat16) == "gluon"
+    assert gdn_gluon.recurrence_kernel_for("dstates", (bf, bf, bf), g, torch.bfloat16) == "gluon"
+    assert gdn_gluon.recurrence_kernel_for("dstates", (f32, f32, f16), g, torch.bfloat16) == "triton"
+    assert gdn_gluon.recurrence_kernel_for("states", (f32, bf, f32), g, torch.bfloat16) == "triton"
+    assert gdn_gluon.recurrence_kernel_for("dstates", (f32, f32, bf), OnGPU(torch.float64, 2), torch.bfloat16) == "triton"
+
+
+def test_w_dtype_is_checked(device, monkeypatch):
+    """BACKWARD_W_DTYPE other than "fp32" and "bf16", and chunk_wu_from_t_kda's w_dtype other than
+    fp32 and bf16, are refused by name."""
+    from tileport.ops.kda import triton_kernels as kk
+
+    parity._backend_or_skip("triton", device)
+    with pytest.raises(ValueError, match="w_dtype must be torch.float32 or torch.bfloat16"):
+        x = torch.zeros(1, 1, 1)
+        kk.chunk_wu_from_t_kda(x, x, x, x, x, None, None, torch.bfloat16, False, w_dtype=torch.float16)
+    monkeypatch.setattr(kk, "BACKWARD_W_DTYPE", "fp16")
+    q, k, v, g, beta, h0, cu = parity.make_inputs(1, 8, 1, 16, 16, torch.bfloat16, None, False, False, "normal",
+                                                  "rand", device)
+    for t in (q, k, v, g, beta):
+        t.requires_grad_(True)
+    with pytest.raises(ValueError, match="BACKWARD_W_DTYPE"):
+        import tileport
+        from tileport.dispatch import use_backend
+
+        with use_backend("triton", op="kda"):
+            o, _ = tileport.chunk_kda(q, k, v, g, beta)
+            o.sum().backward()

@@ -605,8 +605,9 @@ if _GLUON_ERROR is None:
 
             # under A S: the chunk's rows, and the transposed operands of the update (their last
             # readers, the previous chunk's WGMMAs, were waited for before the barrier that ended it)
+            # (widened: KDA's W may come in bf16, BACKWARD_W_DTYPE)
             # lint: allow TP001 -- X goes to shared memory transposed (tokens contiguous, what tf32 WGMMA reads), which TMA cannot write
-            x1 = gl.load(x1_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0)
+            x1 = gl.load(x1_ptr + rows[:, None] * K + kc[None, :], mask=r_ok[:, None], other=0.0).to(gl.float32)
             if PER_CHANNEL:
                 if not BACKWARD:  # X1 = K * exp(G_L - G)
                     x1 = x1 * _channel_decay(G_ptr, rows, r_ok, kc, GLx, K)
@@ -1498,17 +1499,19 @@ _KERNEL_CHOICES = ("gluon", "triton")
 def _gluon_takes(stage: str, operands, G, input_dtype, per_channel: bool = False) -> bool:
     """Whether the Gluon tf32 kernels take backward stage `stage` on these operands: its products
     tf32 (BACKWARD_PRODUCTS, per stage), every operand fp32, per-head gates (GDN's; per-channel
-    ones (KDA's) where the kernel has a PER_CHANNEL form, `per_channel`), on the GPU."""
+    ones (KDA's) where the kernel has a PER_CHANNEL form, `per_channel`), on the GPU. Stage 8 with
+    per-channel gates also takes KDA's W (operands[2]) in bf16 (BACKWARD_W_DTYPE), widened on load."""
     from tileport.ops.gdn import triton_kernels as tk
 
     tf32 = tk._products(input_dtype, True, stage)[2].removesuffix("-emulated") == "tf32"  # (the interpreter's name)
     gates = G.dim() == 2 or per_channel and G.dim() == 3
-    fp32 = all(x.dtype == torch.float32 for x in operands)
+    w16 = stage == "dstates" and per_channel and G.dim() == 3 and operands[2].dtype == torch.bfloat16
+    fp32 = all(x.dtype == torch.float32 for i, x in enumerate(operands) if not (w16 and i == 2))
     # stage 8 with per-channel gates also takes bf16 q and k where DSTATES_16BIT_KEYS says so (the
-    # kernel's A_LOADS), W in fp32
+    # kernel's A_LOADS), W in fp32 or bf16
     bf16_keys = (tk._checked("DSTATES_16BIT_KEYS", DSTATES_16BIT_KEYS, (False, True)) and stage == "dstates"
                  and per_channel and G.dim() == 3 and operands[0].dtype == torch.bfloat16
-                 and operands[1].dtype == torch.bfloat16 and operands[2].dtype == torch.float32)
+                 and operands[1].dtype == torch.bfloat16 and operands[2].dtype in (torch.float32, torch.bfloat16))
     return tf32 and (fp32 or bf16_keys) and gates and G.is_cuda
 
 
@@ -2001,4 +2004,12 @@ def compile_cases():
                                              # sm_90a at K = 128: 20 B (8 more than the fp32 stores': the
                                              # conversions' registers)
                                              expect_max_spills=20 if K == 128 else 0, expect_max_shared=SMEM_PER_SM))
+                    # and W in bf16 too (KDA's BACKWARD_W_DTYPE "bf16": X1 widened on load)
+                    w16args = dict(b16args, x1_ptr=TensorStandIn([Ntok, H, K], bf))
+                    cases.append(CompileCase(name=f"{op}_bf16_keys_w_bf16_out_K{K}_V{V}_BV{BV}_w{warps}",
+                                             kernel=_tf32_recurrence_kernel, args=w16args, num_warps=warps,
+                                             expect_ptx=["wgmma.mma_async.sync.aligned.m64n", "tf32.tf32",
+                                                         "cvt.rn.bf16"],
+                                             # sm_90a at K = 128: 24 B (4 more than with fp32 W)
+                                             expect_max_spills=24 if K == 128 else 0, expect_max_shared=SMEM_PER_SM))
     return cases

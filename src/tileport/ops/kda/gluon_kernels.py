@@ -1224,7 +1224,12 @@ if _GLUON_ERROR is None:
         out of the staging, as the pointer form's masked loads. 32 KB more shared memory (112 KB at
         any K): still two programs an SM.
         dVn in bf16 (stage 8's, triton_kernels.BACKWARD_DSTATES_DTYPE "bf16") is widened on its way to
-        its transposed slot in either form (its staging slot then bf16, 8 KB)."""
+        its transposed slot in either form (its staging slot then bf16, 8 KB). W in bf16
+        (triton_kernels.BACKWARD_W_DTYPE "bf16": w_desc 16-bit): W_b comes by TMA into a 16-bit
+        staging slot (8 KB) and is widened into its fp32 slot 16 rows at a time (8 values a thread:
+        widened whole, 32, it spilled 136-308 B at K = 128) before the block's transposed stores'
+        barrier, so waited for there rather than at the products; under U_FREE the host's stand-in
+        for U's descriptor is then an fp32 one."""
         BT: gl.constexpr = u_desc.block_type.shape[0]
         CB: gl.constexpr = u_desc.block_type.shape[1]
         gl.static_assert(K == V and K % CB == 0, "the blocks of K and V pair up")
@@ -1239,7 +1244,12 @@ if _GLUON_ERROR is None:
         ROWS_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
         XT_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CB, BT], gl.float32)
         u_s = gl.allocate_shared_memory(gl.float32, [BT, CB], u_desc.layout)
-        w_s = gl.allocate_shared_memory(gl.float32, [BT, CB], w_desc.layout)
+        W16: gl.constexpr = w_desc.dtype != gl.float32
+        w_s = gl.allocate_shared_memory(gl.float32, [BT, CB], XT_SL)  # fp32 [64, 64]: the fp32 descriptors' layout
+        if W16:
+            w_dst = gl.allocate_shared_memory(w_desc.dtype, [BT, CB], w_desc.layout)  # W_b's 16-bit staging
+        else:
+            w_dst = w_s
         dvnT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)
         dwT_s = gl.allocate_shared_memory(gl.float32, [CB, BT], XT_SL)
         if U_FREE:
@@ -1272,7 +1282,7 @@ if _GLUON_ERROR is None:
                 else:
                     mbarrier.expect(bar, u_desc.block_type.nbytes + w_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(u_desc, [bos, hh * V + b * CB], bar, u_s)
-                tma.async_copy_global_to_shared(w_desc, [bos, hh * K + b * CB], bar, w_s)
+                tma.async_copy_global_to_shared(w_desc, [bos, hh * K + b * CB], bar, w_dst)
                 if b == 0:
                     if U_FREE:
                         _store_transposed(tT_s, t_ptr, rows, cc, r_ok, BT)  # T's rows transposed: T^T, K-major
@@ -1286,8 +1296,12 @@ if _GLUON_ERROR is None:
                 else:
                     _store_transposed(dvnT_s, dvn_ptr, rows, b * CB + cc, r_ok, V)
                     _store_transposed(dwT_s, dw_ptr, rows, b * CB + cc, r_ok, K)
+                if W16:  # W_b widened into its fp32 slot, 16 rows at a time
+                    mbarrier.wait(bar, b % 2)
+                    for r16 in gl.static_range(BT // 16):
+                        w_s.slice(r16 * 16, 16).store(w_dst.slice(r16 * 16, 16).load(ROWS_L).to(gl.float32))
                 fence_async_shared()
-                gl.thread_barrier()  # every warp's part of dVn_b^T and dW_b^T, before the WGMMAs read them
+                gl.thread_barrier()  # every warp's part of dVn_b^T and dW_b^T (and W_b), before the WGMMAs read them
                 if TMA_TILES and b + 1 < NB:  # the staging is read by every warp: the next block's tiles
                     _da_tiles_issue(dvn_desc, dw_desc, dvn_st, dw_st, tbar, bos, hh * V + (b + 1) * CB,
                                     hh * K + (b + 1) * CB)
@@ -1306,7 +1320,7 @@ if _GLUON_ERROR is None:
                 gl.store(dxw_ptr + orows[:, None] * K + (b * CB + co)[None, :], dxw, mask=o_ok[:, None])
                 a_dxu = gl.convert_layout(dxu, OP_L)
                 a_dxw = gl.convert_layout(dxw, OP_L)
-                mbarrier.wait(bar, b % 2)
+                mbarrier.wait(bar, b % 2)  # (with W16 waited for already: a completed phase passes at once)
                 if U_FREE:
                     dAu = warpgroup_mma(a_dxu, u_s.permute((1, 0)), dAu, is_async=True)
                     dA = warpgroup_mma(a_dxw, w_s.permute((1, 0)), dA, is_async=True)
@@ -1532,7 +1546,8 @@ def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
     (k, v, then T, W, U, dW, dVn and stage 9's partials; BACKWARD_WY): the Gluon kernel where the
     products are tf32 (`kk._products`), every operand after k and v fp32 (k and v, like beta, are
     loaded into registers in any float dtype) but dVn, fp32 or bf16 (stage 8's in bf16:
-    BACKWARD_DSTATES_DTYPE; widened on its way to shared memory), every operand and G contiguous (the kernel's row
+    BACKWARD_DSTATES_DTYPE; widened on its way to shared memory), and W, fp32 or bf16 in the split
+    form (BACKWARD_W_DTYPE; the dA kernel widens it), every operand and G contiguous (the kernel's row
     offsets assume it), G per channel in fp32, K == V of HEAD_DIMS, stage 3's int8 flags given and
     10b fused here (outputs_10b), on the GPU. U None (never formed: BACKWARD_U_FROM_T): the split
     form's U_FREE kernel only (WY_FORM "split")."""
@@ -1542,13 +1557,16 @@ def wy_bwd_kernel_for(operands, G, input_dtype, span_flags, outputs_10b) -> str:
         return "triton"
     if operands[4] is None and kk._checked("WY_FORM", WY_FORM, ("one-kernel", "split")) != "split":
         return "triton"
-    dvn = operands[6]
+    w, dvn = operands[3], operands[6]
+    split = kk._checked("WY_FORM", WY_FORM, ("one-kernel", "split")) == "split"
+    rest = [x for i, x in enumerate(operands) if i >= 2 and i not in (3, 6) and x is not None]  # T, U, dW, dK', dG'
     operands = tuple(x for x in operands if x is not None)
     k, v = operands[0], operands[1]
     K, V = k.shape[-1], v.shape[-1]
     tf32 = kk._products(input_dtype, True)[2].removesuffix("-emulated") == "tf32"
-    fp32 = (all(x.dtype == torch.float32 for x in operands[2:] if x is not dvn) and G.dtype == torch.float32
-            and G.dim() == 3 and dvn.dtype in (torch.float32, torch.bfloat16))
+    fp32 = (all(x.dtype == torch.float32 for x in rest) and G.dtype == torch.float32 and G.dim() == 3
+            and dvn.dtype in (torch.float32, torch.bfloat16)
+            and (w.dtype == torch.float32 or split and w.dtype == torch.bfloat16))
     contiguous = all(x.is_contiguous() for x in operands) and G.is_contiguous()
     return "gluon" if tf32 and fp32 and contiguous and K == V and K in HEAD_DIMS else "triton"
 
@@ -1576,11 +1594,13 @@ def chunk_wy_bwd_kda_gluon(k, v, beta, G, Ai, w, u, dw, dvn, dk, dG, plan, dv_dt
             mm = new_empty((plan.NC * H * BT, 2 * BT), torch.float32, k.device)  # M and M^T per chunk and head
             dxw = new_empty((Ntok, H, K), torch.float32, k.device)
             mm_desc = _descriptor(mm, [BT, BT])
-            # U never formed (BACKWARD_U_FROM_T): W's descriptor stands in for U's, unread (U_FREE)
+            # U never formed (BACKWARD_U_FROM_T): an fp32 descriptor of U's block shape stands in for U's,
+            # unread (U_FREE): W's, or dW's where W is bf16 (BACKWARD_W_DTYPE; U's slot is fp32)
+            u_stand_in = rows(w if w.dtype == torch.float32 else dw, K)
             da_tiles = {}
             if kk._checked("DA_TILES", DA_TILES, ("tma", "loads")) == "tma" and _pairs_tma_fits(dvn, dw):
                 da_tiles = dict(dvn_desc=rows(dvn, V), dw_desc=rows(dw, K), TMA_TILES=True)
-            _kda_wy_dA_kernel[(plan.NC, H)](rows(w, K) if u is None else rows(u, V), rows(w, K), Ai, dw, dvn, v, beta,
+            _kda_wy_dA_kernel[(plan.NC, H)](u_stand_in if u is None else rows(u, V), rows(w, K), Ai, dw, dvn, v, beta,
                                             dv, vdu, dxw, mm_desc, plan.chunks, span_flags, H, K, V,
                                             U_FREE=u is None, **da_tiles, num_warps=4)
             tiles = {}
@@ -1823,8 +1843,9 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _state_slot_view(slot_s, desc, SIXTEEN: gl.constexpr):
-        """Where stage 9's TMA puts a state tile: its fp32 slot, or (SIXTEEN: a 16-bit tile) the
-        first half of that slot viewed in the descriptor's dtype and layout."""
+        """Where a TMA copy puts a tile that the kernel multiplies in fp32 (stage 9's states, the dA
+        kernel's W_b): its fp32 slot, or (SIXTEEN: a 16-bit tile, widened there later) the first half
+        of that slot viewed in the descriptor's dtype and layout."""
         if SIXTEEN:
             gl.static_assert(desc.block_type.nbytes * 2 == slot_s.numel * 4, "a 16-bit tile fills half its fp32 slot")
             return slot_s._reinterpret(desc.dtype, slot_s.shape, desc.layout)
@@ -2344,6 +2365,13 @@ def _wy_bwd_compile_cases(Ntok: int, H: int, NC: int) -> list:
             split_args["dA_ufree_tma_dvn16"] = (_kda_wy_dA_kernel, dict(split_args["dA_ufree_tma"][1],
                                                                         dvn_ptr=t(Ntok, H, V, dtype=bf),
                                                                         dvn_desc=dvn16))
+            # the backward's W in bf16 (BACKWARD_W_DTYPE "bf16"): widened in its slot, U formed or not,
+            # dVn's tiles loaded or by TMA, and with dVn in bf16 as well
+            w16 = descriptor_stand_in([Ntok, H * K], bf, [BT, CB], _smem_layout((BT, CB), bf))
+            split_args["dA_w16"] = (_kda_wy_dA_kernel, dict(split_args["dA"][1], w_desc=w16))
+            split_args["dA_ufree_w16"] = (_kda_wy_dA_kernel, dict(split_args["dA_ufree"][1], w_desc=w16))
+            split_args["dA_ufree_tma_w16_dvn16"] = (_kda_wy_dA_kernel, dict(split_args["dA_ufree_tma_dvn16"][1],
+                                                                            w_desc=w16))
 
         def tile_desc(dtype=f32):
             return descriptor_stand_in([Ntok, H * K], dtype, [BT, _PAIRS_CHANNELS],

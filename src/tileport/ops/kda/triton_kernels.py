@@ -147,6 +147,13 @@ KEPT_STATES_DTYPE = "fp32"
 # worst gradient error 0.43 of the gate's bound against 0.36 with fp32 states (docs/perf/kda.md,
 # row 49). "fp32" until the H200 has timed it (kda_ab "dstates-16bit").
 BACKWARD_DSTATES_DTYPE = "fp32"
+# The dtype of the backward's W [Ntok, H, K] formed from the kept T (`chunk_wu_from_t_kda`) for
+# 16-bit inputs: "fp32" or "bf16" (stored rounded; stage 8 and stage 10 widen it where they read
+# it). bf16 and never fp16: for fp16 inputs with steep gates exp(G) underflows fp16 (kda.md, "W in
+# bf16, precision": d initial_state 3.1e-2 against the bound 1e-2). 134 MB less written at S1 and
+# 134 MB less read by stage 8 and by stage 10's dA kernel each. "fp32" until the H200 has timed it
+# (kda_ab "w-16bit", kda.md row 50).
+BACKWARD_W_DTYPE = "fp32"
 
 
 # lint: allow-function TP001,TP007 -- [64, K] chunk tiles of [T, H, K] tensors: a TMA port belongs to the Gluon backend (issue 5), and varlen tails would need a descriptor per sequence; constexpr strides already give 16-byte vector accesses (checked in the sm_90a PTX)
@@ -519,16 +526,19 @@ class KeptTiles(NamedTuple):
 
 
 def chunk_wu_from_t_kda(T, k, v, beta, G, flags, plan, input_dtype: torch.dtype, keys_normalised: bool,
-                        with_u: bool = True):
+                        with_u: bool = True, w_dtype: torch.dtype = torch.float32):
     """The backward's W [Ntok, H, K] and U [Ntok, H, V] (fp32) from its forward's T, as its
     recompute of stage 3 forms them (EXACT_WU: fp32 operands): W = T (diag(beta) (exp(G) * K)),
     U = T diag(beta) V; GDN's `_wu_from_t_kernel` with PER_CHANNEL, grid (NC * D / BC, H) per
     output and route: the whole chunks' products at the tile kernel's precision, the flagged
     chunks' at tf32x3 (the block kernel forms them in fp32). with_u False: (W, None), U not formed
-    (BACKWARD_U_FROM_T)."""
+    (BACKWARD_U_FROM_T). w_dtype: W's, fp32 or bf16 (BACKWARD_W_DTYPE; the kernel rounds to nearest
+    where it stores bf16)."""
     Ntok, H, K = k.shape
     V = v.shape[-1]
-    w = new_empty((Ntok, H, K), _F32, k.device)
+    if w_dtype not in (_F32, torch.bfloat16):
+        raise ValueError(f"w_dtype must be torch.float32 or torch.bfloat16, got {w_dtype}")
+    w = new_empty((Ntok, H, K), w_dtype, k.device)
     u = new_empty((Ntok, H, V), _F32, k.device) if with_u else None
     if not plan.NC:
         return w, u
@@ -1587,7 +1597,10 @@ def kda_backward_triton(do, dht, q, k, v, g, beta, scale, initial_state, use_qk_
         G, Ai, flags = kept[:3]
         # U's one reader besides stage 10 is stage 5's recompute, which kept states spare
         u_free = _checked("BACKWARD_U_FROM_T", BACKWARD_U_FROM_T, (False, True)) and kept.h is not None
-        w, u = chunk_wu_from_t_kda(Ai, kn, vf, bf, G, flags, plan, dt, keys_normalised=l2, with_u=not u_free)
+        w16 = (_checked("BACKWARD_W_DTYPE", BACKWARD_W_DTYPE, ("fp32", "bf16")) == "bf16"
+               and dt in (torch.bfloat16, torch.float16))
+        w, u = chunk_wu_from_t_kda(Ai, kn, vf, bf, G, flags, plan, dt, keys_normalised=l2, with_u=not u_free,
+                                   w_dtype=torch.bfloat16 if w16 else _F32)
     else:
         flags = _span_flags(plan, H, q, BACKWARD_WHOLE_CHUNKS)
         G, g_in_3 = _gate_sums(gf, plan, flags, dt)
