@@ -1226,10 +1226,10 @@ if _GLUON_ERROR is None:
         dVn in bf16 (stage 8's, triton_kernels.BACKWARD_DSTATES_DTYPE "bf16") is widened on its way to
         its transposed slot in either form (its staging slot then bf16, 8 KB). W in bf16
         (triton_kernels.BACKWARD_W_DTYPE "bf16": w_desc 16-bit): W_b comes by TMA into a 16-bit
-        staging slot (8 KB) and is widened into its fp32 slot 16 rows at a time (8 values a thread:
-        widened whole, 32, it spilled 136-308 B at K = 128) before the block's transposed stores'
-        barrier, so waited for there rather than at the products; under U_FREE the host's stand-in
-        for U's descriptor is then an fp32 one."""
+        staging slot (8 KB) and is widened into its fp32 slot 16 rows at a time after the block's
+        transposed stores, before their barrier; the wait before the products stays as well (a
+        completed phase passes at once: without it the schedule spilled 136-308 B at K = 128,
+        sm_90a); under U_FREE the host's stand-in for U's descriptor is then an fp32 one."""
         BT: gl.constexpr = u_desc.block_type.shape[0]
         CB: gl.constexpr = u_desc.block_type.shape[1]
         gl.static_assert(K == V and K % CB == 0, "the blocks of K and V pair up")
