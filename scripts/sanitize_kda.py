@@ -11,12 +11,12 @@ stage 3 leaves unflagged, stage 10 in its split form's two kernels (`_kda_wy_dA_
 `_kda_wy_pairs_kernel`, WY_FORM "split", the default) on the first pass and in one kernel
 (`_kda_wy_bwd_wgmma_kernel`) on the second.
 
-    python3 scripts/sanitize_kda.py [quick] [first] [q-registers] [u-formed] [dqkwg-tma] [states16] [dstates16] [w16]
+    python3 scripts/sanitize_kda.py [quick] [first] [q-registers] [u-formed] [dqkwg-loads] [states16] [dstates16] [w16]
         (first: the first pass only, the defaults; q-registers: gluon_kernels.Q_NORM "registers";
         u-formed: the split form's `_kda_wy_dA_kernel` reading a formed U, triton_kernels.BACKWARD_U_FROM_T
-        off; by default it runs U_FREE, the one-kernel pass always with U formed; dqkwg-tma: stage
-        9's kernel taking dO and its epilogue's tiles by TMA, gluon_kernels.DQKWG_TILES "tma", off
-        by default; states16: the forward's kept h and Vn in bf16, stage 9's kernel widening them,
+        off; by default it runs U_FREE, the one-kernel pass always with U formed; dqkwg-loads: stage
+        9's kernel taking dO and its epilogue's tiles by pointer loads, gluon_kernels.DQKWG_TILES
+        "loads" (by TMA, "tma", the default since the thirty-second session); states16: the forward's kept h and Vn in bf16, stage 9's kernel widening them,
         triton_kernels.KEPT_STATES_DTYPE "bf16", off by default; dstates16: stage 8's dh and dVn in
         bf16, stages 9 and 10 widening them, triton_kernels.BACKWARD_DSTATES_DTYPE "bf16", off by
         default; w16: the backward's W in bf16, stage 8 and the dA kernel widening it,
@@ -50,8 +50,8 @@ gdn_gluon.BACKWARD_STATES = "gluon"
 if "q-registers" in sys.argv[1:]:
     kda_gluon.Q_NORM = "registers"
 u_formed_split = "u-formed" in sys.argv[1:]
-if "dqkwg-tma" in sys.argv[1:]:
-    kda_gluon.DQKWG_TILES = "tma"
+if "dqkwg-loads" in sys.argv[1:]:
+    kda_gluon.DQKWG_TILES = "loads"
 if "states16" in sys.argv[1:]:
     kda_triton.KEPT_STATES_DTYPE = "bf16"
 if "dstates16" in sys.argv[1:]:

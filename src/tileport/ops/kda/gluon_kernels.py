@@ -1716,9 +1716,10 @@ DQKWG_BKS = 64  # key channels per block: every tile of the stage-9 kernel is [6
 # dO's before the state tiles' wait, G, q, k's after the products) or "tma" (TMA_TILES: all by TMA
 # at the item's start, into slots the kernel only uses later, so nothing is read from global memory
 # after the products but G's two rows). "tma" takes bf16 q and k and fp32 G on 16-byte aligned
-# storage; "loads" otherwise. Read at each call (kda_ab "dqkwg-tiles"). "loads" until the H200 has
-# timed the other (kda.md row 46).
-DQKWG_TILES = "loads"
+# storage; "loads" otherwise. Read at each call. "tma" since the H200 timed both (kda_ab "dqkwg-tiles"
+# at a84e724, S1, from kept tiles, one process, same inputs): the kernel 1.374 -> 1.207 ms, the
+# backward 4.801 -> 4.632, gradients bitwise equal (kda.md row 46).
+DQKWG_TILES = "tma"
 
 if _GLUON_ERROR is None:
 
