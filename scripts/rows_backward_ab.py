@@ -6,6 +6,12 @@ slots) and a deeper one (16 KB x 6), each called as the stage function directly 
 CUDA-graph replay (everything it launches, no host time): median (p20-p80) ms and the fraction of
 copy bandwidth at 3 * M * D bytes (x and dy read, dx written).
 
+softmax's Gluon backward also runs in each other form of `BACKWARD_STATS` in the default ring
+("gluon 16KBx4 stats-ahead": each tile's row statistics loaded a step early, the next tile's carried
+in registers; "stats-in_loop": loaded at the top of their own step), its dx compared bit for bit with the default form's ("gluon 16KBx4", which, like
+"gluon 16KBx6", runs the module's BACKWARD_STATS: "auto", "ahead" where a tile holds more than
+one row).
+
 rms_norm's Triton backward runs in several forms: autotuned over `BWD_OPTIONS` with its weight
 gradient summed by `triton_rows.sum_partial_rows` ("triton", the candidate picked printed) and by
 torch's `.sum` and `.to` ("triton torch-sum", DW_SUM = "torch"), each candidate alone ("triton
@@ -68,6 +74,18 @@ def rms_triton_variants(D, dtype):
     yield "triton before", rms_triton_form([RMS_BEFORE], "torch")
 
 
+@contextlib.contextmanager
+def softmax_stats_form(form):
+    """softmax's Gluon backward with BACKWARD_STATS = form (where it loads a tile's statistics),
+    restored after."""
+    saved = sm_gk.BACKWARD_STATS
+    sm_gk.BACKWARD_STATS = form
+    try:
+        yield lambda: ""
+    finally:
+        sm_gk.BACKWARD_STATS = saved
+
+
 def variants(op_tk, op_gk, fn_name, D, dtype):
     """(label, ring or None, module whose BACKWARD to set or None, stage function, form context)."""
     triton_stage = getattr(op_tk, f"{fn_name}_triton")
@@ -76,8 +94,15 @@ def variants(op_tk, op_gk, fn_name, D, dtype):
             yield label, None, None, triton_stage, form
     else:
         yield "triton", None, None, triton_stage, contextlib.nullcontext(lambda: "")
+    gluon_stage = getattr(op_gk, f"{fn_name}_gluon")
     for label, ring in RINGS.items():
-        yield label, ring, op_gk, getattr(op_gk, f"{fn_name}_gluon"), contextlib.nullcontext(lambda: "")
+        yield label, ring, op_gk, gluon_stage, contextlib.nullcontext(lambda: "")
+    if op_gk is sm_gk:
+        # the statistics' other forms in the default ring, beside its row above (same inputs)
+        label, ring = next(iter(RINGS.items()))
+        for form in sm_gk.BACKWARD_STATS_FORMS:
+            if form != sm_gk.BACKWARD_STATS:
+                yield f"{label} stats-{form}", ring, op_gk, gluon_stage, softmax_stats_form(form)
 
 
 def timed(label, fn, outputs, refs, dtype, floor_ms, ring, module, form):
@@ -104,7 +129,7 @@ def timed(label, fn, outputs, refs, dtype, floor_ms, ring, module, form):
             ok = False
     print(f"  {label:14}: {ms:.4f} ms ({p20:.4f}-{p80:.4f}), {100 * floor_ms / ms:.0f}% of copy; {', '.join(errs)}",
           flush=True)
-    return ok
+    return ok, got
 
 
 def main() -> int:
@@ -126,7 +151,7 @@ def main() -> int:
         print(f"rms_norm backward M={M} D={D} {str(dtype)[6:]} (floor {floor_ms:.4f} ms)", flush=True)
         for label, ring, module, stage, form in variants(rms_tk, rms_gk, "rms_norm_backward", D, dtype):
             ok &= timed(label, lambda stage=stage: stage(dy, x, w, EPS, True), lambda out: out, refs, dtype, floor_ms,
-                        ring, module, form)
+                        ring, module, form)[0]
         del x64, w64, y64, refs
 
         # softmax: the statistics the forwards save (Triton's forward writes the layout both read)
@@ -134,9 +159,16 @@ def main() -> int:
         x64 = x.double().requires_grad_(True)
         refs = torch.autograd.grad(torch.softmax(x64, -1), x64, dy.double())
         print(f"softmax backward M={M} D={D} {str(dtype)[6:]} (floor {floor_ms:.4f} ms)", flush=True)
+        default_label = next(iter(RINGS))
+        outs = {}
         for label, ring, module, stage, form in variants(sm_tk, sm_gk, "softmax_backward", D, dtype):
-            ok &= timed(label, lambda stage=stage: stage(dy, x, stats), lambda out: (out,), refs, dtype, floor_ms, ring,
-                        module, form)
+            passed, outs[label] = timed(label, lambda stage=stage: stage(dy, x, stats), lambda out: (out,), refs,
+                                        dtype, floor_ms, ring, module, form)
+            ok &= passed
+            if label.startswith(f"{default_label} stats-"):
+                # the statistics' forms differ in when they load, not in what they compute
+                same = torch.equal(outs[label][0], outs[default_label][0])
+                print(f"    dx bitwise equal to {default_label}'s: {'yes' if same else 'NO'}", flush=True)
     return 0 if ok else 1
 
 

@@ -414,3 +414,46 @@ def test_gluon_backward_rows_match_triton(op, shape, dt, device, seed, monkeypat
         check_rel = float((out[1].double() - ref[1].double()).norm() / ref[1].double().norm())
         assert check_rel <= bound, check_rel
 
+
+
+@pytest.mark.parametrize("shape", [(37, 4096), (2643, 4096), (1323, 8192), (5, 16), (20003, 1024)],
+                         ids=parity._shape_id)
+@pytest.mark.parametrize("dt", list(parity.DTYPES))
+def test_softmax_backward_stats_forms(shape, dt, device, seed, monkeypatch):
+    """softmax's Gluon backward with its row statistics loaded in the tile's own step ("in_loop") or
+    a step ahead ("ahead", docs/perf/llm_ops.md row 11): the same values, the same arithmetic, so dx
+    bitwise equal (ragged last tiles and programs with one tile among the shapes); "auto" launches
+    "ahead" where a tile holds more than one row, and "in_loop" where it holds one."""
+    from tileport.gluon_rows import pair_stream_plan
+    from tileport.ops.softmax import gluon_kernels as gk
+    from tileport.ops.softmax import triton_kernels as tk
+    from tileport.testing import poisoned
+
+    parity._skip_unless_runs("softmax", "gluon", device)
+    dtype = parity.DTYPES[dt]
+    torch.manual_seed(seed)
+    x = torch.randn(*shape, device=device).to(dtype)
+    dy = torch.randn(*shape, device=device).to(dtype)
+    stats = tk.softmax_forward_triton(x)[1]
+    spies = _gluon_backward_on("softmax", monkeypatch)
+    got = {}
+    for form in gk.BACKWARD_STATS_FORMS:
+        monkeypatch.setattr(gk, "BACKWARD_STATS", form)
+        with poisoned():
+            got[form] = gk.softmax_backward_gluon(dy, x, stats)
+    ahead = [kw["STATS_AHEAD"] for kw in spies["bwd"].kwargs]
+    rows_a_tile = pair_stream_plan(x, dy).a_desc.block_shape[0]
+    assert ahead == [rows_a_tile > 1, False, True], (shape, dt, rows_a_tile, ahead)
+    assert torch.isfinite(got["in_loop"]).all()
+    for form in ("auto", "ahead"):
+        assert torch.equal(got[form], got["in_loop"]), f"{shape} {dt}: dx with BACKWARD_STATS {form!r} != 'in_loop'"
+
+
+def test_softmax_backward_stats_switch_is_checked(monkeypatch):
+    """An unknown BACKWARD_STATS is a ValueError naming the switch and its forms, before any launch."""
+    from tileport.ops.softmax import gluon_kernels as gk
+
+    monkeypatch.setattr(gk, "BACKWARD_STATS", "early")
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="BACKWARD_STATS 'early' is not one of .*'auto', 'in_loop', 'ahead'"):
+        gk.softmax_backward_gluon(x, x, torch.zeros(4, 2))

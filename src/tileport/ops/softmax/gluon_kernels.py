@@ -127,6 +127,29 @@ def softmax_forward_gluon(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 BACKWARD = "gluon"
 BACKWARDS = ("triton", "gluon")
 
+# Where the backward loads a tile's row statistics (m, r), read at each call (a GPU A/B patches it:
+# scripts/rows_backward_ab.py). The sm_90a builds at 4096 bf16 show the softmax and RMSNorm
+# backwards' tile loops alike (~590 and ~565 SASS instructions a tile, 6 CTA barriers each, the same
+# 128 KB ring, 0 spills) but for one thing: softmax's loop opens with 4 global loads (LDG) of its
+# tile's statistics, and its first exp after the ring's wait needs m. The ring hides TMA's latency
+# 3 slots ahead; nothing hides these loads, so a load's latency from HBM (the statistics, 64 KB,
+# are read once a call while 201 MB streams through L2) is spent on every tile of a program that
+# has no other CTA to cover it.
+#   "in_loop" (default): each tile's statistics loaded at the top of its own step (row 9's kernel).
+#   "ahead": the next tile's statistics loaded at the top of this step and carried in registers
+#       (4 a thread at 4096 bf16), so most of a step (~1.5 us at the copy rate) covers their latency:
+#       sm_90a waits for them ~80% into the step's code, after its refill is issued, where it moves
+#       them into uniform registers. (Two steps ahead was compiled and dropped: the compiler
+#       waits for that load at the same point, ~80% into the step that issued it.)
+#   "auto" (default): "ahead" where a tile holds more than one row, "in_loop" where it holds one.
+# The same values and the same arithmetic in both forms: dx bitwise equal to "in_loop" in every
+# dtype (the float instructions of the PTX identical in order; compile_cases() builds both).
+# H200, scripts/rows_backward_ab.py at c836839 + this change (graph replays, one process, bf16):
+# 8192 x 4096 (2 rows a tile) 0.0622 -> 0.0528 ms (77% -> 91% of copy), 4096 x 8192 (1 row a
+# tile) 0.0600 -> 0.0630 (slower; not understood): hence "auto" (docs/perf/llm_ops.md row 11).
+BACKWARD_STATS = "auto"
+BACKWARD_STATS_FORMS = ("auto", "in_loop", "ahead")
+
 if _GLUON_ERROR is None:
 
     @gluon.jit
@@ -140,31 +163,49 @@ if _GLUON_ERROR is None:
         return e * ((dy - hi) - lo) * (1.0 / z).to(gl.float32)
 
     @gluon.jit
+    def _tile_stats(stats_ptr, tile, M, r, BM: gl.constexpr):
+        """Row tile `tile`'s statistics (m, r) [BM] fp32 from stats [M, 2], in r's layout; 0 for rows
+        past M (so a tile past the last one loads nothing)."""
+        rows = tile * BM + r
+        m = gl.load(stats_ptr + 2 * rows.to(gl.int64), mask=rows < M, other=0.0)
+        inv = gl.load(stats_ptr + 2 * rows.to(gl.int64) + 1, mask=rows < M, other=0.0)
+        return m, inv
+
+    @gluon.jit
     def _softmax_bwd_kernel(x_desc, dy_desc, stats_ptr, dx_ptr, M, row_stride_dx, n_tiles, STAGES: gl.constexpr,
-                            L: gl.constexpr, FP64_SUMS: gl.constexpr = False):
+                            L: gl.constexpr, FP64_SUMS: gl.constexpr = False, STATS_AHEAD: gl.constexpr = False):
         """dx = y * (dy - sum(y * dy)) per row for the row tiles pid, pid + P, ... (grid (P,), one
         program per SM), from x, dy and the forward's statistics (m, r) [M, 2] fp32. Default: y =
         exp(x - m) * r recomputed in fp32, fp32 throughout. FP64_SUMS (fp32 inputs): from the same
         e = exp(x - m), Z = sum(e) and S = sum(e * dy) summed in fp64 and dx = e (dy - S / Z) / Z
         (`_softmax_dx`; why: triton_kernels.py's `_softmax_bwd_kernel`). The tiles of x and dy
         arrive together by TMA into a paired ring of STAGES slots (one mbarrier a slot), the tile's
-        statistics per row by plain loads (8 bytes a row, issued before the ring's wait), dx stored
-        from registers with a row mask. Explicit here (Triton would choose): the ring and its
-        depth, the persistent grid, the host descriptors, the tile's register layout (a row's
-        256-element chunks over the warps: one reduction across warps a tile, for S and Z together
-        with FP64_SUMS)."""
+        statistics per row by plain loads (8 bytes a row, issued before the ring's wait; with
+        STATS_AHEAD a step earlier, the next tile's carried in registers: the host's
+        BACKWARD_STATS), dx stored from registers with a row mask. Explicit here (Triton would
+        choose): the ring and its depth, the persistent grid, the host descriptors, the tile's
+        register layout (a row's 256-element chunks over the warps: one reduction across warps a
+        tile, for S and Z together with FP64_SUMS); how early the statistics are loaded."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         NCB: gl.constexpr = x_desc.block_type.shape[1]
         CB: gl.constexpr = x_desc.block_type.shape[2]
         xbufs, dybufs, bars, pid, P, my_n = pair_ring_open(x_desc, dy_desc, n_tiles, STAGES)
         r = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        if STATS_AHEAD:
+            m_next, inv_next = _tile_stats(stats_ptr, pid, M, r, BM)
         for i in range(my_n):
             tile = pid + i * P
-            rows = tile * BM + r
             # rows past M: m = r = 0 on their zero padding, so y = 0 (with FP64_SUMS e = 1, Z = D and
             # S = 0, so dx = 0; never stored)
-            m = gl.load(stats_ptr + 2 * rows.to(gl.int64), mask=rows < M, other=0.0)
-            inv = gl.load(stats_ptr + 2 * rows.to(gl.int64) + 1, mask=rows < M, other=0.0)
+            if STATS_AHEAD:
+                # this tile's statistics went out a step ago; the next tile's go out now (past the
+                # program's last tile: rows past M, nothing loaded). sm_90a keeps statistics every
+                # thread shares in uniform registers and waits for the next tile's load where it
+                # moves them there: after this step's refill is issued, ~80% into the step's code
+                m, inv = m_next, inv_next
+                m_next, inv_next = _tile_stats(stats_ptr, tile + P, M, r, BM)
+            else:
+                m, inv = _tile_stats(stats_ptr, tile, M, r, BM)
             x, dy = pair_ring_take(x_desc, dy_desc, xbufs, dybufs, bars, i, pid, P, my_n, L)
             e = gl.exp(x - gl.expand_dims(gl.expand_dims(m, 1), 2))
             if FP64_SUMS:
@@ -181,6 +222,13 @@ if _GLUON_ERROR is None:
         ring_stop(bars)
 
 
+def _stats_ahead(plan) -> bool:
+    """Whether the backward's launch on `plan` loads its statistics a step ahead (BACKWARD_STATS)."""
+    if BACKWARD_STATS == "auto":
+        return plan.a_desc.block_shape[0] > 1  # rows a tile
+    return BACKWARD_STATS == "ahead"
+
+
 def _softmax_backward_ring(grad_y, x, stats):
     """The Gluon backward (`triton_kernels.softmax_backward_triton`'s contract), or None where TMA
     can't read x or dy (the caller runs Triton's)."""
@@ -191,7 +239,7 @@ def _softmax_backward_ring(grad_y, x, stats):
     M = x2.shape[0]
     _softmax_bwd_kernel[(plan.programs,)](plan.a_desc, plan.b_desc, stats, dx, M, dx.stride(0), plan.n_tiles,
                                           plan.stages, plan.layout, FP64_SUMS=x.dtype == torch.float32,
-                                          num_warps=gluon_rows.NUM_WARPS)
+                                          STATS_AHEAD=_stats_ahead(plan), num_warps=gluon_rows.NUM_WARPS)
     return dx.view(x.shape)
 
 
@@ -201,6 +249,8 @@ def softmax_backward_gluon(grad_y: torch.Tensor, x: torch.Tensor, stats: torch.T
     above, and Triton's still for rows TMA can't read). grad_y comes in x's dtype."""
     if BACKWARD not in BACKWARDS:
         raise ValueError(f"softmax gluon BACKWARD {BACKWARD!r} is not one of {BACKWARDS}")
+    if BACKWARD_STATS not in BACKWARD_STATS_FORMS:
+        raise ValueError(f"softmax gluon BACKWARD_STATS {BACKWARD_STATS!r} is not one of {BACKWARD_STATS_FORMS}")
     if BACKWARD == "gluon":
         dx = _softmax_backward_ring(grad_y, x, stats)
         if dx is not None:
@@ -216,7 +266,8 @@ def compile_cases():
     of 255 with 128 fp32 values a thread), 8192 and 64 (bf16), 2048 and 4096 (fp32), with the CTA
     barriers each tile costs: the ring's 3 (`ring_take`: one before the refill, one around the TMA
     issue, one at the loop's head), 2 per reduction across warps; the backward at D = 4096 (bf16,
-    fp16, fp32 with FP64_SUMS), 8192 (bf16, fp32 with FP64_SUMS) and 64 (bf16)."""
+    fp16, fp32 with FP64_SUMS), 8192 (bf16, fp32 with FP64_SUMS) and 64 (bf16), and with its
+    statistics a step ahead (BACKWARD_STATS "ahead") at 4096 bf16 and fp16, 8192 fp32 and 64 bf16."""
     if _GLUON_ERROR is not None:
         return []
     from tileport.compile_check import CompileCase, TensorStandIn
@@ -246,12 +297,19 @@ def compile_cases():
     # one reduction, so 2 as well); 8192 fp32's ring is 3 deep
     from tileport.gluon_rows import pair_descriptor_stand_in_for
 
-    for D, dtype in ((4096, bf16), (4096, torch.float16), (8192, bf16), (64, bf16), (4096, fp32), (8192, fp32)):
+    # (D, dtype, BACKWARD_STATS): every class in the default form; "ahead" (the statistics a step
+    # early) at the standard shape, the most registers (fp16), the widest fp32 rows and a small D
+    # (64 rows a tile)
+    for D, dtype, stats in ((4096, bf16, "in_loop"), (4096, torch.float16, "in_loop"), (8192, bf16, "in_loop"),
+                            (64, bf16, "in_loop"), (4096, fp32, "in_loop"), (8192, fp32, "in_loop"),
+                            (4096, bf16, "ahead"), (4096, torch.float16, "ahead"), (8192, fp32, "ahead"),
+                            (64, bf16, "ahead")):
         plan = pair_descriptor_stand_in_for(M, D, dtype)
         args = dict(x_desc=plan.a_desc, dy_desc=plan.b_desc, stats_ptr=TensorStandIn([M, 2], torch.float32),
                     dx_ptr=TensorStandIn([M, D], dtype), M=M, row_stride_dx=D, n_tiles=plan.n_tiles,
-                    STAGES=plan.stages, L=plan.layout, FP64_SUMS=dtype == fp32)
-        cases.append(CompileCase(name=f"softmax_bwd_D{D}_{str(dtype).removeprefix('torch.')}", kernel=_softmax_bwd_kernel,
+                    STAGES=plan.stages, L=plan.layout, FP64_SUMS=dtype == fp32, STATS_AHEAD=stats == "ahead")
+        tag = f"D{D}_{str(dtype).removeprefix('torch.')}{'_stats_ahead' if stats == 'ahead' else ''}"
+        cases.append(CompileCase(name=f"softmax_bwd_{tag}", kernel=_softmax_bwd_kernel,
                                  args=args, num_warps=gluon_rows.NUM_WARPS,
                                  expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"], expect_max_spills=0,
                                  expect_loop_barriers=4 if D <= 256 else 6))
