@@ -12,6 +12,9 @@ in registers; "stats-in_loop": loaded at the top of their own step), its dx comp
 "gluon 16KBx6", runs the module's BACKWARD_STATS: "auto", "ahead" where a tile holds more than
 one row).
 
+rms_norm's Gluon backward also runs without the weight gradient ("gluon 16KBx4 no-dw", dx only:
+no partial rows, no second kernel), to measure what dw's partial rows and their sum cost.
+
 rms_norm's Triton backward runs in several forms: autotuned over `BWD_OPTIONS` with its weight
 gradient summed by `triton_rows.sum_partial_rows` ("triton", the candidate picked printed) and by
 torch's `.sum` and `.to` ("triton torch-sum", DW_SUM = "torch"), each candidate alone ("triton
@@ -152,6 +155,14 @@ def main() -> int:
         for label, ring, module, stage, form in variants(rms_tk, rms_gk, "rms_norm_backward", D, dtype):
             ok &= timed(label, lambda stage=stage: stage(dy, x, w, EPS, True), lambda out: out, refs, dtype, floor_ms,
                         ring, module, form)[0]
+        # the weight gradient's share (no switch: a measurement): the same Gluon backward without dw
+        # (no partial rows, no second kernel); its dx must equal the default row's bit for bit
+        label = f"{next(iter(RINGS))} no-dw"
+        _, got = timed(label, lambda: rms_gk.rms_norm_backward_gluon(dy, x, w, EPS, False), lambda out: out[:1],
+                       refs[:1], dtype, floor_ms, None, rms_gk, contextlib.nullcontext(lambda: ""))
+        with_dw = rms_gk._rms_norm_backward_ring(dy, x, w, EPS, True)  # the Gluon kernels, dw wanted
+        same = with_dw is not None and torch.equal(got[0], with_dw[0])
+        print(f"    dx bitwise equal to the dw run's: {'yes' if same else 'NO'}", flush=True)
         del x64, w64, y64, refs
 
         # softmax: the statistics the forwards save (Triton's forward writes the layout both read)

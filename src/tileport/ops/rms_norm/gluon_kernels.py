@@ -69,6 +69,56 @@ if _GLUON_ERROR is None:
         ring_stop(bars)
 
 
+# How many forward programs share an SM, read at each call (a GPU A/B patches it:
+# scripts/rows_forward_ab.py). The sm_90a build at 4096 bf16 (8 warps, 115 registers, 0 spills, 4
+# slots of 32 KB: one program an SM) has no global load in its tile loop (the weight is loaded
+# once before it) and issues its refill ~55% into a step (ptxas sinks the ring's barrier below the
+# sum of squares); what nothing on the SM covers is a program's ramp and drain: 2048 tiles over
+# 132 programs is ~16 steps of ~2.3 us, the first tile's wait and the last tile's reduction and
+# stores (~1.5-3 us of a 37 us kernel) stand alone, as does the late refill's gap.
+#   1 (default): one program of NUM_WARPS (8) warps an SM, the plan of `row_stream_plan`.
+#   2: two programs an SM (grid 2 x SMs), each of 4 warps, tiles of TILE_BYTES / 2 (2 rows at
+#       4096 bf16) in a ring of STAGES (64 KB a program): each program's ramp, drain and late
+#       refill are covered by the other's loads.
+# Not bitwise: the sum of squares of a row crosses 4 warps instead of 8 (another order), so rstd
+# can differ in its last bit; checked against float64 with the parity bound (the A/B prints both).
+FORWARD_CTAS_PER_SM = 1
+FORWARD_CTAS_PER_SM_FORMS = (1, 2)
+_TWO_CTA_WARPS = 4
+
+
+def _two_cta_plan(x2, stand_in: bool = False):
+    """The forward's plan for FORWARD_CTAS_PER_SM 2: tiles of TILE_BYTES / 2 (at least one row), a
+    ring of STAGES, the default layout over _TWO_CTA_WARPS warps, grid min(tiles, 2 x SMs).
+    stand_in: x2 is (M, D, dtype), descriptor stand-ins for compile checks (132 SMs)."""
+    from tileport.shapes import cdiv, next_pow2
+
+    if stand_in:
+        from tileport.compile_check import descriptor_stand_in
+
+        M, D, dtype = x2
+    else:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        from tileport.devices import sm_count
+
+        (M, D), dtype = x2.shape, x2.dtype
+    itemsize = dtype.itemsize
+    CB = min(D, 256)
+    NCB = D // CB
+    BM = max(1, min(256, gluon_rows.TILE_BYTES // 2 // (D * itemsize), next_pow2(M)))
+    smem = gluon_rows._smem_layout(dtype)
+    if stand_in:
+        desc = descriptor_stand_in([M, NCB, CB], dtype, [BM, NCB, CB], smem, strides=[D, CB, 1])
+        sms = 132
+    else:
+        desc = TensorDescriptor(x2, [M, NCB, CB], [x2.stride(0), CB, 1], [BM, NCB, CB], smem)
+        sms = sm_count(x2.device)
+    n_tiles = cdiv(M, BM)
+    layout = gluon_rows._tile_layout(BM, NCB, CB, itemsize, _TWO_CTA_WARPS)
+    return gluon_rows.RowStreamPlan(desc, layout, n_tiles, min(n_tiles, 2 * sms), gluon_rows.STAGES)
+
+
 def rms_norm_forward_gluon(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """y with x's shape and dtype (`triton_kernels.rms_norm_forward_triton`'s contract)."""
     D = x.shape[-1]
@@ -77,11 +127,16 @@ def rms_norm_forward_gluon(x: torch.Tensor, weight: torch.Tensor | None, eps: fl
         return triton_kernels.rms_norm_forward_triton(x, weight, eps)
     M = x2.shape[0]
     y = new_empty((M, D), x.dtype, x.device)
-    plan = row_stream_plan(x2)
+    if FORWARD_CTAS_PER_SM not in FORWARD_CTAS_PER_SM_FORMS:
+        raise ValueError(f"rms_norm gluon FORWARD_CTAS_PER_SM {FORWARD_CTAS_PER_SM!r} is not one of "
+                         f"{FORWARD_CTAS_PER_SM_FORMS}")
+    if FORWARD_CTAS_PER_SM == 2:
+        plan, warps = _two_cta_plan(x2), _TWO_CTA_WARPS
+    else:
+        plan, warps = row_stream_plan(x2), gluon_rows.NUM_WARPS
     w = weight.contiguous() if weight is not None else x2
     _rms_norm_fwd_kernel[(plan.programs,)](plan.desc, w, y, M, y.stride(0), float(eps), plan.n_tiles,
-                                           weight is not None, gluon_rows.STAGES, plan.layout,
-                                           num_warps=gluon_rows.NUM_WARPS)
+                                           weight is not None, plan.stages, plan.layout, num_warps=warps)
     return y.view(x.shape)
 
 
@@ -240,6 +295,19 @@ def compile_cases():
                                      # the ring's 3 CTA barriers a tile, and 2 for the sum of squares
                                      # across warps (none at D = 64: a row inside one warp)
                                      expect_loop_barriers=3 if D <= 256 else 5))
+        # FORWARD_CTAS_PER_SM 2: 4 warps, 16 KB tiles in a ring of STAGES; two programs must fit
+        # an SM's 227 KB of shared memory
+        for D, dtype, weight in ((4096, torch.bfloat16, True), (8192, torch.bfloat16, True),
+                                 (4096, torch.float32, False)):
+            plan = _two_cta_plan((M, D, dtype), stand_in=True)
+            args = dict(x_desc=plan.desc, w_ptr=TensorStandIn([D], dtype), y_ptr=TensorStandIn([M, D], dtype), M=M,
+                        row_stride_y=D, eps=1e-6, n_tiles=plan.n_tiles, HAS_WEIGHT=weight, STAGES=plan.stages,
+                        L=plan.layout)
+            tag = f"D{D}_{str(dtype).removeprefix('torch.')}{'_w' if weight else ''}_2cta"
+            cases.append(CompileCase(name=f"rms_norm_fwd_{tag}", kernel=_rms_norm_fwd_kernel, args=args,
+                                     num_warps=_TWO_CTA_WARPS,
+                                     expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"], expect_max_spills=0,
+                                     expect_max_shared=113 * 1024, expect_loop_barriers=5))
         bf16 = torch.bfloat16
         # weight: True (with its gradient), False (none), "frozen" (a weight, no gradient wanted)
         for D, dtype, weight, ring in ((4096, bf16, True, None), (4096, bf16, True, (16 * 1024, 6)),

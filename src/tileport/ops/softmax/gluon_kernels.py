@@ -23,6 +23,7 @@ from tileport import gluon_rows
 from tileport.gluon_rows import _GLUON_ERROR, backward_pair_plan, rows_aligned, rows_refusal, row_stream_plan
 from tileport.memory import as_rows, new_empty
 from tileport.ops.softmax import triton_kernels
+from tileport.shapes import next_pow2
 
 if _GLUON_ERROR is None:
     from triton.experimental import gluon
@@ -53,6 +54,27 @@ def gluon_refusal(D: int, dtype: torch.dtype) -> str | None:
 # pair combine cost more than the barriers it saved.
 FORM = "warp_rows"
 FORMS = ("warp_rows", "two_exchanges")
+
+# How many forward programs share an SM, read at each launch (a GPU A/B patches it:
+# scripts/rows_forward_ab.py). The sm_90a build of "warp_rows" at 4096 bf16 (8 warps, 243
+# registers, 0 spills, 3 slots of 64 KB: one program an SM) shows ptxas sinking the ring's "slot
+# read" barrier and its refill below the tile's max, exp and sum: the TMA for step i + 3 is issued
+# ~87% into step i's SASS (RMSNorm's forward: ~55%), so for most of a step only 2 tiles are in
+# flight, and with 8 rows a tile a program has ~8 steps (1024 tiles over 132), so the first
+# tile's wait (64 KB) and the last tile's compute and stores, overlapped by nothing on that SM,
+# are a large share of a 38 us kernel.
+#   1 (default): one program of NUM_WARPS (8) warps an SM, the plan of `row_stream_plan`.
+#   2: two programs an SM (grid 2 x SMs), each of 4 warps, tiles of 4 rows (32 KB at 4096 bf16)
+#       in a ring of 3 (96 KB a program): one program's late refill, ramp and drain are covered
+#       by the other's loads; half the bytes wait behind the first and the last tile. Only where
+#       "warp_rows" applies (FORM "warp_rows" and `_warp_rows_fit`); elsewhere 1.
+# Rows stay inside one warp and each lane holds the same elements of a row in either, so every
+# row's max and sum are reduced in the same order: y and the statistics bitwise equal (the A/B
+# checks it). compile_cases() builds it at 4096 bf16 and fp16 (0 spills; shared memory for two).
+FORWARD_CTAS_PER_SM = 1
+FORWARD_CTAS_PER_SM_FORMS = (1, 2)
+_TWO_CTA_WARPS = 4
+_TWO_CTA_RING_BYTES = 96 * 1024  # a program's ring; two and their scratch fit in 227 KB
 
 if _GLUON_ERROR is None:
 
@@ -103,6 +125,44 @@ if _GLUON_ERROR is None:
         ring_stop(bars)
 
 
+def _two_cta_shape(M: int, D: int, itemsize: int) -> tuple[int, int, int, int]:
+    """(BM, NCB, CB, stages) of FORWARD_CTAS_PER_SM 2: at least one row a warp of _TWO_CTA_WARPS
+    (4 rows of up to 8 KB), as many slots (at most 3) as fit _TWO_CTA_RING_BYTES."""
+    CB = min(D, 256)
+    BM = max(1, min(256, max(gluon_rows.TILE_BYTES // 2 // (D * itemsize), _TWO_CTA_WARPS), next_pow2(M)))
+    return BM, D // CB, CB, max(1, min(3, _TWO_CTA_RING_BYTES // (BM * D * itemsize)))
+
+
+def _two_cta_plan(x2: torch.Tensor, programs_per_sm: int = 2, stand_in: bool = False):
+    """The forward's plan with two programs an SM (FORWARD_CTAS_PER_SM 2): rows inside warps of
+    _TWO_CTA_WARPS warps, grid min(tiles, 2 x SMs). stand_in: x2 is (M, D, dtype), descriptor
+    stand-ins for compile checks (132 SMs)."""
+    from tileport.shapes import cdiv
+
+    if stand_in:
+        from tileport.compile_check import descriptor_stand_in
+
+        M, D, dtype = x2
+        itemsize = dtype.itemsize
+    else:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        from tileport.devices import sm_count
+
+        (M, D), dtype, itemsize = x2.shape, x2.dtype, x2.element_size()
+    BM, NCB, CB, stages = _two_cta_shape(M, D, itemsize)
+    smem = gluon_rows._smem_layout(dtype)
+    if stand_in:
+        desc = descriptor_stand_in([M, NCB, CB], dtype, [BM, NCB, CB], smem, strides=[D, CB, 1])
+        sms = 132
+    else:
+        desc = TensorDescriptor(x2, [M, NCB, CB], [x2.stride(0), CB, 1], [BM, NCB, CB], smem)
+        sms = sm_count(x2.device)
+    n_tiles = cdiv(M, BM)
+    layout = gluon_rows._tile_layout(BM, NCB, CB, itemsize, _TWO_CTA_WARPS, True)
+    return gluon_rows.RowStreamPlan(desc, layout, n_tiles, min(n_tiles, programs_per_sm * sms), stages, True)
+
+
 def softmax_forward_gluon(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(y with x's shape and dtype, row statistics [M, 2] fp32): `softmax_forward_triton`'s contract."""
     D = x.shape[-1]
@@ -114,9 +174,15 @@ def softmax_forward_gluon(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     stats = new_empty((M, 2), torch.float32, x.device)
     if FORM not in FORMS:
         raise ValueError(f"softmax gluon FORM {FORM!r} is not one of {FORMS}")
-    plan = row_stream_plan(x2, rows_in_warps=FORM == "warp_rows")
+    if FORWARD_CTAS_PER_SM not in FORWARD_CTAS_PER_SM_FORMS:
+        raise ValueError(f"softmax gluon FORWARD_CTAS_PER_SM {FORWARD_CTAS_PER_SM!r} is not one of "
+                         f"{FORWARD_CTAS_PER_SM_FORMS}")
+    if FORWARD_CTAS_PER_SM == 2 and FORM == "warp_rows" and gluon_rows._warp_rows_fit(D, x2.element_size()):
+        plan, warps = _two_cta_plan(x2), _TWO_CTA_WARPS
+    else:
+        plan, warps = row_stream_plan(x2, rows_in_warps=FORM == "warp_rows"), gluon_rows.NUM_WARPS
     _softmax_fwd_kernel[(plan.programs,)](plan.desc, y, stats, M, y.stride(0), plan.n_tiles, plan.stages,
-                                          plan.layout, plan.rows_in_warps, num_warps=gluon_rows.NUM_WARPS)
+                                          plan.layout, plan.rows_in_warps, num_warps=warps)
     return y.view(x.shape), stats
 
 
@@ -291,6 +357,17 @@ def compile_cases():
         cases.append(CompileCase(name=f"softmax_fwd_{tag}", kernel=_softmax_fwd_kernel, args=args,
                                  num_warps=gluon_rows.NUM_WARPS, expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"],
                                  expect_max_spills=0, expect_loop_barriers=barriers))
+    # FORWARD_CTAS_PER_SM 2: 4 warps, 4-row tiles in a ring of 3; two programs must fit an SM's
+    # 227 KB of shared memory (and 2 x 128 threads x <= 255 registers fit its 64 K)
+    for D, dtype in ((4096, bf16), (4096, torch.float16), (2048, fp32), (64, bf16)):
+        plan = _two_cta_plan((M, D, dtype), stand_in=True)
+        args = dict(x_desc=plan.desc, y_ptr=TensorStandIn([M, D], dtype),
+                    stats_ptr=TensorStandIn([M, 2], torch.float32), M=M, row_stride_y=D, n_tiles=plan.n_tiles,
+                    STAGES=plan.stages, L=plan.layout, ROWS_IN_WARPS=True)
+        cases.append(CompileCase(name=f"softmax_fwd_D{D}_{str(dtype).removeprefix('torch.')}_warp_rows_2cta",
+                                 kernel=_softmax_fwd_kernel, args=args, num_warps=_TWO_CTA_WARPS,
+                                 expect_ptx=["cp.async.bulk.tensor", "mbarrier.try_wait"], expect_max_spills=0,
+                                 expect_max_shared=113 * 1024, expect_loop_barriers=3))
     # the backward (`_softmax_bwd_kernel`): the paired ring's 4 CTA barriers a tile (the single
     # ring's 3, and one Triton's membar pass puts between the two TMA copies that complete on one
     # mbarrier), 2 for the sum of y * dy across warps (none at D = 64; fp32, FP64_SUMS: Z and S in
