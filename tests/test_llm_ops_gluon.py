@@ -457,3 +457,17 @@ def test_softmax_backward_stats_switch_is_checked(monkeypatch):
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="BACKWARD_STATS 'early' is not one of .*'auto', 'in_loop', 'ahead'"):
         gk.softmax_backward_gluon(x, x, torch.zeros(4, 2))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_forward_ctas_per_sm_switch_is_checked(op, monkeypatch):
+    """An unknown FORWARD_CTAS_PER_SM (docs/perf/llm_ops.md row 12) is a ValueError naming the switch
+    and its forms, before any launch."""
+    import importlib
+
+    gk = importlib.import_module(f"tileport.ops.{op}.gluon_kernels")
+    monkeypatch.setattr(gk, "FORWARD_CTAS_PER_SM", 3)
+    x = torch.randn(4, 64)
+    call = (lambda: gk.rms_norm_forward_gluon(x, None, 1e-6)) if op == "rms_norm" else (lambda: gk.softmax_forward_gluon(x))
+    with pytest.raises(ValueError, match=r"FORWARD_CTAS_PER_SM 3 is not one of \(1, 2\)"):
+        call()

@@ -76,13 +76,17 @@ if _GLUON_ERROR is None:
 # sum of squares); what nothing on the SM covers is a program's ramp and drain: 2048 tiles over
 # 132 programs is ~16 steps of ~2.3 us, the first tile's wait and the last tile's reduction and
 # stores (~1.5-3 us of a 37 us kernel) stand alone, as does the late refill's gap.
-#   1 (default): one program of NUM_WARPS (8) warps an SM, the plan of `row_stream_plan`.
-#   2: two programs an SM (grid 2 x SMs), each of 4 warps, tiles of TILE_BYTES / 2 (2 rows at
+#   1: one program of NUM_WARPS (8) warps an SM, the plan of `row_stream_plan`.
+#   2 (default): two programs an SM (grid 2 x SMs), each of 4 warps, tiles of TILE_BYTES / 2 (2 rows at
 #       4096 bf16) in a ring of STAGES (64 KB a program): each program's ramp, drain and late
 #       refill are covered by the other's loads.
 # Not bitwise: the sum of squares of a row crosses 4 warps instead of 8 (another order), so rstd
 # can differ in its last bit; checked against float64 with the parity bound (the A/B prints both).
-FORWARD_CTAS_PER_SM = 1
+# 2 since the H200 timed both (scripts/rows_forward_ab.py at e32de5c, graph replays, bf16): 8192 x
+# 4096 0.0374 -> 0.0359 ms (85% -> 89% of copy), 4096 x 8192 0.0378 -> 0.0365 (84% -> 87%); the
+# rms_norm cases of tests/test_llm_ops_gluon.py but the backward's passed in this form there
+# (docs/perf/llm_ops.md row 12).
+FORWARD_CTAS_PER_SM = 2
 FORWARD_CTAS_PER_SM_FORMS = (1, 2)
 _TWO_CTA_WARPS = 4
 

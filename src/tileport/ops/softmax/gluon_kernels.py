@@ -71,6 +71,9 @@ FORMS = ("warp_rows", "two_exchanges")
 # Rows stay inside one warp and each lane holds the same elements of a row in either, so every
 # row's max and sum are reduced in the same order: y and the statistics bitwise equal (the A/B
 # checks it). compile_cases() builds it at 4096 bf16 and fp16 (0 spills; shared memory for two).
+# 1 stays: the H200 (scripts/rows_forward_ab.py at e32de5c, graph replays, bf16) timed 2 at 8192 x
+# 4096 0.0395 -> 0.0393 ms and 4096 x 8192 0.0428 -> 0.0425 (both ~81% / 75% of copy), bitwise
+# equal: within noise, so the uncovered ramp and drain were not what holds it (llm_ops.md row 12).
 FORWARD_CTAS_PER_SM = 1
 FORWARD_CTAS_PER_SM_FORMS = (1, 2)
 _TWO_CTA_WARPS = 4
