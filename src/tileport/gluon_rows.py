@@ -159,6 +159,30 @@ def row_stream_plan(x2: torch.Tensor, rows_in_warps: bool = False) -> RowStreamP
                          min(n_tiles, sm_count(x2.device)), stages, warp_rows)
 
 
+def shaped_row_plan(x2, BM: int, stages: int, num_warps: int, programs_per_sm: int,
+                    warps_along_rows: bool = False) -> RowStreamPlan:
+    """A plan of a shape the caller chose, beside `row_stream_plan`'s (the forwards' forms with
+    several programs an SM): tiles of BM rows in a ring of `stages`, the tile's layout over
+    num_warps warps (along rows with warps_along_rows), grid min(tiles, programs_per_sm x SMs).
+    x2: [M, D] (checked as for `row_stream_plan`), or (M, D, dtype) for descriptor stand-ins
+    (compile checks; 132 SMs)."""
+    if isinstance(x2, tuple):
+        from tileport.compile_check import descriptor_stand_in
+
+        M, D, dtype = x2
+        CB = min(D, 256)
+        desc = descriptor_stand_in([M, D // CB, CB], dtype, [BM, D // CB, CB], _smem_layout(dtype), strides=[D, CB, 1])
+        sms = 132
+    else:
+        (M, D), dtype = x2.shape, x2.dtype
+        CB = min(D, 256)
+        desc = TensorDescriptor(x2, [M, D // CB, CB], [x2.stride(0), CB, 1], [BM, D // CB, CB], _smem_layout(dtype))
+        sms = sm_count(x2.device)
+    n_tiles = cdiv(M, BM)
+    layout = _tile_layout(BM, D // CB, CB, dtype.itemsize, num_warps, warps_along_rows)
+    return RowStreamPlan(desc, layout, n_tiles, min(n_tiles, programs_per_sm * sms), stages, warps_along_rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class PairStreamPlan:
     """A launch of a kernel reading two [M, D] inputs row tile by row tile (`pair_ring_open`): their

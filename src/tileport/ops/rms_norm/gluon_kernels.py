@@ -91,36 +91,15 @@ FORWARD_CTAS_PER_SM_FORMS = (1, 2)
 _TWO_CTA_WARPS = 4
 
 
-def _two_cta_plan(x2, stand_in: bool = False):
+def _two_cta_plan(x2):
     """The forward's plan for FORWARD_CTAS_PER_SM 2: tiles of TILE_BYTES / 2 (at least one row), a
-    ring of STAGES, the default layout over _TWO_CTA_WARPS warps, grid min(tiles, 2 x SMs).
-    stand_in: x2 is (M, D, dtype), descriptor stand-ins for compile checks (132 SMs)."""
-    from tileport.shapes import cdiv, next_pow2
+    ring of STAGES, the default layout over _TWO_CTA_WARPS warps, two programs an SM. x2: [M, D],
+    or (M, D, dtype) for compile checks (`gluon_rows.shaped_row_plan`)."""
+    from tileport.shapes import next_pow2
 
-    if stand_in:
-        from tileport.compile_check import descriptor_stand_in
-
-        M, D, dtype = x2
-    else:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-        from tileport.devices import sm_count
-
-        (M, D), dtype = x2.shape, x2.dtype
-    itemsize = dtype.itemsize
-    CB = min(D, 256)
-    NCB = D // CB
-    BM = max(1, min(256, gluon_rows.TILE_BYTES // 2 // (D * itemsize), next_pow2(M)))
-    smem = gluon_rows._smem_layout(dtype)
-    if stand_in:
-        desc = descriptor_stand_in([M, NCB, CB], dtype, [BM, NCB, CB], smem, strides=[D, CB, 1])
-        sms = 132
-    else:
-        desc = TensorDescriptor(x2, [M, NCB, CB], [x2.stride(0), CB, 1], [BM, NCB, CB], smem)
-        sms = sm_count(x2.device)
-    n_tiles = cdiv(M, BM)
-    layout = gluon_rows._tile_layout(BM, NCB, CB, itemsize, _TWO_CTA_WARPS)
-    return gluon_rows.RowStreamPlan(desc, layout, n_tiles, min(n_tiles, 2 * sms), gluon_rows.STAGES)
+    M, D, dtype = x2 if isinstance(x2, tuple) else (*x2.shape, x2.dtype)
+    BM = max(1, min(256, gluon_rows.TILE_BYTES // 2 // (D * dtype.itemsize), next_pow2(M)))
+    return gluon_rows.shaped_row_plan(x2, BM, gluon_rows.STAGES, _TWO_CTA_WARPS, 2)
 
 
 def rms_norm_forward_gluon(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -303,7 +282,7 @@ def compile_cases():
         # an SM's 227 KB of shared memory
         for D, dtype, weight in ((4096, torch.bfloat16, True), (8192, torch.bfloat16, True),
                                  (4096, torch.float32, False)):
-            plan = _two_cta_plan((M, D, dtype), stand_in=True)
+            plan = _two_cta_plan((M, D, dtype))
             args = dict(x_desc=plan.desc, w_ptr=TensorStandIn([D], dtype), y_ptr=TensorStandIn([M, D], dtype), M=M,
                         row_stride_y=D, eps=1e-6, n_tiles=plan.n_tiles, HAS_WEIGHT=weight, STAGES=plan.stages,
                         L=plan.layout)

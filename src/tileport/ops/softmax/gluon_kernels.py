@@ -136,34 +136,13 @@ def _two_cta_shape(M: int, D: int, itemsize: int) -> tuple[int, int, int, int]:
     return BM, D // CB, CB, max(1, min(3, _TWO_CTA_RING_BYTES // (BM * D * itemsize)))
 
 
-def _two_cta_plan(x2: torch.Tensor, programs_per_sm: int = 2, stand_in: bool = False):
+def _two_cta_plan(x2, programs_per_sm: int = 2):
     """The forward's plan with two programs an SM (FORWARD_CTAS_PER_SM 2): rows inside warps of
-    _TWO_CTA_WARPS warps, grid min(tiles, 2 x SMs). stand_in: x2 is (M, D, dtype), descriptor
-    stand-ins for compile checks (132 SMs)."""
-    from tileport.shapes import cdiv
-
-    if stand_in:
-        from tileport.compile_check import descriptor_stand_in
-
-        M, D, dtype = x2
-        itemsize = dtype.itemsize
-    else:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-        from tileport.devices import sm_count
-
-        (M, D), dtype, itemsize = x2.shape, x2.dtype, x2.element_size()
-    BM, NCB, CB, stages = _two_cta_shape(M, D, itemsize)
-    smem = gluon_rows._smem_layout(dtype)
-    if stand_in:
-        desc = descriptor_stand_in([M, NCB, CB], dtype, [BM, NCB, CB], smem, strides=[D, CB, 1])
-        sms = 132
-    else:
-        desc = TensorDescriptor(x2, [M, NCB, CB], [x2.stride(0), CB, 1], [BM, NCB, CB], smem)
-        sms = sm_count(x2.device)
-    n_tiles = cdiv(M, BM)
-    layout = gluon_rows._tile_layout(BM, NCB, CB, itemsize, _TWO_CTA_WARPS, True)
-    return gluon_rows.RowStreamPlan(desc, layout, n_tiles, min(n_tiles, programs_per_sm * sms), stages, True)
+    _TWO_CTA_WARPS warps (`_two_cta_shape`), grid min(tiles, 2 x SMs). x2: [M, D], or (M, D, dtype)
+    for compile checks (`gluon_rows.shaped_row_plan`)."""
+    M, D, dtype = x2 if isinstance(x2, tuple) else (*x2.shape, x2.dtype)
+    BM, _, _, stages = _two_cta_shape(M, D, dtype.itemsize)
+    return gluon_rows.shaped_row_plan(x2, BM, stages, _TWO_CTA_WARPS, programs_per_sm, warps_along_rows=True)
 
 
 def softmax_forward_gluon(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,7 +342,7 @@ def compile_cases():
     # FORWARD_CTAS_PER_SM 2: 4 warps, 4-row tiles in a ring of 3; two programs must fit an SM's
     # 227 KB of shared memory (and 2 x 128 threads x <= 255 registers fit its 64 K)
     for D, dtype in ((4096, bf16), (4096, torch.float16), (2048, fp32), (64, bf16)):
-        plan = _two_cta_plan((M, D, dtype), stand_in=True)
+        plan = _two_cta_plan((M, D, dtype))
         args = dict(x_desc=plan.desc, y_ptr=TensorStandIn([M, D], dtype),
                     stats_ptr=TensorStandIn([M, 2], torch.float32), M=M, row_stride_y=D, n_tiles=plan.n_tiles,
                     STAGES=plan.stages, L=plan.layout, ROWS_IN_WARPS=True)
